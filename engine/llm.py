@@ -1,0 +1,124 @@
+"""The offline API, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Batch generation on one engine.
+
+    Keyword arguments are `EngineConfig` fields (model, block_size, max_num_seqs,
+    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching, ...).
+    """
+
+    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
+                )
+        # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
+        tokenized = [self.engine.tokenize(p) for p in prompts]
+        for (_, ids), params in zip(tokenized, params_list, strict=True):
+            self.engine.validate(ids, params)
+        order: dict[str, int] = {}
+        for i, ((text, ids), params) in enumerate(zip(tokenized, params_list, strict=True)):
+            request_id = f"llm-{next(self._ids)}"
+            order[request_id] = i
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            self.engine.add_request(
+                request_id, prompt, params, priority=priority[i] if priority else 0
+            )
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool | None) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not show)
+        results: list[RequestOutput | None] = [None] * len(order)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        missing = [rid for rid, i in order.items() if results[i] is None]
+        if missing:
+            raise RuntimeError(f"requests did not finish: {missing}")
+        return [r for r in results if r is not None]
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template")
+    for i, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

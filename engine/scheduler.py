@@ -1,0 +1,238 @@
+"""Iteration-level scheduling: which sequences compute which tokens in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running sequences are served first (decodes and unfinished prompt chunks), then waiting ones
+are admitted, with long prompts split into chunks that share the step with decodes. When
+blocks run out, the least important running sequence is preempted: its blocks are freed and
+it waits to be recomputed (prefix-cache hits usually make that cheap).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdmesh.engine.kv_cache_manager import KVCacheManager
+from pdmesh.engine.sequence import Sequence, SequenceStatus
+
+Policy = Literal["fcfs", "priority"]
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: Policy = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._fifo: deque[Sequence] = deque()
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+        self._counter = itertools.count()
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(
+                self._heap, (seq.priority, seq.arrival_time, next(self._counter), seq)
+            )
+        elif front:
+            self._fifo.appendleft(seq)
+        else:
+            self._fifo.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, seq: Sequence) -> bool:
+        if self.policy == "priority":
+            for i, entry in enumerate(self._heap):
+                if entry[3] is seq:
+                    self._heap.pop(i)
+                    heapq.heapify(self._heap)
+                    return True
+            return False
+        try:
+            self._fifo.remove(seq)
+        except ValueError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        if self.policy == "priority":
+            return (e[3] for e in sorted(self._heap))
+        return iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # Called with every sequence the scheduler preempts (the engine resets its state).
+        self.on_preempt: Callable[[Sequence], None] | None = None
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.add(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already owns its blocks (a fork, or imported KV)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, free_blocks: bool = True) -> None:
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if free_blocks:
+            self.kv.free(seq.seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1) Running sequences first: decodes and the rest of chunked prompts.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                if victim is None or victim is seq:
+                    # Nothing else to preempt: this one waits for blocks.
+                    if victim is seq:
+                        self._preempt(seq, out)
+                    seq = None
+                    break
+                self._preempt(victim, out)
+            if seq is None:
+                continue  # the running list shrank; index i now holds the next sequence
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            i += 1
+
+        # 2) Admit waiting sequences while budget, sequence slots and blocks last.
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            num_cached_tokens = len(cached) * self.kv.block_size
+            remaining = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            if not self.kv.allocate_slots(seq, num_new, cached):
+                if not self._preempt_for(seq, out, scheduled_ids):
+                    break
+                continue
+            self.waiting.pop()
+            if not seq.scheduled_once:
+                seq.scheduled_once = True
+                seq.num_cached_tokens = num_cached_tokens
+                self.kv.record_prefix_query(seq.num_prompt_tokens, num_cached_tokens)
+            seq.num_computed_tokens += num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+        return out
+
+    def _pick_victim(self, exclude: set[str]) -> Sequence | None:
+        """The running sequence to give up: the newest (FCFS) or the least important."""
+        candidates = [s for s in self.running if s.seq_id not in exclude]
+        if not candidates:
+            return None
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda s: (s.priority, s.arrival_time))
+        return candidates[-1]
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput, scheduled: set[str]) -> bool:
+        """Under the priority policy, a more important waiting sequence may evict a running one."""
+        if self.config.policy != "priority":
+            return False
+        victim = self._pick_victim(exclude=scheduled)
+        if victim is None or (victim.priority, victim.arrival_time) <= (
+            seq.priority,
+            seq.arrival_time,
+        ):
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+        self.waiting.add(seq, front=True)
+        seq.status = SequenceStatus.WAITING
