@@ -28,7 +28,9 @@ class KVBlock:
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        return (
+            f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        )
 
 
 class FreeBlockQueue:

@@ -104,10 +104,18 @@ class LLMEngine:
         )
         capacity = num_blocks * config.block_size
         self.max_model_len = self._resolve_max_model_len(max_positions, capacity)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} when chunked prefill is disabled"
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len=%d",
-            num_blocks, config.block_size, capacity,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.max_model_len,
+            num_blocks,
+            config.block_size,
+            capacity,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.max_model_len,
         )
         self.kv_manager = KVCacheManager(num_blocks, self.scheme, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -276,6 +284,8 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.status.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                if seq.detokenizer is not None and not seq.detokenizer.finished:
+                    seq.detokenizer.finish()
             elif seq.status is SequenceStatus.FINISHED_EXPORTED:
                 self.kv_manager.free(seq.seq_id)
         return True
@@ -395,7 +405,9 @@ class LLMEngine:
         start = seq.num_computed_tokens
         end = min(seq.num_prompt_tokens, start + 1 + logits.shape[0])
         targets = seq.token_ids[start + 1 : end]
-        rows = compute_prompt_logprobs(logits[: len(targets)], targets, seq.params.prompt_logprobs or 0)
+        rows = compute_prompt_logprobs(
+            logits[: len(targets)], targets, seq.params.prompt_logprobs or 0
+        )
         assert state.prompt_logprobs is not None
         for target, (lp, rank, top) in zip(targets, rows, strict=True):
             state.prompt_logprobs.append(self._make_logprob_entry(target, lp, rank, top))
@@ -423,8 +435,9 @@ class LLMEngine:
                 rows.append(sample_index[seq.seq_id])
                 owners.append((seq, i))
                 gens.append(
-                    seq.generator if i == 0 else
-                    make_generator(_child_seed(seq.params.seed, i), self.device)
+                    seq.generator
+                    if i == 0
+                    else make_generator(_child_seed(seq.params.seed, i), self.device)
                 )
         meta = SamplingMetadata(
             params=[o[0].params for o in owners],
@@ -466,8 +479,13 @@ class LLMEngine:
             if child is None:
                 # No block for copy-on-write: the child recomputes its prompt later.
                 child = self._new_seq(
-                    state.request_id, i, list(parent.token_ids), parent.num_prompt_tokens,
-                    parent.params, parent.priority, parent.cache_salt,
+                    state.request_id,
+                    i,
+                    list(parent.token_ids),
+                    parent.num_prompt_tokens,
+                    parent.params,
+                    parent.priority,
+                    parent.cache_salt,
                 )
                 self.scheduler.add(child)
             child.generator = results[i][1]
@@ -478,8 +496,13 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence, index: int) -> Sequence | None:
         child = self._new_seq(
-            parent.request_id, index, list(parent.token_ids), parent.num_prompt_tokens,
-            parent.params, parent.priority, parent.cache_salt,
+            parent.request_id,
+            index,
+            list(parent.token_ids),
+            parent.num_prompt_tokens,
+            parent.params,
+            parent.priority,
+            parent.cache_salt,
         )
         try:
             copy = self.kv_manager.fork(parent, child)
@@ -500,12 +523,18 @@ class LLMEngine:
                 self._append_token(seq, tok.token_id, self._logprob_entry(seq, tok), export=True)
             else:
                 extra = self._new_seq(
-                    state.request_id, i, list(seq.prompt_token_ids), seq.num_prompt_tokens,
-                    seq.params, seq.priority, seq.cache_salt,
+                    state.request_id,
+                    i,
+                    list(seq.prompt_token_ids),
+                    seq.num_prompt_tokens,
+                    seq.params,
+                    seq.priority,
+                    seq.cache_salt,
                 )
                 extra.status = SequenceStatus.FINISHED_EXPORTED
-                self._append_token(extra, tok.token_id, self._logprob_entry(extra, tok),
-                                   export=True)
+                self._append_token(
+                    extra, tok.token_id, self._logprob_entry(extra, tok), export=True
+                )
                 state.seqs.append(extra)
         state.kv_export = KVExport(self.kv_manager.block_ids(seq.seq_id), seq.num_prompt_tokens)
         self.scheduler.finish(seq, SequenceStatus.FINISHED_EXPORTED, free_blocks=False)
@@ -524,11 +553,16 @@ class LLMEngine:
             if logprob and token_id in logprob:
                 seq.cumulative_logprob += logprob[token_id].logprob
         assert seq.detokenizer is not None
-        stop_str = seq.detokenizer.update([token_id])
+        is_eos = token_id in self.eos_token_ids and not seq.params.ignore_eos
+        stop_str = seq.detokenizer.update(
+            [token_id], stop_terminated=is_eos and seq.num_output_tokens > seq.params.min_tokens
+        )
         if export:
             return
         status = self._check_stop(seq, token_id, stop_str)
         if status is not None:
+            if not seq.detokenizer.finished:
+                seq.detokenizer.finish()
             self.scheduler.finish(seq, status)
             state = self.requests.get(seq.request_id)
             if state is not None and state.finished:
@@ -539,7 +573,7 @@ class LLMEngine:
     ) -> SequenceStatus | None:
         p = seq.params
         n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
+        if n_out > p.min_tokens:  # the sampler bans stops until min_tokens are out
             if p.stop_token_ids and token_id in p.stop_token_ids:
                 seq.stop_reason = token_id
                 return SequenceStatus.FINISHED_STOPPED

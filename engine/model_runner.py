@@ -76,7 +76,9 @@ class ModelRunner:
             sample_row = len(input_ids) - 1 if end == seq.num_tokens else None
             if seq.want_prompt_logprobs and start < seq.num_prompt_tokens:
                 first = len(logits_rows)
-                logits_rows += range(rows_begin, rows_begin + min(end, seq.num_prompt_tokens) - start)
+                logits_rows += range(
+                    rows_begin, rows_begin + min(end, seq.num_prompt_tokens) - start
+                )
                 prompt_logits[seq.seq_id] = (first, len(logits_rows))
                 if sample_row == logits_rows[-1]:
                     sample_index[seq.seq_id] = len(logits_rows) - 1
@@ -125,4 +127,3 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.kv_cache.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.kv_cache.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-

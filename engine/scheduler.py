@@ -71,9 +71,7 @@ class WaitingQueue:
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         if self.policy == "priority":
-            heapq.heappush(
-                self._heap, (seq.priority, seq.arrival_time, next(self._counter), seq)
-            )
+            heapq.heappush(self._heap, (seq.priority, seq.arrival_time, next(self._counter), seq))
         elif front:
             self._fifo.appendleft(seq)
         else:
@@ -152,6 +150,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        if self.config.policy == "priority":
+            # Serve the most important first, so blocks running short preempt the least important.
+            self.running.sort(key=lambda s: (s.priority, s.arrival_time))
+            self._make_room_for_waiting(out)
 
         # 1) Running sequences first: decodes and the rest of chunked prompts.
         i = 0
@@ -177,8 +179,14 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) Admit waiting sequences while budget, sequence slots and blocks last.
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2) Admit waiting sequences while budget, sequence slots and blocks last. A step that
+        #    had to preempt admits nothing new, so sequences do not bounce in and out.
+        while (
+            not out.preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting.peek()
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached_tokens = len(cached) * self.kv.block_size
@@ -187,9 +195,7 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
-                if not self._preempt_for(seq, out, scheduled_ids):
-                    break
-                continue
+                break
             self.waiting.pop()
             if not seq.scheduled_once:
                 seq.scheduled_once = True
@@ -212,18 +218,21 @@ class Scheduler:
             return max(candidates, key=lambda s: (s.priority, s.arrival_time))
         return candidates[-1]
 
-    def _preempt_for(self, seq: Sequence, out: SchedulerOutput, scheduled: set[str]) -> bool:
-        """Under the priority policy, a more important waiting sequence may evict a running one."""
-        if self.config.policy != "priority":
-            return False
-        victim = self._pick_victim(exclude=scheduled)
-        if victim is None or (victim.priority, victim.arrival_time) <= (
-            seq.priority,
-            seq.arrival_time,
-        ):
-            return False
-        self._preempt(victim, out)
-        return True
+    def _make_room_for_waiting(self, out: SchedulerOutput) -> None:
+        """Priority policy: a more important waiting sequence evicts less important running ones.
+
+        Runs before anything is scheduled in the step, so no sequence is un-scheduled after its
+        blocks were allocated (and registered in the prefix cache).
+        """
+        if not len(self.waiting):
+            return
+        head = self.waiting.peek()
+        needed = self.kv.num_blocks_for(head.num_tokens) - len(self.kv.find_cached_prefix(head))
+        while self.running and self.kv.num_free_blocks < needed:
+            victim = max(self.running, key=lambda s: (s.priority, s.arrival_time))
+            if (victim.priority, victim.arrival_time) <= (head.priority, head.arrival_time):
+                return
+            self._preempt(victim, out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

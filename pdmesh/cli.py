@@ -1,9 +1,9 @@
 """The `pdmesh` command: one entry point, one sub-command per component.
 
-    pdmesh serve            a whole local mesh (redis, router, prefill, decode, gateway)
-    pdmesh router|prefill|decode ...   one service alone, for deployments
-    pdmesh model path smollm2          where a model alias lives on disk (converted once)
-    pdmesh generate "prompt"           offline generation with the local engine
+pdmesh serve            a whole local mesh (redis, router, prefill, decode, gateway)
+pdmesh router|prefill|decode ...   one service alone, for deployments
+pdmesh model path smollm2          where a model alias lives on disk (converted once)
+pdmesh generate "prompt"           offline generation with the local engine
 """
 
 from __future__ import annotations

@@ -37,8 +37,12 @@ def test_bad_input_is_a_clear_value_error(llm, prompt, params, field):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
-     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
 )
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -51,8 +55,9 @@ def test_unknown_model_path():
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is 2+2?"}],
-                   SamplingParams(temperature=0, max_tokens=8))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=8)
+    )[0]
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids).startswith("<|im_start|>")
     assert out.prompt_token_ids[-3:] == tok("<|im_start|>assistant\n")["input_ids"][-3:]
@@ -69,7 +74,10 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(llm):
     )
     assert batch[1].outputs[0].token_ids == alone
     different_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=20)
-    assert llm.generate("Tell me a story about a dragon", different_seed)[0].outputs[0].token_ids != alone
+    assert (
+        llm.generate("Tell me a story about a dragon", different_seed)[0].outputs[0].token_ids
+        != alone
+    )
 
 
 def test_n_samples_share_prompt_blocks(llm):
@@ -105,27 +113,33 @@ def test_stop_string_excluded_and_included(llm):
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == " 7"
     assert c.text == base.outputs[0].text.split(" 7")[0]
-    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop=[" 7"],
-                                                     include_stop_str_in_output=True))[0]
+    out = llm.generate(
+        "1, 2, 3, 4,",
+        SamplingParams(temperature=0, max_tokens=20, stop=[" 7"], include_stop_str_in_output=True),
+    )[0]
     assert out.outputs[0].text.endswith(" 7")
 
 
 def test_stop_token_ids_and_ignore_eos_and_min_tokens(llm):
     tok = llm.get_tokenizer()
     comma = tok(",")["input_ids"][-1]
-    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20,
-                                                     stop_token_ids=[comma]))[0].outputs[0]
+    out = llm.generate(
+        "1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[comma])
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == comma and out.token_ids[-1] == comma
-    out = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, min_tokens=5,
-                                                     stop_token_ids=[comma]))[0].outputs[0]
+    out = llm.generate(
+        "1, 2, 3, 4,",
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=5, stop_token_ids=[comma]),
+    )[0].outputs[0]
     assert len(out.token_ids) >= 5 and comma not in out.token_ids[:4]
     out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 40 and out.outputs[0].finish_reason == "length"
 
 
 def test_logprobs_match_transformers(llm, hf_model):
-    out = llm.generate("The capital of France is",
-                       SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=5, logprobs=3)
+    )[0]
     comp = out.outputs[0]
     ids = out.prompt_token_ids + comp.token_ids
     with torch.no_grad():
@@ -137,21 +151,30 @@ def test_logprobs_match_transformers(llm, hf_model):
         assert abs(entry[tid].logprob - row[tid].item()) < 1e-4
         top3 = row.topk(3).indices.tolist()
         assert set(top3) <= set(entry)
-    assert abs(comp.cumulative_logprob - sum(e[t].logprob for t, e in
-                                             zip(comp.token_ids, comp.logprobs))) < 1e-5
+    assert (
+        abs(
+            comp.cumulative_logprob
+            - sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+        )
+        < 1e-5
+    )
 
 
 def test_priority_policy_serves_everything():
     llm = LLM("smollm2", kv_cache_memory="64MiB", scheduling_policy="priority", max_num_seqs=2)
-    outs = llm.generate(["a", "b", "c", "d"], SamplingParams(temperature=0, max_tokens=4),
-                        priority=[3, 0, 2, 1])
+    outs = llm.generate(
+        ["a", "b", "c", "d"], SamplingParams(temperature=0, max_tokens=4), priority=[3, 0, 2, 1]
+    )
     assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
 def test_abort_returns_every_block(llm):
     engine = llm.engine
-    engine.add_request("abort-me", "Tell me everything about " * 20,
-                       SamplingParams(n=2, max_tokens=50, temperature=1.0))
+    engine.add_request(
+        "abort-me",
+        "Tell me everything about " * 20,
+        SamplingParams(n=2, max_tokens=50, temperature=1.0),
+    )
     for _ in range(3):
         engine.step()
     assert engine.num_free_blocks < engine.num_total_blocks
@@ -178,8 +201,9 @@ def test_kv_export_import_continues_exactly(llm):
     assert prefill.num_free_blocks < prefill.num_total_blocks  # pinned until released
 
     decode = LLM("smollm2", kv_cache_memory="64MiB").engine
-    decode.add_imported_request("xfer", exported.prompt_token_ids,
-                                exported.outputs[0].token_ids, kv.clone(), params)
+    decode.add_imported_request(
+        "xfer", exported.prompt_token_ids, exported.outputs[0].token_ids, kv.clone(), params
+    )
     assert prefill.release_kv("xfer")
     assert all_blocks_free(llm)
     final = None

@@ -86,15 +86,16 @@ def test_shared_prefix_in_one_batch(reference):
     # one hits blocks the first just computed.
     llm = LLM("smollm2", kv_cache_memory="128MiB", max_num_batched_tokens=256)
     outs = llm.generate([PROMPTS[3], PROMPTS[6]], greedy())
-    prompt_ids, expected = reference
+    _, expected = reference
     assert outs[0].outputs[0].token_ids == expected[3]
     assert outs[1].outputs[0].token_ids == expected[6]
     assert outs[1].num_cached_tokens > 0
 
 
 def test_small_chunks_match(reference):
-    llm = LLM("smollm2", kv_cache_memory="128MiB", max_num_batched_tokens=16,
-              enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2", kv_cache_memory="128MiB", max_num_batched_tokens=16, enable_prefix_caching=False
+    )
     assert_same(llm.generate(PROMPTS, greedy()), reference)
 
 
@@ -115,7 +116,9 @@ def test_prefill_logits_match_transformers(llm, hf_model, hf_tokenizer):
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     assert out.prompt_logprobs[0] is None
-    ours = torch.tensor([out.prompt_logprobs[i + 1][ids[i + 1]].logprob for i in range(len(ids) - 1)])
+    ours = torch.tensor(
+        [out.prompt_logprobs[i + 1][ids[i + 1]].logprob for i in range(len(ids) - 1)]
+    )
     theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 

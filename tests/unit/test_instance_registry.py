@@ -7,6 +7,7 @@ import os
 
 import pytest
 import redis.asyncio as aioredis
+
 from pdmesh.engine.block_hash import HashScheme
 from pdmesh.kvstore.instance_registry import (
     InstanceInfo,
@@ -19,7 +20,6 @@ from pdmesh.kvstore.instance_registry import (
 )
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
-
 from tests.redis_fixture import (  # noqa: F401  (fixtures register by import)
     anyio_backend_fixture,
     conn_fixture,

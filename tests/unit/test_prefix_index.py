@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+
 from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
 from pdmesh.engine.kv_events import (
     AllBlocksCleared,
@@ -27,7 +28,6 @@ from pdmesh.kvstore.prefix_index import (
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer
-
 from tests.redis_fixture import (  # noqa: F401  (fixtures register by import)
     anyio_backend_fixture,
     conn_fixture,

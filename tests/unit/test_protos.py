@@ -17,6 +17,7 @@ from typing import TypeVar
 import grpc
 import pytest
 from google.protobuf.message import Message
+
 from pdmesh.v1 import (
     common_pb2,
     engine_pb2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from pdmesh.kvstore.redis_server import HOST, RedisServer, RedisServerError, server_pid
 
 

@@ -1,0 +1,185 @@
+"""Engine objects <-> pdmesh.v1 messages, shared by the prefill and decode services.
+
+Kept in one place so both roles produce byte-identical logprobs, finishes and text deltas:
+the proto contract says usage and logprobs must not depend on where a request ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdmesh.engine.detokenizer import REPLACEMENT_CHAR, stop_prefix_length
+from pdmesh.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.v1 import common_pb2
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> engine params; ValueError names the offending field (-> INVALID_ARGUMENT)."""
+
+    def opt(name: str, default: object) -> object:
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    return SamplingParams(
+        n=msg.n or 1,
+        temperature=opt("temperature", 1.0),  # type: ignore[arg-type]
+        top_p=opt("top_p", 1.0),  # type: ignore[arg-type]
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=opt("repetition_penalty", 1.0),  # type: ignore[arg-type]
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=dict(msg.logit_bias) or None,
+        seed=opt("seed", None),  # type: ignore[arg-type]
+        stop=list(msg.stop) or None,
+        stop_token_ids=list(msg.stop_token_ids) or None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        ignore_eos=msg.ignore_eos,
+        max_tokens=opt("max_tokens", None),  # type: ignore[arg-type]
+        min_tokens=msg.min_tokens,
+        logprobs=opt("logprobs", None),  # type: ignore[arg-type]
+        prompt_logprobs=opt("prompt_logprobs", None),  # type: ignore[arg-type]
+        skip_special_tokens=opt("skip_special_tokens", True),  # type: ignore[arg-type]
+    )
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+def logprob_to_proto(token_id: int, entry: TokenLogprobs, k: int) -> common_pb2.TokenLogprob:
+    """One engine logprob entry (chosen token + top-k by rank) as a TokenLogprob."""
+    chosen = entry.get(token_id, Logprob(float("nan")))
+    ranked = sorted(
+        ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+        key=lambda item: item[1].rank or 0,
+    )
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=chosen.logprob,
+        rank=chosen.rank or 0,
+        text=chosen.decoded_token or "",
+        top=[
+            common_pb2.TokenLogprob.Candidate(
+                token_id=tid, logprob=lp.logprob, text=lp.decoded_token or ""
+            )
+            for tid, lp in ranked
+        ],
+    )
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    """Inverse of `logprob_to_proto` (the decode side continues the prefill's logprobs)."""
+    entry = {
+        c.token_id: Logprob(c.logprob, rank, c.text) for rank, c in enumerate(msg.top, 1)
+    }
+    entry[msg.token_id] = Logprob(msg.logprob, msg.rank or None, msg.text)
+    return entry
+
+
+def prompt_logprobs_to_proto(
+    entries: Sequence[TokenLogprobs | None] | None, prompt_token_ids: Sequence[int], k: int
+) -> list[common_pb2.TokenLogprob]:
+    """Entry i describes prompt token i + 1; the first prompt token has no context."""
+    if entries is None:
+        return []
+    out = []
+    for position, entry in enumerate(entries):
+        if entry is None or position == 0:
+            continue
+        out.append(logprob_to_proto(prompt_token_ids[position], entry, k))
+    return out
+
+
+# -- finishes and deltas ---------------------------------------------------------------------------
+_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def finish_to_proto(
+    reason: str, stop_reason: str | int | None = None, message: str = ""
+) -> common_pb2.Finish:
+    finish = common_pb2.Finish(reason=_REASONS.get(reason, common_pb2.FINISH_REASON_ERROR),
+                               message=message)
+    if isinstance(stop_reason, str):
+        finish.stop_str = stop_reason
+    elif isinstance(stop_reason, int):
+        finish.stop_token_id = stop_reason
+    return finish
+
+
+def settled_text(text: str, stops: Sequence[str], finished: bool) -> str:
+    """The prefix of a running sequence's cumulative text that can never change.
+
+    Held back: an incomplete UTF-8 character (trailing U+FFFD) and a tail that could still
+    grow into a stop string (the engine cuts text at a stop, but never before such a tail).
+    """
+    if finished:
+        return text
+    end = len(text.rstrip(REPLACEMENT_CHAR))
+    if stops:
+        end -= stop_prefix_length(text[:end], stops)
+    return text[:end]
+
+
+@dataclass
+class SequenceCursor:
+    """What was already sent of one output sequence (tokens, text) - the delta state."""
+
+    index: int
+    sent_tokens: int = 0
+    sent_text: str = ""
+    done: bool = False
+
+
+@dataclass
+class DeltaBuilder:
+    """Turns cumulative `CompletionOutput`s into `SequenceDelta`s that never repeat output.
+
+    `skip_tokens`/`sent_text` seed a cursor with output sent by someone else (the prefill
+    instance's first tokens), so decode deltas continue after them.
+    """
+
+    params: SamplingParams
+    cursors: dict[int, SequenceCursor] = field(default_factory=dict)
+
+    def seed(self, index: int, sent_tokens: int, sent_text: str, done: bool = False) -> None:
+        self.cursors[index] = SequenceCursor(index, sent_tokens, sent_text, done)
+
+    def delta(
+        self, out: CompletionOutput, *, force_finish: str | None = None
+    ) -> common_pb2.SequenceDelta | None:
+        """The new part of `out` since the last call; None when there is nothing to send.
+
+        `force_finish` treats a running sequence as ended with that reason (the prefill
+        instance's finish check on its first token, or an abort).
+        """
+        cursor = self.cursors.setdefault(out.index, SequenceCursor(out.index))
+        if cursor.done:
+            return None
+        reason = force_finish or out.finish_reason
+        finished = reason is not None
+        text = settled_text(out.text, self.params.stop_strings, finished)
+        new_text = text[len(cursor.sent_text):] if text.startswith(cursor.sent_text) else ""
+        new_tokens = out.token_ids[cursor.sent_tokens:]
+        if not new_tokens and not new_text and not finished:
+            return None
+        delta = common_pb2.SequenceDelta(index=out.index, token_ids=new_tokens, text=new_text)
+        if self.params.logprobs is not None and out.logprobs is not None:
+            k = self.params.logprobs
+            start = cursor.sent_tokens
+            for offset, token_id in enumerate(new_tokens):
+                entry = out.logprobs[start + offset] if start + offset < len(out.logprobs) else {}
+                delta.logprobs.append(logprob_to_proto(token_id, entry, k))
+        if finished:
+            delta.finish.CopyFrom(finish_to_proto(reason, out.stop_reason))  # type: ignore[arg-type]
+            cursor.done = True
+        cursor.sent_tokens += len(new_tokens)
+        cursor.sent_text += new_text
+        return delta
+
+    @property
+    def all_done(self) -> bool:
+        return len(self.cursors) >= self.params.n and all(c.done for c in self.cursors.values())

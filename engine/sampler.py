@@ -1,0 +1,316 @@
+"""Batched next-token sampling over a [B, V] logits tensor.
+
+Order of operations for one step (one row per sequence):
+
+1. Logprobs, when any row asks for them, come from the *raw* model logits (log_softmax before
+   any bias, penalty or temperature). This is vLLM v1's default: the numbers describe the model,
+   not the sampling recipe, so they are comparable across requests and across P/D placement.
+2. Logit processing: logit_bias, the min_tokens ban on EOS/stop tokens, the repetition penalty
+   (HF semantics over prompt + output tokens), presence and frequency penalties (OpenAI
+   semantics over output tokens).
+3. Greedy rows take the argmax of the processed logits. Other rows divide by their temperature,
+   apply top-k, top-p and min-p masks (one sort shared by the batch), and sample.
+
+Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token
+is an exact draw from `probs`. A row with its own generator draws its V exponentials from that
+generator only, so its tokens do not depend on which other rows share the batch or where the
+row sits in it. Rows without a generator share the sampler's global one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs about the rows of one step, in row order."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    """Per-row generator; None means "use the sampler's global generator"."""
+    prompt_token_ids: list[list[int]]
+    """Used by the repetition penalty together with output_token_ids (HF semantics)."""
+    output_token_ids: list[list[int]]
+    """Used by presence/frequency penalties and to decide whether min_tokens is still active."""
+    eos_token_ids: set[int]
+    """Banned, with each row's stop_token_ids, while the row has fewer than min_tokens outputs."""
+
+    def __post_init__(self) -> None:
+        rows = len(self.params)
+        for name in ("generators", "prompt_token_ids", "output_token_ids"):
+            if len(getattr(self, name)) != rows:
+                raise ValueError(f"{name} has {len(getattr(self, name))} rows, params has {rows}")
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    """Raw logprob of token_id; None unless params.logprobs is set."""
+    rank: int | None = None
+    """1-based rank of token_id under the raw logprobs; None unless params.logprobs is set."""
+    top_logprobs: dict[int, float] | None = None
+    """The params.logprobs most likely tokens and their raw logprobs, nothing else."""
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A per-sequence generator for a seeded request (None for unseeded ones).
+
+    Give each of a request's n sequences a distinct seed (e.g. seed + index) so they differ.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (1 << 64))
+    return generator
+
+
+class Sampler:
+    """Turns one step's logits into one token (plus optional logprobs) per row."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        # The global generator must live on the logits' device for exponential_ to accept it.
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(meta.params):
+            raise ValueError(
+                f"logits must be [B, V] with B={len(meta.params)} rows, got {tuple(logits.shape)}"
+            )
+        if _is_plain_greedy_batch(meta):
+            return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
+
+        logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
+        raw_logprobs = (
+            torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
+        )
+
+        processed = logits.to(torch.float32, copy=True)
+        _apply_logit_processing(processed, meta)
+        token_ids = self._pick(processed, meta)
+
+        sampled = [SampledToken(token_id=t) for t in token_ids.tolist()]
+        if raw_logprobs is not None:
+            _attach_logprobs(sampled, raw_logprobs, logprob_rows, token_ids, meta)
+        return sampled
+
+    def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; the rest sample from their masked distribution."""
+        random_rows = [i for i, p in enumerate(meta.params) if not p.is_greedy]
+        if not random_rows:
+            return logits.argmax(dim=-1)
+        greedy_rows = [i for i, p in enumerate(meta.params) if p.is_greedy]
+        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        row_params = [meta.params[i] for i in random_rows]
+        probs = sampling_probs(logits[random_rows], row_params)
+        noise = self._exponential_noise(probs, [meta.generators[i] for i in random_rows])
+        # Masked tokens have probability exactly 0 and noise is clamped away from 0, so they can
+        # never win the race.
+        chosen = probs.div_(noise).argmax(dim=-1)
+        token_ids[random_rows] = chosen
+        return token_ids
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(
+                (len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device
+            ).exponential_(generator=self.generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _min_tokens_active(params: SamplingParams, output_ids: list[int]) -> bool:
+    return len(output_ids) < params.min_tokens
+
+
+def _is_plain_greedy_batch(meta: SamplingMetadata) -> bool:
+    """The hot path: every row is greedy with nothing to adjust and no logprobs to return."""
+    for params, output_ids in zip(meta.params, meta.output_token_ids, strict=True):
+        if (
+            not params.is_greedy
+            or params.logprobs is not None
+            or params.needs_logit_processing
+            or _min_tokens_active(params, output_ids)
+        ):
+            return False
+    return True
+
+
+def _apply_logit_processing(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place, row by row: only rows that need it pay, and the ids touched are sparse."""
+    device = logits.device
+    for row, params in enumerate(meta.params):
+        output_ids = meta.output_token_ids[row]
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long, device=device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[row].index_add_(0, ids, bias)
+        if _min_tokens_active(params, output_ids):
+            banned = set(params.all_stop_token_ids)
+            if not params.ignore_eos:
+                banned |= meta.eos_token_ids
+            if banned:
+                ids = torch.tensor(sorted(banned), dtype=torch.long, device=device)
+                logits[row, ids] = -torch.inf
+        if params.repetition_penalty != 1.0:
+            apply_repetition_penalty(
+                logits[row], meta.prompt_token_ids[row] + output_ids, params.repetition_penalty
+            )
+        if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+            apply_presence_frequency_penalties(
+                logits[row], output_ids, params.presence_penalty, params.frequency_penalty
+            )
+
+
+def apply_repetition_penalty(row: torch.Tensor, seen_ids: list[int], penalty: float) -> None:
+    """HF semantics: for every token seen in prompt or output, shrink its logit toward "less
+    likely" — positive logits are divided by the penalty, negative ones multiplied."""
+    if not seen_ids:
+        return
+    ids = torch.tensor(seen_ids, dtype=torch.long, device=row.device).unique()
+    values = row[ids]
+    row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def apply_presence_frequency_penalties(
+    row: torch.Tensor, output_ids: list[int], presence: float, frequency: float
+) -> None:
+    """OpenAI semantics: logit -= frequency * count + presence * (count > 0), output tokens only."""
+    ids, counts = torch.tensor(output_ids, dtype=torch.long, device=row.device).unique(
+        return_counts=True
+    )
+    row[ids] -= frequency * counts.to(row.dtype) + presence
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, then softmax; one row per params entry.
+
+    top-k keeps the k largest logits. top-p keeps the smallest prefix of the sorted,
+    top-k-renormalized distribution whose mass reaches top_p (a token stays if the mass strictly
+    before it is < top_p). min-p drops tokens whose probability is below min_p times the most
+    likely token's. Masked tokens get probability exactly 0.
+    """
+    temperatures = torch.tensor(
+        [p.temperature for p in params], dtype=logits.dtype, device=logits.device
+    )
+    scaled = logits / temperatures.unsqueeze(1)
+    if any(p.uses_top_k or p.uses_top_p for p in params):
+        scaled = _apply_top_k_top_p(scaled, params)
+    if any(p.uses_min_p for p in params):
+        scaled = _apply_min_p(scaled, params)
+    return torch.softmax(scaled, dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    k_max = max((p.top_k for p in params if p.uses_top_k), default=vocab)
+    if k_max < vocab and all(p.uses_top_k for p in params):
+        # Every row keeps at most k_max tokens, and top-p works on the top-k renormalized
+        # distribution, so ordering the k_max best suffices: far cheaper than a full sort.
+        candidates, order = logits.topk(k_max, dim=-1)
+    else:
+        candidates, order = logits.sort(dim=-1, descending=True)
+    width = candidates.shape[1]
+
+    positions = torch.arange(width, device=device).unsqueeze(0)
+    top_k = torch.tensor(
+        [p.top_k if p.uses_top_k else width for p in params], device=device
+    ).unsqueeze(1)
+    drop = positions >= top_k
+
+    if any(p.uses_top_p for p in params):
+        probs = torch.softmax(candidates.masked_fill(drop, -torch.inf), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # A row with top_p == 1 must keep everything, even where rounding pushes the running
+        # mass to 1.0 before the tail.
+        top_p = torch.tensor(
+            [p.top_p if p.uses_top_p else torch.inf for p in params],
+            dtype=logits.dtype,
+            device=device,
+        ).unsqueeze(1)
+        drop |= mass_before >= top_p
+        drop[:, 0] = False  # the most likely token always survives
+
+    masked = torch.full_like(logits, -torch.inf)
+    return masked.scatter_(1, order, candidates.masked_fill(drop, -torch.inf))
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, -torch.inf)
+
+
+def _attach_logprobs(
+    sampled: list[SampledToken],
+    raw_logprobs: torch.Tensor,
+    rows: list[int],
+    token_ids: torch.Tensor,
+    meta: SamplingMetadata,
+) -> None:
+    chosen = token_ids[rows].unsqueeze(1)
+    chosen_logprobs = raw_logprobs.gather(1, chosen)
+    ranks = (raw_logprobs > chosen_logprobs).sum(dim=-1) + 1
+    max_top = max(meta.params[row].logprobs or 0 for row in rows)
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top > 0 else (None, None)
+    for k, row in enumerate(rows):
+        count = meta.params[row].logprobs or 0
+        token = sampled[row]
+        token.logprob = float(chosen_logprobs[k, 0])
+        token.rank = int(ranks[k])
+        token.top_logprobs = {}
+        if count and top_values is not None and top_ids is not None:
+            token.top_logprobs = dict(
+                zip(top_ids[k, :count].tolist(), top_values[k, :count].tolist(), strict=True)
+            )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: list[int], k: int
+) -> list[tuple[float, int, dict[int, float]]]:
+    """Raw logprobs of each prompt token given its prefix.
+
+    `logits[t]` is the model's output at position t and `target_ids[t]` the token that actually
+    follows it (so for a prompt p, pass logits of p[:-1] and targets p[1:]). Returns, per
+    position, the target's logprob, its 1-based rank, and the top-k tokens with their logprobs.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(
+            f"logits must be [T, V] with T={len(target_ids)} rows, got {tuple(logits.shape)}"
+        )
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if not target_ids:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    target_logprobs = logprobs.gather(1, targets)
+    ranks = ((logprobs > target_logprobs).sum(dim=-1) + 1).tolist()
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        tops = [
+            dict(zip(ids, values, strict=True))
+            for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        ]
+    else:
+        tops = [{} for _ in target_ids]
+    return list(zip(target_logprobs.squeeze(1).tolist(), ranks, tops, strict=True))

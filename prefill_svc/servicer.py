@@ -1,0 +1,191 @@
+"""The Prefill gRPC service: compute a prompt's KV and first token(s), then lend the KV.
+
+After the engine exports a request (its blocks pinned), the KV is copied out and published
+through the `KVSender` under a lease. The pinned blocks are released exactly once, by the
+sender's `on_release` (decode acked, failed, lease expired, cancelled via ReleaseKV/Abort,
+shutdown). Every path that never reaches `publish` (cancelled call, read failure, a request
+whose every sequence already finished) releases them itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import grpc
+
+from pdmesh.decode_svc.convert import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
+from pdmesh.decode_svc.engine_service import EngineService
+from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.transfer import KVSender, KVTransferError, ReleaseReason
+from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kv_transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Published:
+    transfer_id: str
+    nbytes: int
+
+
+def first_token_finish(
+    token_id: int, num_prompt_tokens: int, params: SamplingParams, eos_token_ids: set[int],
+    max_model_len: int,
+) -> tuple[str, int | None] | None:
+    """(reason, stop token) if a sequence ends at its first token, else None.
+
+    Mirrors the engine's stop rules for one output token. Stop *strings* are left to the
+    decode instance, which finishes such a sequence at once with the right text.
+    """
+    if params.min_tokens == 0:  # as the engine: stops count only past min_tokens
+        if token_id in params.all_stop_token_ids:
+            return "stop", token_id
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return "stop", None
+    if params.max_tokens is not None and params.max_tokens <= 1:
+        return "length", None
+    if num_prompt_tokens + 1 >= max_model_len:
+        return "length", None
+    return None
+
+
+class PrefillServicer(engine_pb2_grpc.PrefillServicer):
+    def __init__(self, service: EngineService, sender: KVSender | None = None) -> None:
+        self.service = service
+        self.engine = service.engine
+        self.sender = sender
+        self._lock = threading.Lock()
+        self._published: dict[str, _Published] = {}
+
+    # -- release (runs on any thread) --------------------------------------------------------
+    def on_release(self, request_id: str, reason: ReleaseReason) -> None:
+        with self._lock:
+            published = self._published.pop(request_id, None)
+        if published is not None and reason is ReleaseReason.ACKED:
+            self.service.counters.add_sent(published.nbytes)
+        logger.debug("release request_id=%s reason=%s", request_id, reason)
+        self.engine.release_kv_nowait(request_id)
+
+    def _cancel_transfer(self, request_id: str, detail: str) -> bool:
+        with self._lock:
+            published = self._published.get(request_id)
+        if published is None or self.sender is None:
+            return False
+        try:
+            state = self.sender.cancel(published.transfer_id, detail)
+        except KVTransferError:
+            return False
+        return state.name == "CANCELLED"
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def Prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.PrefillResponse:
+        received = time.monotonic()
+        rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        prompt = list(request.prompt_token_ids)
+        try:
+            out = await self.engine.prefill_export(
+                rid, {"prompt_token_ids": prompt}, params,
+                priority=request.priority, cache_salt=request.cache_salt or None,
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        published = False
+        try:
+            response = self._response(rid, prompt, params, out, received)
+            if all(d.HasField("finish") for d in response.first):
+                await self.engine.release_kv(rid)  # nothing to continue: nothing to hold
+            else:
+                response.kv.CopyFrom(await self._publish(rid, out))
+                published = True
+        except BaseException:
+            if not published:
+                self.engine.release_kv_nowait(rid)
+            else:
+                self._cancel_transfer(rid, "prefill call failed before returning")
+            raise
+        response.timing.e2e_ms = (time.monotonic() - received) * 1e3
+        return response
+
+    async def _publish(self, rid: str, out: RequestOutput) -> kv_transfer_pb2.KVHandle:
+        if self.sender is None:
+            raise EngineError("this instance has no KV sender")
+        assert out.kv_export is not None
+        kv = await self.engine.read_kv(rid)
+        handle = await asyncio.to_thread(self.sender.publish, rid, kv, out.kv_export.num_tokens)
+        with self._lock:
+            self._published[rid] = _Published(handle.transfer_id, kv.numel() * kv.element_size())
+        return handle.to_proto()
+
+    def _response(
+        self, rid: str, prompt: list[int], params: SamplingParams, out: RequestOutput,
+        received: float,
+    ) -> engine_pb2.PrefillResponse:
+        e = self.engine.engine
+        builder = DeltaBuilder(params)
+        response = engine_pb2.PrefillResponse(
+            request_id=rid,
+            cached_prompt_tokens=out.num_cached_tokens,
+            instance_id=self.service.instance_id,
+        )
+        for completion in sorted(out.outputs, key=lambda c: c.index):
+            finish = first_token_finish(
+                completion.token_ids[0], len(prompt), params, e.eos_token_ids,
+                self.engine.max_model_len,
+            ) if completion.token_ids else ("length", None)
+            running = replace(completion, finish_reason=None, stop_reason=None)
+            if finish is not None:
+                running = replace(completion, finish_reason=finish[0], stop_reason=finish[1])
+            delta = builder.delta(running) or common_pb2.SequenceDelta(index=completion.index)
+            response.first.append(delta)
+        if params.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(
+                prompt_logprobs_to_proto(out.prompt_logprobs, prompt, params.prompt_logprobs)
+            )
+        ttft_s = out.metrics.get("ttft_s", time.monotonic() - received)
+        response.timing.prefill_ms = ttft_s * 1e3
+        response.timing.ttft_ms = (time.monotonic() - received) * 1e3
+        return response
+
+    async def ReleaseKV(
+        self, request: engine_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ReleaseKVResponse:
+        with self._lock:
+            published = self._published.get(request.request_id)
+        if published is None or (request.transfer_id and
+                                 request.transfer_id != published.transfer_id):
+            return engine_pb2.ReleaseKVResponse(released=False)
+        released = self._cancel_transfer(request.request_id, request.reason or "ReleaseKV")
+        return engine_pb2.ReleaseKVResponse(released=released)
+
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.AbortResponse:
+        cancelled = self._cancel_transfer(request.request_id, request.reason or "Abort")
+        found = await self.engine.abort(request.request_id)
+        return engine_pb2.AbortResponse(found=found or cancelled)
+
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineLoad:
+        return self.service.load()
+
+    async def GetInfo(
+        self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineInfo:
+        return self.service.info()

