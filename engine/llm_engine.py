@@ -104,11 +104,6 @@ class LLMEngine:
         )
         capacity = num_blocks * config.block_size
         self.max_model_len = self._resolve_max_model_len(max_positions, capacity)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={config.max_num_batched_tokens} must be >= "
-                f"max_model_len={self.max_model_len} when chunked prefill is disabled"
-            )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len=%d",
             num_blocks,

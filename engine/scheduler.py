@@ -113,6 +113,11 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
     ) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} must be >= "
+                f"max_model_len={max_model_len} when chunked prefill is disabled"
+            )
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -156,6 +161,7 @@ class Scheduler:
             self._make_room_for_waiting(out)
 
         # 1) Running sequences first: decodes and the rest of chunked prompts.
+        num_room_made = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -179,10 +185,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) Admit waiting sequences while budget, sequence slots and blocks last. A step that
-        #    had to preempt admits nothing new, so sequences do not bounce in and out.
+        # 2) Admit waiting sequences while budget, sequence slots and blocks last. A step whose
+        #    running sequences ran out of blocks admits nothing new, so sequences do not bounce.
+        ran_out = len(out.preempted) > num_room_made
         while (
-            not out.preempted
+            not ran_out
             and len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs

@@ -397,7 +397,11 @@ def test_engine_info_and_load_round_trip() -> None:
 @pytest.mark.parametrize(
     ("module", "service", "methods"),
     [
-        (router_pb2, "Router", {"Generate": True, "Tokenize": False, "ListModels": False}),
+        (
+            router_pb2,
+            "Router",
+            {"Generate": True, "Tokenize": False, "ListModels": False, "GetStatus": False},
+        ),
         (
             engine_pb2,
             "Prefill",

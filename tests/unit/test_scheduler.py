@@ -240,7 +240,7 @@ def test_no_chunking_when_disabled() -> None:
 
 
 def test_disabling_chunked_prefill_requires_a_budget_covering_max_model_len() -> None:
-    """BUG (reported, not fixed here): with chunking off, a prompt longer than the token budget
+    """Regression: with chunking off, a prompt longer than the token budget
     is never admitted and, FCFS, blocks every request queued behind it; the engine only notices
     once nothing else runs ("scheduler made no progress"). Such a config must be refused."""
     kv = KVCacheManager(64, HashScheme(block_size=BS))
@@ -366,7 +366,7 @@ def test_victim_is_the_newest_or_the_least_important(policy: Policy, victim: str
 
 
 def test_priority_preempts_the_less_important_sequence_even_if_it_runs_first() -> None:
-    """BUG (reported, not fixed here): running sequences are served in admission order and a
+    """Regression: running sequences are served in admission order and a
     sequence already served this step cannot be a victim, so a more important sequence that was
     admitted later is preempted in favour of a less important one (priority inversion)."""
     sched = make_scheduler(3, policy="priority")
@@ -383,7 +383,7 @@ def test_priority_preempts_the_less_important_sequence_even_if_it_runs_first() -
 
 
 def test_priority_waiting_sequence_preempts_a_less_important_running_one() -> None:
-    """BUG (reported, not fixed here): `_preempt_for` promises that a more important waiting
+    """Regression: `_preempt_for` promises that a more important waiting
     sequence may evict a running one, but it only considers running sequences not served this
     step, and every running sequence with work is served first, so it never fires."""
     sched = make_scheduler(4, policy="priority")

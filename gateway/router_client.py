@@ -1,0 +1,156 @@
+"""The gateway's gRPC client to the router, and the gRPC status → OpenAI error mapping.
+
+One `grpc.aio` channel serves every HTTP request. `generate()` hands back a `GenerateCall`
+the caller iterates and *must* close: closing an unfinished call cancels it, and the router
+turns that cancellation into aborts on the prefill and decode instances, which free the
+request's KV blocks. That is how an HTTP client's disconnect reaches the engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdmesh.grpc_common import TLSConfig, open_channel
+from pdmesh.v1 import router_pb2, router_pb2_grpc
+
+ROUTER_SERVICE = "pdmesh.v1.Router"
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata the router sets on RESOURCE_EXHAUSTED (see router/admission.py)."""
+
+
+@dataclass
+class GatewayError(Exception):
+    """An error to answer in OpenAI's shape: `{"error": {message, type, param, code}}`."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}"
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _param_from_message(message: str) -> str | None:
+    """The router words INVALID_ARGUMENT as `<field>: <why>`; the field is OpenAI's `param`."""
+    head, sep, _ = message.partition(": ")
+    if sep and head and " " not in head:
+        return head.removeprefix("sampling.")
+    return None
+
+
+def _retry_after_s(error: grpc.aio.AioRpcError) -> int:
+    """Whole seconds for the Retry-After header (rounded up, at least 1)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(1, math.ceil(int(value) / 1000))
+            except ValueError:
+                break
+    return 1
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError) -> GatewayError:
+    """Map the router's status taxonomy (router.proto) onto HTTP statuses."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return GatewayError(400, details, param=_param_from_message(details))
+    if code == grpc.StatusCode.NOT_FOUND:
+        return GatewayError(404, details, param="model", code="model_not_found")
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return GatewayError(409, details, code="request_id_in_use")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry = _retry_after_s(error)
+        return GatewayError(429, details, type="rate_limit_error", code="rate_limit_exceeded",
+                            headers={"Retry-After": str(retry)})
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return GatewayError(503, details or "no backend available", type="service_unavailable",
+                            code="no_backend", headers={"Retry-After": "1"})
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(504, details or "deadline exceeded", type="timeout")
+    return GatewayError(500, f"{code.name}: {details}", type="internal_error")
+
+
+class GenerateCall:
+    """One streaming Generate call. Iterate it; `close()` cancels it if still running."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def initial_request_id(self) -> str:
+        """The id the router runs the request under (x-request-id initial metadata)."""
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        for key, value in metadata or ():
+            if key == "x-request-id":
+                return str(value)
+        return ""
+
+    async def __aiter__(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        try:
+            async for response in self._call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def close(self) -> None:
+        if not self._call.done():
+            self._call.cancel()
+
+
+class RouterClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: TLSConfig | None = None,
+        max_message_bytes: int,
+        request_timeout_s: float,
+        control_timeout_s: float,
+    ) -> None:
+        self.address = address
+        self._channel = open_channel(address, tls, max_message_bytes)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+
+    def generate(self, request: router_pb2.GenerateRequest) -> GenerateCall:
+        return GenerateCall(self._stub.Generate(request, timeout=self._request_timeout_s))
+
+    async def list_models(self) -> list[router_pb2.ModelInfo]:
+        try:
+            response = await self._stub.ListModels(
+                router_pb2.ListModelsRequest(), timeout=self._control_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return list(response.models)
+
+    async def healthy(self) -> tuple[bool, str]:
+        """(serving?, detail) from the router's standard health service."""
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=ROUTER_SERVICE),
+                timeout=self._control_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return False, f"router unreachable: {exc.code().name}: {exc.details()}"
+        serving = response.status == health_pb2.HealthCheckResponse.SERVING
+        return serving, health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self._channel.close()

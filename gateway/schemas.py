@@ -1,0 +1,342 @@
+"""OpenAI wire formats: request bodies in, response bodies out (pydantic models).
+
+Requests are strict (`extra="forbid"`): like OpenAI's own API, an unknown or unsupported
+parameter is a 400 naming it rather than being silently ignored. Each request model turns
+itself into the router's `SamplingParams` message (`to_sampling`), keeping unset fields unset
+so the router applies its documented defaults. vLLM's extensions (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, ...) sit beside OpenAI's.
+Value ranges are checked once, by the engine's own validation in the router, whose
+INVALID_ARGUMENT becomes a 400 here; this module only checks what the router cannot see
+(shapes, OpenAI-only combinations).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdmesh.v1 import common_pb2, router_pb2
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) default for /v1/completions; chat defaults to the context limit."""
+
+MAX_N = 128
+"""Choices per prompt; a guard against one request fanning out without bound."""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    # Accepted for client compatibility; usage is only ever sent in the final chunk.
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Parameters shared by completions and chat completions."""
+
+    model: str = ""
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str = ""
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        proto = common_pb2.SamplingParams(
+            n=self.n,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias,
+            stop=stops,
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+        )
+        for name in ("temperature", "top_p", "repetition_penalty", "seed",
+                     "skip_special_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(proto, name, value)
+        if max_tokens is not None:
+            proto.max_tokens = max_tokens
+        if logprobs is not None:
+            proto.logprobs = logprobs
+        return proto
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    # Completions: the number of alternatives per token (0 = the sampled token only).
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
+            raise ValueError("prompt must not contain an empty token list")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as separate items: one string, or one token-id list, each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_generate(self, prompt: str | list[int], request_id: str) -> router_pb2.GenerateRequest:
+        request = router_pb2.GenerateRequest(
+            request_id=request_id,
+            model=self.model,
+            sampling=self._sampling(self.max_tokens, self.logprobs),
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            stream=self.stream,
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(StrictModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def to_generate(self, request_id: str) -> router_pb2.GenerateRequest:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        chat = router_pb2.Chat(
+            messages=[router_pb2.ChatMessage(role=m.role, content=m.text())
+                      for m in self.messages],
+            add_generation_prompt=self.add_generation_prompt,
+        )
+        return router_pb2.GenerateRequest(
+            request_id=request_id,
+            model=self.model,
+            chat=chat,
+            sampling=self._sampling(max_tokens, logprobs),
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            stream=self.stream,
+        )
+
+
+# -- responses -------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, usage: common_pb2.Usage) -> None:
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens_details.cached_tokens += usage.cached_prompt_tokens
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdmesh"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """The OpenAI `param` for a pydantic error location, e.g. ('body', 'messages', 0) ->
+    'messages[0]'."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("function-", "list[", "str", "int", "literal[")) or part in (
+            "json-or-python[json=list[int],python=list[int]]",
+        ):
+            continue  # a union branch name, not a field
+        else:
+            out += f".{part}" if out else part
+    return out or None

@@ -1,0 +1,68 @@
+"""Payload checksums and raw byte views of tensors.
+
+xxh3-64 is the default: measured on the 2-core dev box it hashes ~10-27 GB/s, faster than a
+memcpy of the same bytes, while zlib's crc32 manages ~2 GB/s and would dominate a shm
+transfer. crc32 stays available so a peer without `xxhash` can still talk.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+
+import torch
+
+from pdmesh.kvstore.transfer.errors import KVHandleError
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - exercised only on installs without xxhash
+    xxhash = None
+
+
+class ChecksumAlgo(enum.StrEnum):
+    XXH3_64 = "xxh3_64"
+    CRC32 = "crc32"
+
+
+# Wire codes; never renumber.
+ALGO_CODES: dict[ChecksumAlgo, int] = {ChecksumAlgo.XXH3_64: 1, ChecksumAlgo.CRC32: 2}
+ALGOS_BY_CODE: dict[int, ChecksumAlgo] = {code: algo for algo, code in ALGO_CODES.items()}
+
+
+def default_algo() -> ChecksumAlgo:
+    return ChecksumAlgo.XXH3_64 if xxhash is not None else ChecksumAlgo.CRC32
+
+
+def parse_algo(name: str) -> ChecksumAlgo:
+    try:
+        algo = ChecksumAlgo(name)
+    except ValueError:
+        raise KVHandleError(f"unknown checksum algorithm {name!r}") from None
+    if algo is ChecksumAlgo.XXH3_64 and xxhash is None:
+        raise KVHandleError("checksum xxh3_64 needs the 'xxhash' package")
+    return algo
+
+
+def checksum(algo: ChecksumAlgo, data: memoryview | bytes) -> int:
+    """64-bit checksum of `data` (crc32 values are zero-extended)."""
+    if algo is ChecksumAlgo.XXH3_64:
+        if xxhash is None:
+            raise KVHandleError("checksum xxh3_64 needs the 'xxhash' package")
+        return xxhash.xxh3_64_intdigest(data)
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view sharing memory with a contiguous CPU tensor (no copy)."""
+    if tensor.device.type != "cpu":
+        raise ValueError("byte views need a CPU tensor")
+    if not tensor.is_contiguous():
+        raise ValueError("byte views need a contiguous tensor")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_checksum(algo: ChecksumAlgo, tensor: torch.Tensor) -> int:
+    source = tensor if tensor.device.type == "cpu" else tensor.cpu()
+    return checksum(algo, tensor_bytes(source.contiguous()))

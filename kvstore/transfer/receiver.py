@@ -1,0 +1,284 @@
+"""`KVReceiver`: the decode side. Pulls a published KV, verifies it, acknowledges it.
+
+    receiver = KVReceiver()
+    kv = await receiver.fetch(handle, deadline=5.0)      # or Deadline.after(5.0)
+    kv_cache[:, :, dst_block_ids] = kv
+
+`fetch` returns only a tensor whose header matched the handle, whose checksum matched the
+sender's, and whose ack the sender accepted (so a lease that ran out or a cancel that raced
+the copy is reported, never silently served). Every failure is a `KVTransferError`
+subclass raised by the deadline; the caller falls back to recompute or fails the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from pdmesh.kvstore.transfer.backends import (
+    DataPlaneClient,
+    DataPlaneConfig,
+    make_client,
+    unavailable_reason,
+)
+from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
+from pdmesh.kvstore.transfer.backends.hostid import host_key
+from pdmesh.kvstore.transfer.checksum import tensor_checksum
+from pdmesh.kvstore.transfer.control import ControlClient, channel_options
+from pdmesh.kvstore.transfer.deadline import Deadline
+from pdmesh.kvstore.transfer.errors import (
+    KVBackendUnavailable,
+    KVChecksumError,
+    KVTransferCancelled,
+    KVTransferError,
+    KVTransferExpired,
+    KVTransferTimeout,
+)
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.state import TransferState
+
+logger = logging.getLogger(__name__)
+
+_PRECISE_BY_STATE: dict[TransferState, type[KVTransferError]] = {
+    TransferState.EXPIRED: KVTransferExpired,
+    TransferState.CANCELLED: KVTransferCancelled,
+}
+
+
+@dataclass(frozen=True)
+class KVReceiverConfig:
+    backends: tuple[str, ...] = ("shm", "ucxx", "tcp", "torch_dist")  # preference order
+    shm_dir: str = DEFAULT_SHM_DIR
+    max_message_bytes: int = 4 << 20
+    lease_margin_s: float = 5.0    # ask the sender to hold the KV this long past our deadline
+    notify_timeout_s: float = 2.0  # budget of best-effort failure and cancel notices
+    grace_s: float = 2.0           # how long an aborted data-plane worker may take to stop
+    heartbeat_s: float = 1.0       # lease heartbeat while bytes move; also detects a dead sender
+    max_workers: int = 8           # threads for blocking data-plane I/O
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        config: KVReceiverConfig | None = None,
+        *,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.config = config or KVReceiverConfig()
+        self._credentials = channel_credentials
+        self._host_key = host_key(os.path.realpath(self.config.shm_dir))
+        self._plane = DataPlaneConfig(shm_dir=self.config.shm_dir, grace_s=self.config.grace_s)
+        self._executor = ThreadPoolExecutor(self.config.max_workers, "kv-recv")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._clients: dict[str, DataPlaneClient] = {}
+        self._notices: set[asyncio.Task[Any]] = set()
+
+    def choose_backend(self, handle: KVHandle) -> str:
+        """shm when both sides share a shm directory, else our first preference offered."""
+        offered = set(handle.backends)
+        for name in self.config.backends:
+            if name not in offered:
+                continue
+            if name == "shm" and handle.host_key != self._host_key:
+                continue
+            if unavailable_reason(name) is None:
+                return name
+        raise KVBackendUnavailable(
+            f"no usable backend: sender offers {handle.backends}, receiver accepts "
+            f"{self.config.backends}", transfer_id=handle.transfer_id,
+        )
+
+    async def fetch(
+        self,
+        handle: KVHandle,
+        deadline: Deadline | float = 30.0,
+        *,
+        out: torch.Tensor | None = None,
+        backend: str | None = None,
+        traceparent: str = "",
+    ) -> torch.Tensor:
+        """Pull, verify and ack the KV of `handle`; `deadline` is a Deadline or seconds.
+
+        `out`, if given, must be a contiguous tensor of the handle's layout; it is filled in
+        place (and is garbage if this raises).
+        """
+        deadline = Deadline.coerce(deadline)
+        name = backend or self.choose_backend(handle)
+        if name not in handle.backends:
+            raise KVBackendUnavailable(f"sender does not offer backend {name!r}")
+        client = self._client(name)
+        dst = handle.layout.empty() if out is None else out
+        handle.layout.check_tensor(dst)
+        control = self._control(handle.sender_address)
+        started = False
+        try:
+            reply = await control.start(
+                handle, name, self._host_key, deadline.remaining() + self.config.lease_margin_s,
+                deadline, traceparent,
+            )
+            started = True
+            await self._receive_watched(client, control, handle, reply.params, dst, deadline)
+            await self._verify(handle, dst, deadline)
+            await control.complete(handle, True, "", deadline, traceparent)
+            return dst
+        except asyncio.CancelledError:
+            self._notify(control.cancel(handle, "receiver gave up", self._notice_deadline()))
+            raise
+        except KVTransferError as exc:
+            if started and exc.state is None:
+                raise await self._report_failure(control, handle, exc, deadline) from exc
+            raise
+
+    async def extend_lease(
+        self, handle: KVHandle, seconds: float, deadline: Deadline | float = 5.0
+    ) -> float:
+        """Heartbeat: keep the sender holding the KV `seconds` longer (e.g. while queued)."""
+        control = self._control(handle.sender_address)
+        return await control.extend(handle, seconds, Deadline.coerce(deadline))
+
+    async def cancel(
+        self, handle: KVHandle, reason: str = "", deadline: Deadline | float = 5.0
+    ) -> TransferState:
+        """Tell the sender we will not pull this KV, so it is released now."""
+        control = self._control(handle.sender_address)
+        return await control.cancel(handle, reason, Deadline.coerce(deadline))
+
+    async def close(self) -> None:
+        if self._notices:
+            await asyncio.wait(self._notices, timeout=self.config.notify_timeout_s)
+        for client in self._clients.values():
+            await client.close()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> KVReceiver:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _receive_watched(
+        self,
+        client: DataPlaneClient,
+        control: ControlClient,
+        handle: KVHandle,
+        params: dict[str, str],
+        dst: torch.Tensor,
+        deadline: Deadline,
+    ) -> None:
+        """Run the data plane while heartbeating the lease over the control channel.
+
+        The heartbeat keeps a long transfer's lease alive and notices what a data plane may
+        not: the sender process gone, or the transfer cancelled or expired on its side.
+        """
+        receive = asyncio.ensure_future(client.receive(handle, params, dst, deadline))
+        watch = asyncio.ensure_future(self._heartbeat(control, handle, deadline))
+        try:
+            await asyncio.wait({receive, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not receive.done():
+                receive.cancel()  # aborts the data plane and waits for it to let go of dst
+                with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+                    await receive
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+                await watch
+        if receive.cancelled() and watch.done() and not watch.cancelled():
+            watch.result()  # raises the heartbeat's error
+        receive.result()
+
+    async def _heartbeat(
+        self, control: ControlClient, handle: KVHandle, deadline: Deadline
+    ) -> None:
+        """Extend the lease every `heartbeat_s`; raise once the sender says no or is gone."""
+        interval = self.config.heartbeat_s
+        while deadline.remaining() > interval:
+            await asyncio.sleep(interval)
+            call_deadline = Deadline.after(min(interval, deadline.remaining()))
+            lease = deadline.remaining() + self.config.lease_margin_s
+            try:
+                await control.extend(handle, lease, call_deadline)
+            except KVTransferTimeout:
+                continue  # a slow sender is not a dead one; the fetch deadline bounds us
+        await asyncio.Event().wait()  # no more heartbeats: wait to be cancelled
+
+    async def _verify(self, handle: KVHandle, dst: torch.Tensor, deadline: Deadline) -> None:
+        loop = asyncio.get_running_loop()
+        actual = await asyncio.wait_for(
+            loop.run_in_executor(
+                self._executor, tensor_checksum, handle.checksum_algo, dst
+            ),
+            deadline.remaining(),
+        )
+        if actual != handle.checksum:
+            raise KVChecksumError(
+                f"{handle.checksum_algo} checksum mismatch: got {actual:016x}, "
+                f"expected {handle.checksum:016x}",
+                transfer_id=handle.transfer_id, request_id=handle.request_id,
+            )
+
+    async def _report_failure(
+        self, control: ControlClient, handle: KVHandle, exc: KVTransferError, deadline: Deadline
+    ) -> KVTransferError:
+        """Tell the sender; if it had already ended the transfer, say why instead."""
+        if isinstance(exc, KVTransferTimeout) or deadline.remaining() <= 0:
+            self._notify(control.complete(handle, False, str(exc), self._notice_deadline()))
+            return exc
+        notice = Deadline.after(min(deadline.remaining(), self.config.notify_timeout_s))
+        try:
+            state = await control.complete(handle, False, str(exc), notice)
+        except KVTransferError as notify_exc:
+            logger.debug("failure notice for %s failed: %s", handle.transfer_id, notify_exc)
+            return exc
+        precise = _PRECISE_BY_STATE.get(state)
+        if precise is None:
+            return exc
+        error = precise(
+            f"transfer {handle.transfer_id} was {state.name.lower()} by the sender ({exc})",
+            transfer_id=handle.transfer_id, request_id=handle.request_id,
+        )
+        error.state = state
+        return error
+
+    def _notice_deadline(self) -> Deadline:
+        return Deadline.after(self.config.notify_timeout_s)
+
+    def _notify(self, notice: Coroutine[Any, Any, Any]) -> None:
+        """Send a best-effort notice without delaying the caller past its deadline."""
+
+        async def run() -> None:
+            with contextlib.suppress(KVTransferError):
+                await notice
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    def _client(self, name: str) -> DataPlaneClient:
+        if name not in self._clients:
+            self._clients[name] = make_client(name, self._plane, self._executor)
+        return self._clients[name]
+
+    def _control(self, address: str) -> ControlClient:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = channel_options(self.config.max_message_bytes)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+            self._channels[address] = channel
+        return ControlClient(channel)

@@ -1,0 +1,258 @@
+"""Admission control: refuse early, clearly, and with a hint, instead of queueing forever.
+
+Two kinds of refusal, mapped by the server onto the router.proto error taxonomy:
+
+* `InvalidRequest` → INVALID_ARGUMENT, the message names the offending field (TGI's 422);
+* `OverCapacity` → RESOURCE_EXHAUSTED with a retry hint in the trailing metadata (TGI's 429).
+
+Limits are per router: concurrent requests, tokens in flight (prompt + max output, the KV the
+request may need), and how many requests may wait for a slot and for how long. Waiters are
+served in arrival order, so a large request at the head is not starved by small ones behind it.
+A waiter whose deadline passes leaves the queue and is refused (DEADLINE_EXCEEDED by the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.v1 import common_pb2
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be served as sent; `field` names what to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message if message.startswith(field) else f"{field}: {message}")
+
+
+class OverCapacity(RuntimeError):
+    """Over a limit right now; the same request may succeed after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class DeadlineExpired(TimeoutError):
+    """The client's deadline passed while the request waited for admission."""
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_concurrent_requests: int = 64
+    max_inflight_tokens: int = 1_000_000
+    max_queued_requests: int = 128
+    max_queue_wait_s: float = 30.0
+    retry_after_s: float = 1.0  # the base hint; scaled by how crowded the queue is
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_requests", "max_inflight_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+        if not self.retry_after_s > 0:
+            raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s}")
+
+
+@dataclass
+class _Waiter:
+    tokens: int
+    admitted: asyncio.Future[None]
+
+
+class Ticket:
+    """One admitted request's share of the limits; `release()` is idempotent."""
+
+    def __init__(self, admission: Admission, tokens: int) -> None:
+        self._admission = admission
+        self.tokens = tokens
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._release(self.tokens)
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Admission:
+    """Concurrency, token-budget and queue limits for one router (one asyncio loop)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.running = 0
+        self.inflight_tokens = 0
+        self._queue: deque[_Waiter] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _fits(self, tokens: int) -> bool:
+        return (
+            self.running < self.limits.max_concurrent_requests
+            and self.inflight_tokens + tokens <= self.limits.max_inflight_tokens
+        )
+
+    def _retry_hint(self) -> float:
+        crowd = 1 + len(self._queue) / max(1, self.limits.max_concurrent_requests)
+        return self.limits.retry_after_s * crowd
+
+    async def acquire(self, tokens: int, timeout_s: float | None = None) -> Ticket:
+        """Admit a request needing `tokens`, waiting in FIFO order for at most the smaller of
+        `timeout_s` (the client's remaining deadline) and `max_queue_wait_s`."""
+        if tokens > self.limits.max_inflight_tokens:
+            raise InvalidRequest(
+                "sampling.max_tokens",
+                f"prompt + max_tokens = {tokens} tokens exceeds the router's token budget "
+                f"of {self.limits.max_inflight_tokens}; lower max_tokens or shorten the prompt",
+            )
+        if not self._queue and self._fits(tokens):
+            self._admit(tokens)
+            return Ticket(self, tokens)
+        if len(self._queue) >= self.limits.max_queued_requests:
+            raise OverCapacity(
+                f"router at capacity: {self.running} running, {self.inflight_tokens} tokens "
+                f"in flight, {len(self._queue)} queued",
+                self._retry_hint(),
+            )
+        waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        wait_s = self.limits.max_queue_wait_s
+        by_deadline = timeout_s is not None and timeout_s < wait_s
+        if by_deadline:
+            wait_s = max(0.0, timeout_s or 0.0)
+        try:
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(waiter.admitted)
+        except BaseException as exc:
+            # Timed out or cancelled; if admission raced in just before, give it back.
+            if waiter.admitted.done():
+                self._release(tokens)
+            else:
+                waiter.admitted.cancel()
+            if not isinstance(exc, TimeoutError):
+                raise
+            if by_deadline:
+                raise DeadlineExpired("deadline passed while queued for admission") from None
+            raise OverCapacity(
+                f"waited {self.limits.max_queue_wait_s:g}s for a slot; router still at capacity",
+                self._retry_hint(),
+            ) from None
+        finally:
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+                self._wake()
+        return Ticket(self, tokens)
+
+    def _admit(self, tokens: int) -> None:
+        self.running += 1
+        self.inflight_tokens += tokens
+
+    def _release(self, tokens: int) -> None:
+        self.running -= 1
+        self.inflight_tokens -= tokens
+        self._wake()
+
+    def _wake(self) -> None:
+        """Admit waiters from the head of the queue while they fit (strict FIFO)."""
+        while self._queue and self._fits(self._queue[0].tokens):
+            waiter = self._queue.popleft()
+            if waiter.admitted.done():  # its wait was cancelled or timed out
+                continue
+            self._admit(waiter.tokens)
+            waiter.admitted.set_result(None)
+
+
+def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine SamplingParams from the wire message; InvalidRequest names the bad field.
+
+    `max_tokens` stays None when unset ("up to the context limit"); the caller resolves it
+    once the prompt length is known.
+    """
+    kwargs = dict(
+        n=proto.n or 1,
+        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+        top_k=proto.top_k,
+        min_p=proto.min_p,
+        repetition_penalty=(
+            proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0
+        ),
+        presence_penalty=proto.presence_penalty,
+        frequency_penalty=proto.frequency_penalty,
+        logit_bias=dict(proto.logit_bias) or None,
+        seed=proto.seed if proto.HasField("seed") else None,
+        stop=list(proto.stop) or None,
+        stop_token_ids=list(proto.stop_token_ids) or None,
+        include_stop_str_in_output=proto.include_stop_str_in_output,
+        ignore_eos=proto.ignore_eos,
+        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
+        min_tokens=proto.min_tokens,
+        logprobs=proto.logprobs if proto.HasField("logprobs") else None,
+        prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
+        skip_special_tokens=(
+            proto.skip_special_tokens if proto.HasField("skip_special_tokens") else True
+        ),
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0].split("[", 1)[0]
+        raise InvalidRequest(f"sampling.{field}", message) from None
+
+
+def validate_prompt(
+    token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int, max_model_len: int
+) -> int:
+    """Check the tokenized prompt against the model; returns the resolved max_tokens."""
+    n = len(token_ids)
+    if n == 0:
+        raise InvalidRequest("prompt", "the prompt is empty")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("prompt.token_ids", f"token id {bad} is outside [0, {vocab_size})")
+    if n >= max_model_len:
+        raise InvalidRequest(
+            "prompt", f"{n} tokens leave no room to generate within max_model_len={max_model_len}"
+        )
+    try:
+        params.verify_vocab(vocab_size)
+    except ValueError as exc:
+        raise InvalidRequest("sampling." + str(exc).split(" ", 1)[0], str(exc)) from None
+    room = max_model_len - n
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise InvalidRequest(
+            "sampling.max_tokens",
+            f"{params.max_tokens} tokens do not fit: the prompt has {n} tokens and "
+            f"max_model_len is {max_model_len}",
+        )
+    return params.max_tokens
+
+
+def budget_tokens(num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+    """Tokens a request may occupy in KV: the prompt once plus every sequence's output."""
+    return num_prompt_tokens + max_tokens * max(1, n)
+
+
+def retry_after_ms(seconds: float) -> str:
+    return str(math.ceil(seconds * 1000))

@@ -1,0 +1,337 @@
+"""The router's view of the engine instances: who is there, alive, compatible and how busy.
+
+Membership comes from two sources: static addresses given on the command line, and the Redis
+instance registry (heartbeats with a TTL) when one is configured. Every `poll_interval_s` the
+pool reads the registry, then asks every known instance for GetInfo (once per process: the
+instance id changes when a process restarts behind the same address) and GetLoad.
+
+An instance leaves routing when it
+
+* fails `failure_threshold` polls in a row, or a request on it fails (`mark_failed`);
+* drops out of the registry (its heartbeats stopped) — static instances stay, but still have to
+  answer polls;
+* serves another model or hashes blocks with another scheme than the rest of the cluster
+  (their prefix hits would silently be 0 %).
+
+It comes back as soon as a poll succeeds again. When Redis is unreachable the last known
+membership is kept and routing falls back to load only; `index_available` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdmesh.engine.block_hash import HashScheme
+from pdmesh.grpc_common import TLSConfig, open_channel
+from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
+from pdmesh.kvstore.redis_conn import IndexUnavailable
+from pdmesh.router.routing.base import Candidate, LoadSnapshot
+from pdmesh.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ROLE_NAMES = {
+    engine_pb2.ROLE_PREFILL: "prefill",
+    engine_pb2.ROLE_DECODE: "decode",
+    engine_pb2.ROLE_COLOCATED: "colocated",
+}
+_SCHEME = re.compile(
+    r"pdmesh-block-hash/v(?P<version>\d+)/(?P<algorithm>[a-z0-9]+)"
+    r"/bs=(?P<block_size>\d+)/root=(?P<root>.*)"
+)
+
+
+def scheme_from_description(description: str) -> HashScheme:
+    """Rebuild a HashScheme from `HashScheme.describe()` (as stored in the registry)."""
+    match = _SCHEME.fullmatch(description)
+    if match is None:
+        raise ValueError(f"unrecognised hash scheme description {description!r}")
+    return HashScheme(
+        block_size=int(match["block_size"]),
+        algorithm=match["algorithm"],
+        root_seed=match["root"],
+        version=int(match["version"]),
+    )
+
+
+@dataclass
+class Instance:
+    """One engine process behind one address, as seen by this router."""
+
+    address: str
+    role: str  # "prefill", "decode" or "colocated" (the role it was listed or registered as)
+    channel: grpc.aio.Channel
+    static: bool = False
+    registered: bool = False
+    info: engine_pb2.EngineInfo | None = None
+    load: engine_pb2.EngineLoad = field(default_factory=engine_pb2.EngineLoad)
+    healthy: bool = False
+    detail: str = "not polled yet"
+    failures: int = 0
+    inflight_requests: int = 0
+    inflight_blocks: int = 0
+    load_polled_at: float = 0.0  # monotonic time the poll behind `load` was sent
+    recent_finishes: deque[tuple[float, float, int]] = field(
+        default_factory=lambda: deque(maxlen=1024)
+    )  # (started, finished, blocks) of requests that ended since the last poll was sent
+
+    def request_started(self, blocks: int) -> float:
+        """Count a request this router sent here; returns its start time."""
+        self.inflight_requests += 1
+        self.inflight_blocks += blocks
+        return time.monotonic()
+
+    def request_finished(self, blocks: int, started: float) -> None:
+        """Undo `request_started`, and correct the polled load, which lags: a snapshot taken
+        while the request ran still counts its blocks as in use, and routing on it until the
+        next poll would penalise exactly the instance whose cache the request just filled."""
+        self.inflight_requests -= 1
+        self.inflight_blocks -= blocks
+        finished = time.monotonic()
+        self.recent_finishes.append((started, finished, blocks))
+        if self.load_polled_at > started:
+            self._free_in_snapshot(blocks)
+
+    def apply_poll(self, load: engine_pb2.EngineLoad, sent_at: float) -> None:
+        """Take a GetLoad answer (sent at `sent_at`), re-applying the corrections for
+        requests that finished after it was sent."""
+        self.load = load
+        self.load_polled_at = sent_at
+        for started, finished, blocks in self.recent_finishes:
+            if started < sent_at < finished:
+                self._free_in_snapshot(blocks)
+        while self.recent_finishes and self.recent_finishes[0][1] <= sent_at:
+            self.recent_finishes.popleft()
+
+    def _free_in_snapshot(self, blocks: int) -> None:
+        self.load.num_free_blocks = min(
+            self.load.num_total_blocks, self.load.num_free_blocks + blocks
+        )
+        self.load.num_running = max(0, self.load.num_running - 1)
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id if self.info is not None else ""
+
+    def serves(self, role: str) -> bool:
+        return self.role == role or self.role == "colocated"
+
+    def prefill_stub(self) -> engine_pb2_grpc.PrefillStub:
+        return engine_pb2_grpc.PrefillStub(self.channel)
+
+    def decode_stub(self) -> engine_pb2_grpc.DecodeStub:
+        return engine_pb2_grpc.DecodeStub(self.channel)
+
+    def snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(
+            num_running=self.load.num_running,
+            num_waiting=self.load.num_waiting,
+            num_free_blocks=self.load.num_free_blocks,
+            num_total_blocks=self.load.num_total_blocks,
+            inflight_requests=self.inflight_requests,
+            inflight_blocks=self.inflight_blocks,
+        )
+
+    def candidate(self, cached: dict[str, int]) -> Candidate:
+        return Candidate(self.instance_id, self.snapshot(), cached.get(self.instance_id, 0))
+
+
+@dataclass
+class PoolSettings:
+    model: str
+    poll_interval_s: float = 0.5
+    failure_threshold: int = 2
+    rpc_timeout_s: float = 2.0
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    max_message_bytes: int = 64 * 2**20
+
+
+class InstancePool:
+    """Membership, health and load of the instances; polled by one background task."""
+
+    def __init__(
+        self,
+        settings: PoolSettings,
+        *,
+        static: Iterable[tuple[str, str]] = (),
+        registry: InstanceRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self._registry = registry
+        self._instances: dict[str, Instance] = {}  # by address
+        self._fingerprint: str | None = None
+        self._block_size: int | None = None
+        self.scheme: HashScheme | None = None
+        self.index_detail = "no --redis-url: routing on load only" if registry is None else ""
+        self._task: asyncio.Task[None] | None = None
+        self.polled = asyncio.Event()  # set after every completed poll round
+        for role, address in static:
+            self._add(address, role, static=True)
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def index_available(self) -> bool:
+        return self._registry is not None and not self.index_detail
+
+    @property
+    def block_size(self) -> int | None:
+        return self._block_size
+
+    def instances(self) -> list[Instance]:
+        return sorted(self._instances.values(), key=lambda i: (i.role, i.address))
+
+    def routable(self, role: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.healthy and i.serves(role)]
+
+    def by_id(self, instance_id: str) -> Instance | None:
+        return next((i for i in self._instances.values() if i.instance_id == instance_id), None)
+
+    def max_model_len(self) -> int | None:
+        lens = [i.info.max_model_len for i in self._instances.values() if i.healthy and i.info]
+        return min(lens) if lens else None
+
+    # -- changes -----------------------------------------------------------------------------
+    def _add(self, address: str, role: str, *, static: bool) -> Instance:
+        instance = self._instances.get(address)
+        if instance is None:
+            channel = open_channel(address, self.settings.tls, self.settings.max_message_bytes)
+            instance = Instance(address=address, role=role, channel=channel, static=static)
+            self._instances[address] = instance
+            logger.info("instance added address=%s role=%s static=%s", address, role, static)
+        instance.static = instance.static or static
+        return instance
+
+    def mark_failed(self, instance: Instance, reason: str) -> None:
+        """A request failed on `instance`: take it out of routing until a poll succeeds."""
+        if instance.healthy:
+            logger.warning("instance unhealthy address=%s id=%s reason=%s",
+                           instance.address, instance.instance_id, reason)
+        instance.healthy = False
+        instance.detail = reason
+        instance.failures = max(instance.failures, self.settings.failure_threshold)
+
+    # -- polling -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="instance-pool")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for instance in self._instances.values():
+            await instance.channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not stop membership updates for good
+                logger.exception("instance poll failed")
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(0.0, self.settings.poll_interval_s - elapsed))
+
+    async def poll_once(self) -> None:
+        await self._sync_registry()
+        await asyncio.gather(*(self._poll(i) for i in list(self._instances.values())))
+        self.polled.set()
+        self.polled = asyncio.Event()
+
+    async def wait_polled(self) -> None:
+        """Wait for the next completed poll round."""
+        await self.polled.wait()
+
+    async def _sync_registry(self) -> None:
+        if self._registry is None:
+            return
+        try:
+            live = await self._registry.live_instances()
+        except IndexUnavailable as exc:
+            if not self.index_detail:
+                logger.warning("cluster index unavailable, routing on load only: %s", exc)
+            self.index_detail = f"redis unavailable: {exc}"
+            return
+        if self.index_detail:
+            logger.info("cluster index available again")
+        self.index_detail = ""
+        self._merge_registry(live)
+
+    def _merge_registry(self, live: list[InstanceInfo]) -> None:
+        seen = set()
+        for reg in live:
+            if reg.model != self.settings.model:
+                continue
+            seen.add(reg.address)
+            instance = self._add(reg.address, reg.role, static=False)
+            instance.registered = True
+            if self.scheme is None or self.scheme.fingerprint() != reg.scheme_fingerprint:
+                with contextlib.suppress(ValueError):
+                    scheme = scheme_from_description(reg.scheme_description)
+                    if scheme.fingerprint() == reg.scheme_fingerprint and (
+                        self._fingerprint in (None, reg.scheme_fingerprint)
+                    ):
+                        self.scheme = scheme
+        for address, instance in list(self._instances.items()):
+            if instance.registered and address not in seen:
+                instance.registered = False
+                if not instance.static:
+                    logger.warning("instance left the registry address=%s id=%s",
+                                   address, instance.instance_id)
+                    del self._instances[address]
+                    asyncio.get_running_loop().create_task(instance.channel.close())
+
+    async def _poll(self, instance: Instance) -> None:
+        timeout = self.settings.rpc_timeout_s
+        sent_at = time.monotonic()
+        try:
+            stub = instance.prefill_stub() if instance.role == "prefill" else instance.decode_stub()
+            load = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
+            if instance.info is None or load.instance_id != instance.info.instance_id:
+                info = await stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout)
+                if instance.info is not None:
+                    logger.info("instance restarted address=%s old=%s new=%s",
+                                instance.address, instance.instance_id, info.instance_id)
+                instance.info = info
+        except grpc.aio.AioRpcError as exc:
+            instance.failures += 1
+            if instance.failures >= self.settings.failure_threshold:
+                self.mark_failed(instance, f"polls failing: {exc.code().name} {exc.details()}")
+            return
+        instance.apply_poll(load, sent_at)
+        instance.failures = 0
+        problem = self._incompatibility(instance.info)
+        if problem:
+            if instance.healthy or instance.detail != problem:
+                logger.error("excluding instance address=%s: %s", instance.address, problem)
+            instance.healthy, instance.detail = False, problem
+            return
+        if not instance.healthy:
+            logger.info("instance routable address=%s id=%s", instance.address,
+                        instance.instance_id)
+        instance.healthy, instance.detail = True, ""
+
+    def _incompatibility(self, info: engine_pb2.EngineInfo) -> str:
+        """Why `info` cannot join this cluster, or '' if it can. The first compatible
+        instance fixes the cluster's hashing scheme."""
+        if info.model != self.settings.model:
+            return f"serves model {info.model!r}, router serves {self.settings.model!r}"
+        if self._fingerprint is None:
+            self._fingerprint = info.hash_scheme_fingerprint
+            self._block_size = info.block_size
+        if info.hash_scheme_fingerprint != self._fingerprint:
+            return (
+                f"hash scheme {info.hash_scheme_fingerprint} (block size {info.block_size}) "
+                f"differs from the cluster's {self._fingerprint} (block size "
+                f"{self._block_size}): its prefix hits would never match"
+            )
+        return ""

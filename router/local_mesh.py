@@ -1,0 +1,283 @@
+"""`pdmesh serve`: a whole mesh on this machine, as real processes.
+
+Starts a Redis for the cluster index (a real redis-server, see kvstore/redis_server.py) unless
+`--redis-url` names one, then N prefill and M decode engine processes and the router, each as
+`python -m pdmesh.cli <role> ...`. Every child prints one `ready <host:port> ...` line when it
+serves; we wait for that line (with a deadline) instead of sleeping, then print the router's
+address. Ctrl-C / SIGTERM stop the children (SIGTERM, then SIGKILL after a grace period) in
+reverse order: router first, so no new request reaches an engine that is going away.
+
+`LocalMesh` is also the test harness: tests start, inspect and kill its children.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from pdmesh.grpc_common import parse_config
+from pdmesh.kvstore.redis_server import RedisServer
+from pdmesh.router.routing.base import POLICY_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or stayed silent before printing its ready line."""
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class MeshConfig:
+    model: str = field(default="smollm2", metadata=_help("model alias or path"))
+    num_prefill: int = field(default=1, metadata=_help("prefill processes"))
+    num_decode: int = field(default=1, metadata=_help("decode processes"))
+    host: str = field(default="127.0.0.1", metadata=_help("address every service binds"))
+    port: int = field(default=0, metadata=_help("router port; 0 picks a free one"))
+    redis_url: str | None = field(
+        default=None, metadata=_help("use this Redis instead of starting one")
+    )
+    routing_policy: str = field(default="prefix_aware", metadata=_help("router policy"))
+    local_prefill_threshold: int = field(
+        default=256, metadata=_help("decode prefills locally below this many uncached tokens")
+    )
+    kv_cache_memory: str = field(default="512MiB", metadata=_help("KV budget per engine"))
+    kv_backend: str = field(default="auto", metadata=_help("KV transfer data plane"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    tls_cert: str | None = field(default=None, metadata=_help("PEM cert for every hop"))
+    tls_key: str | None = field(default=None, metadata=_help("PEM private key"))
+    tls_ca: str | None = field(default=None, metadata=_help("PEM CA: mutual TLS everywhere"))
+    startup_timeout_s: float = field(default=180.0, metadata=_help("per-child ready deadline"))
+    log_level: str = field(default="warning", metadata=_help("children's log level"))
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
+        if self.routing_policy not in POLICY_NAMES:
+            raise ValueError(f"--routing-policy must be one of {', '.join(POLICY_NAMES)}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("--startup-timeout-s must be > 0")
+
+    def tls_flags(self) -> list[str]:
+        flags: list[str] = []
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            value = getattr(self, name)
+            if value:
+                flags += ["--" + name.replace("_", "-"), value]
+        return flags
+
+
+class Child:
+    """One service process; its stdout is read by a thread so it can never block on a pipe."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        child_env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None,  # inherited: the children's (quiet) logs go where ours go
+            text=True,
+            env=child_env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.address: str | None = None
+        self.ready_line = ""
+        threading.Thread(target=self._pump, name=f"stdout-{name}", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Block until the child prints `ready <address> ...`; returns the address."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChildFailed(f"{self.name} printed no ready line within {timeout_s:g}s")
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                code = self.proc.wait()
+                raise ChildFailed(f"{self.name} exited with code {code} before it was ready")
+            logger.debug("%s: %s", self.name, line)
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "ready":
+                self.address, self.ready_line = parts[1], line
+                return self.address
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after `grace_s`; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s ignored SIGTERM for %gs; killing it", self.name, grace_s)
+            self.proc.kill()
+            return self.proc.wait(timeout=grace_s)
+
+    def kill(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait(timeout=30)
+
+
+def pdmesh_command(component: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pdmesh.cli", component, *args]
+
+
+class LocalMesh:
+    """Redis + engines + router; `start()` returns the router address. A context manager."""
+
+    def __init__(self, config: MeshConfig, router_args: Sequence[str] = ()) -> None:
+        self.config = config
+        self.router_args = list(router_args)
+        self.redis: RedisServer | None = None
+        self.redis_url = config.redis_url or ""
+        self.prefill: list[Child] = []
+        self.decode: list[Child] = []
+        self.router: Child | None = None
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
+
+    def engine_args(self, role: str) -> list[str]:
+        c = self.config
+        return [
+            "--model", c.model, "--host", c.host, "--port", "0",
+            "--redis-url", self.redis_url, "--kv-cache-memory", c.kv_cache_memory,
+            "--kv-backend", c.kv_backend, "--block-size", str(c.block_size),
+            "--log-level", c.log_level, *c.tls_flags(),
+        ]  # fmt: skip
+
+    def start(self) -> str:
+        c = self.config
+        try:
+            if not self.redis_url:
+                self.redis = RedisServer().start()
+                self.redis_url = self.redis.url
+            self.prefill = [
+                Child(f"prefill-{i}", pdmesh_command("prefill", *self.engine_args("prefill")))
+                for i in range(c.num_prefill)
+            ]
+            self.decode = [
+                Child(f"decode-{i}", pdmesh_command("decode", *self.engine_args("decode")))
+                for i in range(c.num_decode)
+            ]
+            for child in [*self.prefill, *self.decode]:  # they start in parallel
+                child.wait_ready(c.startup_timeout_s)
+            self.router = Child("router", pdmesh_command("router", *self._router_argv()))
+            return self.router.wait_ready(c.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _router_argv(self) -> list[str]:
+        c = self.config
+        argv = [
+            "--model", c.model, "--host", c.host, "--port", str(c.port),
+            "--redis-url", self.redis_url, "--routing-policy", c.routing_policy,
+            "--local-prefill-threshold", str(c.local_prefill_threshold),
+            "--log-level", c.log_level, *c.tls_flags(),
+        ]  # fmt: skip
+        if self.prefill:
+            argv += ["--prefill", ",".join(p.address or "" for p in self.prefill)]
+        argv += ["--decode", ",".join(d.address or "" for d in self.decode)]
+        return argv + self.router_args
+
+    @property
+    def router_address(self) -> str:
+        assert self.router is not None and self.router.address is not None
+        return self.router.address
+
+    def stop(self) -> None:
+        """Router first, then engines (all signalled before waiting on any), then Redis."""
+        if self.router is not None:
+            self.router.terminate()
+        engines = [*self.prefill, *self.decode]
+        for child in engines:
+            if child.running():
+                child.proc.terminate()
+        for child in engines:
+            child.terminate()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalMesh:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(
+        MeshConfig, argv, prog="pdmesh serve",
+        description="start redis, prefill and decode engines and the router as local processes",
+    )
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.WARNING))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh = LocalMesh(config)
+    try:
+        address = mesh.start()
+    except (ChildFailed, OSError) as exc:
+        print(f"pdmesh serve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"router listening on {address} (redis {mesh.redis_url}, "
+          f"{config.num_prefill} prefill, {config.num_decode} decode)", flush=True)
+    print(f"ready {address}", flush=True)
+    exit_code = 0
+    reported: set[str] = set()
+    try:
+        while not stop.wait(timeout=1.0):
+            if mesh.router is not None and not mesh.router.running():
+                print("pdmesh serve: the router exited; shutting down", file=sys.stderr)
+                exit_code = 1
+                break
+            for child in mesh.children:
+                if not child.running() and child.name not in reported:
+                    reported.add(child.name)
+                    print(f"pdmesh serve: {child.name} exited with code {child.proc.poll()}; "
+                          "the router routes around it", file=sys.stderr)
+    finally:
+        mesh.stop()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""One request's trip through the mesh: route, prefill (maybe remotely), decode, stream back.
+
+Decode is chosen first (the Dynamo / llm-d shape). If the prompt's part *not* cached on that
+decode instance is below `local_prefill_threshold` tokens, the decode instance prefills
+locally and no KV moves (conditional disaggregation). Otherwise a prefill instance is chosen
+with the same policy, Prefill runs there, its first tokens go to the client at once, and
+Decode continues with the KV handle; the decode instance pulls the KV straight from the
+prefill instance.
+
+Failure mapping (router.proto): before any output, a gRPC status (the instance's status where
+it is meaningful to the client, UNAVAILABLE naming the instance otherwise); after output
+started, unfinished sequences end with FINISH_REASON_ERROR and the stream still ends with a
+GenerateResult. A failing instance leaves routing at once. A cancelled client call cancels
+the Decode stream and releases the prefill side's KV, so every block comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdmesh.engine.block_hash import hash_token_blocks
+from pdmesh.kvstore.prefix_index import PrefixIndex
+from pdmesh.kvstore.redis_conn import IndexUnavailable
+from pdmesh.router.instances import Instance, InstancePool
+from pdmesh.router.routing.base import NoCandidateError, RouteRequest, RoutingPolicy
+from pdmesh.v1 import common_pb2, engine_pb2, router_pb2
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[router_pb2.GenerateResponse], Awaitable[None]]
+
+# Statuses that say the instance itself is broken, not the request.
+_INSTANCE_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+}
+# Statuses an instance may return that mean the same to the client.
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+class RouteError(Exception):
+    """A request that fails before any output: the server turns it into a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready to route."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    n: int
+    max_tokens: int  # resolved (unset = up to the context limit)
+    cache_salt: str
+    priority: int
+    stream: bool
+    received_at: float  # monotonic
+    deadline: float  # monotonic
+    tokenize_ms: float = 0.0
+
+    def remaining_s(self) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return remaining
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish: common_pb2.Finish | None = None
+
+
+class Assembler:
+    """Collects the deltas of the n sequences: forwards them as they come (stream=true) or
+    collapses them into one delta per sequence (stream=false)."""
+
+    def __init__(self, n: int) -> None:
+        self.sequences = [_Sequence() for _ in range(n)]
+
+    def add(self, delta: common_pb2.SequenceDelta) -> None:
+        if delta.index >= len(self.sequences):
+            raise RouteError(grpc.StatusCode.INTERNAL, f"delta for unknown index {delta.index}")
+        seq = self.sequences[delta.index]
+        seq.token_ids.extend(delta.token_ids)
+        seq.text.append(delta.text)
+        seq.logprobs.extend(delta.logprobs)
+        if delta.HasField("finish"):
+            seq.finish = delta.finish
+
+    @property
+    def started(self) -> bool:
+        return any(s.token_ids for s in self.sequences)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    def fail_unfinished(self, message: str) -> list[common_pb2.SequenceDelta]:
+        """Finish-only deltas ending every open sequence with FINISH_REASON_ERROR."""
+        out = []
+        for index, seq in enumerate(self.sequences):
+            if seq.finish is None:
+                seq.finish = common_pb2.Finish(
+                    reason=common_pb2.FINISH_REASON_ERROR, message=message
+                )
+                out.append(common_pb2.SequenceDelta(index=index, finish=seq.finish))
+        return out
+
+    def collapsed(self) -> list[common_pb2.SequenceDelta]:
+        return [
+            common_pb2.SequenceDelta(
+                index=index,
+                token_ids=seq.token_ids,
+                text="".join(seq.text),
+                logprobs=seq.logprobs,
+                finish=seq.finish,
+            )
+            for index, seq in enumerate(self.sequences)
+        ]
+
+
+@dataclass
+class _Plan:
+    decode: Instance
+    prefill: Instance | None  # None: the decode instance prefills locally
+    reason: str
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        pool: InstancePool,
+        policies: dict[str, RoutingPolicy],
+        index: PrefixIndex | None,
+        *,
+        local_prefill_threshold: int,
+        rpc_timeout_s: float,
+    ) -> None:
+        self.pool = pool
+        self.policies = policies  # one per role ("prefill", "decode"): stateful ones stay fair
+        self.index = index
+        self.local_prefill_threshold = local_prefill_threshold
+        self.rpc_timeout_s = rpc_timeout_s
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- routing -----------------------------------------------------------------------------
+    async def cached_blocks(self, req: PreparedRequest) -> dict[str, int]:
+        """Leading prompt blocks each instance holds; {} when the index cannot say."""
+        scheme = self.pool.scheme
+        uses_index = any(p.uses_prefix_index for p in self.policies.values())
+        if not uses_index or self.index is None or scheme is None:
+            return {}
+        hashes = hash_token_blocks(scheme, req.prompt_token_ids, req.cache_salt or None)
+        try:
+            return await self.index.longest_prefix(hashes)
+        except IndexUnavailable as exc:
+            self.pool.index_detail = f"redis unavailable: {exc}"
+            logger.info("prefix lookup failed, routing on load only: %s", exc)
+            return {}
+
+    def _choose(self, role: str, route: RouteRequest, cached: dict[str, int]) -> Instance:
+        instances = [i for i in self.pool.routable(role) if i.instance_id]
+        try:
+            candidates = [i.candidate(cached) for i in instances]
+            decision = self.policies[role].choose(route, candidates)
+        except NoCandidateError:
+            raise RouteError(
+                grpc.StatusCode.UNAVAILABLE, f"no live {role} instance to route to"
+            ) from None
+        chosen = next(i for i in instances if i.instance_id == decision.instance_id)
+        logger.debug("routed role=%s to=%s reason=%s", role, chosen.address, decision.reason)
+        return chosen
+
+    async def plan(self, req: PreparedRequest) -> _Plan:
+        cached = await self.cached_blocks(req)
+        block_size = self.pool.block_size or 16
+        route = RouteRequest(len(req.prompt_token_ids), block_size)
+        decode = self._choose("decode", route, cached)
+        held = min(cached.get(decode.instance_id, 0) * block_size, route.num_prompt_tokens)
+        uncached = route.num_prompt_tokens - held
+        if decode.role == "colocated" or uncached < self.local_prefill_threshold:
+            return _Plan(decode, None, f"local prefill ({uncached} uncached tokens)")
+        prefill = self._choose("prefill", route, cached)
+        return _Plan(decode, prefill, f"remote prefill ({uncached} uncached tokens on decode)")
+
+    # -- running -----------------------------------------------------------------------------
+    async def run(self, req: PreparedRequest, send: Send) -> None:
+        """Serve `req`, sending GenerateResponses through `send`; RouteError before output."""
+        plan = await self.plan(req)
+        block_size = self.pool.block_size or 16
+        prompt_blocks = math.ceil(len(req.prompt_token_ids) / block_size)
+        kv_blocks = math.ceil((len(req.prompt_token_ids) + req.max_tokens * req.n) / block_size)
+        run = _Run(self, req, plan, send)
+        with _inflight(plan.decode, kv_blocks), _inflight(plan.prefill, prompt_blocks):
+            await run.execute()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Fire-and-forget cleanup that must outlive a cancelled request."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for cleanup calls still in flight (shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def _inflight(instance: Instance | None, blocks: int) -> Any:
+    if instance is None:
+        yield
+        return
+    started = instance.request_started(blocks)
+    try:
+        yield
+    finally:
+        instance.request_finished(blocks, started)
+
+
+def _merge_timing(
+    req: PreparedRequest, ttft_ms: float, parts: list[common_pb2.Timing]
+) -> common_pb2.Timing:
+    timing = common_pb2.Timing(
+        tokenize_ms=req.tokenize_ms,
+        ttft_ms=ttft_ms,
+        e2e_ms=(time.monotonic() - req.received_at) * 1000,
+    )
+    for part in parts:
+        timing.queue_ms += part.queue_ms
+        timing.prefill_ms += part.prefill_ms
+        timing.kv_transfer_ms += part.kv_transfer_ms
+        timing.decode_ms += part.decode_ms
+    return timing
+
+
+class _Run:
+    """The state of one request while it runs (kept off the shared Orchestrator)."""
+
+    def __init__(self, orch: Orchestrator, req: PreparedRequest, plan: _Plan, send: Send):
+        self.orch = orch
+        self.req = req
+        self.plan = plan
+        self._send = send
+        self.out = Assembler(req.n)
+        self.ttft_ms = 0.0
+        self.timings: list[common_pb2.Timing] = []
+        self.prefill_resp: engine_pb2.PrefillResponse | None = None
+
+    async def _emit(self, delta: common_pb2.SequenceDelta) -> None:
+        self.out.add(delta)
+        if delta.token_ids and not self.ttft_ms:
+            self.ttft_ms = (time.monotonic() - self.req.received_at) * 1000
+        if self.req.stream:
+            await self._send(router_pb2.GenerateResponse(delta=delta))
+
+    def _served_by(self) -> router_pb2.ServedBy:
+        decode_id = self.plan.decode.instance_id
+        prefill_id = self.plan.prefill.instance_id if self.plan.prefill else decode_id
+        return router_pb2.ServedBy(prefill_instance_id=prefill_id, decode_instance_id=decode_id)
+
+    async def _finish(
+        self, usage: common_pb2.Usage, prompt_logprobs: list[common_pb2.TokenLogprob]
+    ) -> None:
+        if not self.req.stream:
+            for delta in self.out.collapsed():
+                await self._send(router_pb2.GenerateResponse(delta=delta))
+        result = router_pb2.GenerateResult(
+            request_id=self.req.request_id,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs,
+            timing=_merge_timing(self.req, self.ttft_ms, self.timings),
+            served_by=self._served_by(),
+        )
+        await self._send(router_pb2.GenerateResponse(result=result))
+
+    async def execute(self) -> None:
+        remote: engine_pb2.RemotePrefill | None = None
+        if self.plan.prefill is not None:
+            remote = await self._prefill(self.plan.prefill)
+            if remote is None:  # every sequence finished on the prefill instance
+                assert self.prefill_resp is not None
+                usage = common_pb2.Usage(
+                    prompt_tokens=len(self.req.prompt_token_ids),
+                    completion_tokens=self.out.completion_tokens,
+                    cached_prompt_tokens=self.prefill_resp.cached_prompt_tokens,
+                )
+                await self._finish(usage, list(self.prefill_resp.prompt_logprobs))
+                return
+        await self._decode(self.plan.decode, remote)
+
+    # -- prefill -----------------------------------------------------------------------------
+    async def _prefill(self, instance: Instance) -> engine_pb2.RemotePrefill | None:
+        req = self.req
+        message = engine_pb2.PrefillRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
+        try:
+            resp = await instance.prefill_stub().Prefill(message, timeout=req.remaining_s())
+        except asyncio.CancelledError:
+            self.orch.spawn(self._abort_prefill(instance, "client cancelled"))
+            raise
+        except grpc.aio.AioRpcError as exc:
+            raise self._instance_error(instance, "prefill", exc) from None
+        self.prefill_resp = resp
+        self.timings.append(resp.timing)
+        try:
+            for delta in resp.first:
+                await self._emit(delta)
+        except BaseException:
+            if resp.HasField("kv"):
+                self.orch.spawn(self._release_kv(instance, resp.kv.transfer_id, "client gone"))
+            raise
+        if not resp.HasField("kv"):
+            return None
+        return engine_pb2.RemotePrefill(
+            kv=resp.kv, first=resp.first, cached_prompt_tokens=resp.cached_prompt_tokens
+        )
+
+    # -- decode ------------------------------------------------------------------------------
+    async def _decode(self, instance: Instance, remote: engine_pb2.RemotePrefill | None) -> None:
+        req = self.req
+        message = engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            remote_prefill=remote,
+        )
+        result: engine_pb2.DecodeResult | None = None
+        call = instance.decode_stub().Decode(message, timeout=req.remaining_s())
+        try:
+            async for resp in call:
+                if resp.HasField("delta"):
+                    await self._emit(resp.delta)
+                elif resp.HasField("result"):
+                    result = resp.result
+        except asyncio.CancelledError:
+            call.cancel()
+            self._cleanup_after_decode(instance, remote, "client cancelled")
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
+            error = self._instance_error(instance, "decode", exc)
+            if not self.out.started:
+                raise error from None
+            await self._fail_after_output(str(error))
+            return
+        except BaseException:
+            call.cancel()
+            self._cleanup_after_decode(instance, remote, "router error")
+            raise
+        if result is None:
+            self._cleanup_after_decode(instance, remote, "decode stream ended without a result")
+            message_text = f"decode instance {instance.address} ended without a result"
+            if not self.out.started:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, message_text)
+            await self._fail_after_output(message_text)
+            return
+        self.timings.append(result.timing)
+        prompt_logprobs = (
+            list(self.prefill_resp.prompt_logprobs)
+            if self.prefill_resp is not None
+            else list(result.prompt_logprobs)
+        )
+        await self._finish(result.usage, prompt_logprobs)
+
+    async def _fail_after_output(self, message: str) -> None:
+        for delta in self.out.fail_unfinished(message):
+            if self.req.stream:
+                await self._send(router_pb2.GenerateResponse(delta=delta))
+        cached = self.prefill_resp.cached_prompt_tokens if self.prefill_resp else 0
+        usage = common_pb2.Usage(
+            prompt_tokens=len(self.req.prompt_token_ids),
+            completion_tokens=self.out.completion_tokens,
+            cached_prompt_tokens=cached,
+        )
+        prompt_logprobs = list(self.prefill_resp.prompt_logprobs) if self.prefill_resp else []
+        await self._finish(usage, prompt_logprobs)
+
+    # -- failures and cleanup ----------------------------------------------------------------
+    def _instance_error(
+        self, instance: Instance, what: str, exc: grpc.aio.AioRpcError
+    ) -> RouteError:
+        code = exc.code()
+        if code in _INSTANCE_FAULTS:
+            self.orch.pool.mark_failed(instance, f"{what} failed: {code.name} {exc.details()}")
+        where = f"{what} instance {instance.instance_id or '?'} at {instance.address}"
+        message = f"{where} failed: {code.name}: {exc.details()}"
+        if code in _PASS_THROUGH:
+            return RouteError(code, message)
+        return RouteError(grpc.StatusCode.UNAVAILABLE, message)
+
+    def _cleanup_after_decode(
+        self, decode: Instance, remote: engine_pb2.RemotePrefill | None, reason: str
+    ) -> None:
+        self.orch.spawn(self._abort(decode.decode_stub().Abort, decode, reason))
+        if remote is not None and self.plan.prefill is not None:
+            self.orch.spawn(self._release_kv(self.plan.prefill, remote.kv.transfer_id, reason))
+
+    async def _release_kv(self, instance: Instance, transfer_id: str, reason: str) -> None:
+        request = engine_pb2.ReleaseKVRequest(
+            request_id=self.req.request_id, transfer_id=transfer_id, reason=reason
+        )
+        try:
+            await instance.prefill_stub().ReleaseKV(request, timeout=self.orch.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("ReleaseKV on %s failed: %s", instance.address, exc.code().name)
+
+    async def _abort_prefill(self, instance: Instance, reason: str) -> None:
+        await self._abort(instance.prefill_stub().Abort, instance, reason)
+
+    async def _abort(self, method: Any, instance: Instance, reason: str) -> None:
+        request = engine_pb2.AbortRequest(request_id=self.req.request_id, reason=reason)
+        try:
+            await method(request, timeout=self.orch.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("Abort on %s failed: %s", instance.address, exc.code().name)

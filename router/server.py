@@ -1,0 +1,352 @@
+"""The Router gRPC service (`pdmesh router`): the cluster's only public front door.
+
+Generate = admit (validate, tokenize, budget) → route and run (orchestrator) → stream back.
+Tokenize, ListModels and GetStatus answer from the router's own state. The standard health
+service reports "" and "pdmesh.v1.Router" SERVING while the router runs, and
+"pdmesh.router.PrefixIndex" SERVING only while the Redis prefix index is reachable: without it
+the router keeps serving with load-only routing, and says so there and in GetStatus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from pdmesh.engine.llm import apply_chat_template
+from pdmesh.engine.model_store import resolve_model
+from pdmesh.grpc_common import GrpcServer, install_shutdown_signals
+from pdmesh.kvstore.instance_registry import InstanceRegistry
+from pdmesh.kvstore.prefix_index import PrefixIndex
+from pdmesh.kvstore.redis_conn import RedisConnection
+from pdmesh.kvstore.redis_schema import KeySpace
+from pdmesh.router.admission import (
+    RETRY_AFTER_KEY,
+    Admission,
+    DeadlineExpired,
+    InvalidRequest,
+    OverCapacity,
+    budget_tokens,
+    retry_after_ms,
+    sampling_from_proto,
+    validate_prompt,
+)
+from pdmesh.router.config import RouterConfig, parse_router_config
+from pdmesh.router.instances import InstancePool, PoolSettings
+from pdmesh.router.orchestrator import Orchestrator, PreparedRequest, RouteError
+from pdmesh.router.routing import make_policy
+from pdmesh.v1 import engine_pb2, router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdmesh.v1.Router"
+INDEX_HEALTH_NAME = "pdmesh.router.PrefixIndex"
+MAX_REQUEST_ID_BYTES = 128
+_ROLES = {"prefill": engine_pb2.ROLE_PREFILL, "decode": engine_pb2.ROLE_DECODE,
+          "colocated": engine_pb2.ROLE_COLOCATED}
+
+
+class PromptTokenizer:
+    """The model's tokenizer, run on one dedicated thread (HF tokenizers are not meant to be
+    shared across threads, and tokenizing long prompts must not stall the event loop)."""
+
+    def __init__(self, model: str) -> None:
+        from transformers import AutoTokenizer
+
+        model_dir = resolve_model(model)
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    def _encode(self, request: Any) -> list[int]:
+        kind = request.WhichOneof("prompt" if hasattr(request, "token_ids") else "input")
+        if kind == "text":
+            return list(self._tokenizer(request.text, add_special_tokens=True)["input_ids"])
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequest("chat.messages", "a chat needs at least one message")
+            add = (
+                request.chat.add_generation_prompt
+                if request.chat.HasField("add_generation_prompt") else True
+            )
+            try:
+                return apply_chat_template(self._tokenizer, messages, add)
+            except ValueError as exc:
+                raise InvalidRequest("chat", str(exc)) from None
+        raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
+
+    async def encode(self, request: Any) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode, request)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PromptTokenizer,
+        pool: InstancePool,
+        orchestrator: Orchestrator,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.orchestrator = orchestrator
+        self.admission = Admission(config.admission_limits())
+        self._inflight: set[str] = set()
+
+    # -- Generate ----------------------------------------------------------------------------
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        received = time.monotonic()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._inflight:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        self._inflight.add(request_id)
+        try:
+            await self._generate(request, request_id, received, context)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OverCapacity as exc:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{exc}; retry in {exc.retry_after_s:.1f}s",
+                trailing_metadata=((RETRY_AFTER_KEY, retry_after_ms(exc.retry_after_s)),),
+            )
+        except DeadlineExpired as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RouteError as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            self._inflight.discard(request_id)
+
+    async def _generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        request_id: str,
+        received: float,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        if len(request_id.encode()) > MAX_REQUEST_ID_BYTES or not request_id.isprintable():
+            raise InvalidRequest(
+                "request_id", f"must be printable and at most {MAX_REQUEST_ID_BYTES} bytes"
+            )
+        self._check_model(request.model)
+        params = sampling_from_proto(request.sampling)
+        ids = await self.tokenizer.encode(request)
+        tokenize_ms = (time.monotonic() - received) * 1000
+        max_model_len = self.pool.max_model_len()
+        if max_model_len is None:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no live instance serves the model")
+        max_tokens = validate_prompt(
+            ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=max_model_len
+        )
+        remaining = context.time_remaining()
+        timeout_s = self.config.request_timeout_s if remaining is None else remaining
+        prepared = PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=request.sampling,
+            n=params.n,
+            max_tokens=max_tokens,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            stream=request.stream,
+            received_at=received,
+            deadline=received + timeout_s,
+            tokenize_ms=tokenize_ms,
+        )
+        budget = budget_tokens(len(ids), max_tokens, params.n)
+        wait_s = prepared.deadline - time.monotonic()
+        ticket = await self.admission.acquire(budget, timeout_s=wait_s)
+        async with ticket:
+            await self.orchestrator.run(prepared, context.write)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.config.model:
+            raise RouteError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} is not served here; served: {self.config.model!r}",
+            )
+
+    # -- the small RPCs ----------------------------------------------------------------------
+    async def Tokenize(
+        self, request: router_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.TokenizeResponse:
+        try:
+            self._check_model(request.model)
+            ids = await self.tokenizer.encode(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouteError as exc:
+            await context.abort(exc.code, str(exc))
+        return router_pb2.TokenizeResponse(
+            token_ids=ids, max_model_len=self.pool.max_model_len() or 0
+        )
+
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        live = [i for i in self.pool.instances() if i.healthy]
+        if not live:
+            return router_pb2.ListModelsResponse()
+        model = router_pb2.ModelInfo(
+            id=self.config.model,
+            max_model_len=self.pool.max_model_len() or 0,
+            num_instances=len(live),
+        )
+        return router_pb2.ListModelsResponse(models=[model])
+
+    async def GetStatus(
+        self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterStatus:
+        return router_pb2.RouterStatus(
+            routing_policy=self.config.routing_policy,
+            prefix_index_available=self.pool.index_available,
+            prefix_index_detail=self.pool.index_detail,
+            instances=[
+                router_pb2.InstanceStatus(
+                    instance_id=i.instance_id,
+                    address=i.address,
+                    role=_ROLES[i.role],
+                    healthy=i.healthy,
+                    detail=i.detail,
+                    load=i.load,
+                    num_inflight=i.inflight_requests,
+                )
+                for i in self.pool.instances()
+            ],
+            num_running=self.admission.running,
+            num_queued=self.admission.queued,
+        )
+
+
+async def _report_index_health(server: GrpcServer, pool: InstancePool) -> None:
+    """Mirror the prefix index's reachability into the health service after every poll."""
+    last: bool | None = None
+    while True:
+        available = pool.index_available
+        if available != last:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if available else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await server.health.set(INDEX_HEALTH_NAME, status)
+            if last is not None:
+                logger.warning("prefix index %s: %s", "available" if available else
+                               "UNAVAILABLE, routing on load only", pool.index_detail)
+            last = available
+        await pool.wait_polled()
+
+
+async def _first_contact(pool: InstancePool, timeout_s: float) -> None:
+    """Poll until a decode instance is routable (or `timeout_s` passes), so that a router
+    that says "ready" can serve at once; without one it still starts and keeps polling."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await pool.poll_once()
+        if pool.routable("decode") or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    if not pool.routable("decode"):
+        logger.warning("no routable decode instance after %gs; serving anyway", timeout_s)
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the router until `stop` is set (SIGINT/SIGTERM when not given)."""
+    stop = stop or asyncio.Event()
+    install_shutdown_signals(stop)
+    tokenizer = await asyncio.to_thread(PromptTokenizer, config.tokenizer or config.model)
+    conn = RedisConnection.from_url(config.redis_url) if config.redis_url else None
+    keys = KeySpace(model=config.model)
+    static = [("prefill", a) for a in config.prefill] + [("decode", a) for a in config.decode]
+    pool = InstancePool(
+        PoolSettings(
+            model=config.model,
+            poll_interval_s=config.poll_interval_s,
+            failure_threshold=config.failure_threshold,
+            rpc_timeout_s=config.rpc_timeout_s,
+            tls=config.tls,
+            max_message_bytes=config.max_message_bytes,
+        ),
+        static=static,
+        registry=InstanceRegistry(conn, keys) if conn else None,
+    )
+    orchestrator = Orchestrator(
+        pool,
+        {
+            role: make_policy(config.routing_policy, prefix_weight=config.prefix_weight)
+            for role in ("prefill", "decode")
+        },
+        PrefixIndex(conn, keys) if conn else None,
+        local_prefill_threshold=config.local_prefill_threshold,
+        rpc_timeout_s=config.rpc_timeout_s,
+    )
+    service = RouterService(config, tokenizer, pool, orchestrator)
+    server = GrpcServer(
+        [SERVICE_NAME], host=config.host, port=config.port, tls=config.tls,
+        max_message_bytes=config.max_message_bytes,
+    )
+    router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
+    await _first_contact(pool, timeout_s=config.startup_wait_s)
+    pool.start()
+    address = await server.start()
+    health_task = asyncio.create_task(_report_index_health(server, pool))
+    logger.info("router serving address=%s policy=%s", address, config.routing_policy)
+    print(f"ready {address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router shutting down")
+        health_task.cancel()
+        await server.stop(grace_s=1.0)  # cancels in-flight calls: their cleanup frees KV
+        await orchestrator.drain()
+        await pool.stop()
+        tokenizer.close()
+        if conn is not None:
+            await conn.aclose()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_router_config(argv)
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as exc:
+        print(f"pdmesh router: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
