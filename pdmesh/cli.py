@@ -20,6 +20,7 @@ _COMPONENTS = {
     "decode": "pdmesh.decode_svc.server",
     "gateway": "pdmesh.gateway.server",
     "bench": "pdmesh.bench_cli",
+    "ask": "pdmesh.client",
 }
 
 
