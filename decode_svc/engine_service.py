@@ -136,13 +136,6 @@ class EngineService:
         }
 
 
-def configure_logging(level: str) -> None:
-    """key=value lines on stderr; quiet (warning) unless asked."""
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
 
 
 def _service_names(role: Role) -> list[str]:

@@ -10,8 +10,9 @@ import asyncio
 from collections.abc import Sequence
 
 from pdmesh.decode_svc.config import DecodeConfig
-from pdmesh.decode_svc.engine_service import configure_logging, serve
+from pdmesh.decode_svc.engine_service import serve
 from pdmesh.grpc_common import parse_config
+from pdmesh.logs import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:

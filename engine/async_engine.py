@@ -92,24 +92,6 @@ def _snapshot_output(out: RequestOutput) -> RequestOutput:
                    metrics=dict(out.metrics))
 
 
-def _advance_generators(engine: LLMEngine, request_id: str) -> None:
-    """Seeded samples continue their random stream after the prefill instance's draw.
-
-    The sampler draws one exponential per vocabulary entry from a sequence's own generator for
-    each random (non-greedy) token; the prefill instance made that draw for the first token, so
-    an imported sequence skips exactly that much to produce colocated mode's tokens.
-    """
-    state = engine.requests.get(request_id)
-    if state is None or state.params.is_greedy:
-        return
-    vocab = engine.model_config.vocab_size
-    for seq in state.seqs:
-        if seq.generator is not None:
-            torch.empty(vocab, dtype=torch.float32, device=engine.device).exponential_(
-                generator=seq.generator
-            )
-
-
 class AsyncEngine:
     """asyncio facade over one `LLMEngine`; create it inside a running event loop."""
 
@@ -214,7 +196,6 @@ class AsyncEngine:
                 first_logprobs=first_logprobs, priority=priority, cache_salt=cache_salt,
                 num_cached_tokens=num_cached_tokens,
             )
-            _advance_generators(engine, request_id)
 
         async for out in self._stream(request_id, add):
             yield out

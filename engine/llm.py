@@ -30,6 +30,7 @@ class LLM:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+        print(f"pdmesh: {self.engine.capacity_summary}", file=sys.stderr)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

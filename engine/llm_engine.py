@@ -38,6 +38,7 @@ from pdmesh.engine.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
     make_generator,
+    skip_one_draw,
 )
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -104,14 +105,12 @@ class LLMEngine:
         )
         capacity = num_blocks * config.block_size
         self.max_model_len = self._resolve_max_model_len(max_positions, capacity)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max_model_len=%d",
-            num_blocks,
-            config.block_size,
-            capacity,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
-            self.max_model_len,
+        self.capacity_summary = (
+            f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {capacity} tokens "
+            f"({self.kv_cache.numel() * self.kv_cache.element_size() / 2**20:.1f} MiB, "
+            f"{self.dtype}, {self.device}); max_model_len={self.max_model_len}"
         )
+        logger.info(self.capacity_summary)
         self.kv_manager = KVCacheManager(num_blocks, self.scheme, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -354,6 +353,10 @@ class LLMEngine:
                 raise KVCacheFullError("no room to fork the imported request")
             seqs.append(child)
         self.scheduler.add_running(parent)
+        if not params.is_greedy:
+            for seq in seqs:
+                if seq.generator is not None:
+                    skip_one_draw(seq.generator, mc.vocab_size)
         for i, seq in enumerate(seqs):
             lp = first_logprobs[i] if first_logprobs else None
             self._append_token(seq, first_token_ids[i], lp)

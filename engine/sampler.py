@@ -132,8 +132,21 @@ class Sampler:
             ).exponential_(generator=self.generator)
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
+                _draw_row(noise[i], generator)
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _draw_row(row: torch.Tensor, generator: torch.Generator) -> None:
+    row.exponential_(generator=generator)
+
+
+def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance a sequence's generator exactly as sampling one random token does.
+
+    Used when that token was sampled on another instance (prefill in P/D), so the decode side
+    continues the same random stream and seeded output matches colocated serving.
+    """
+    _draw_row(torch.empty(vocab_size, dtype=torch.float32, device=generator.device), generator)
 
 
 def _min_tokens_active(params: SamplingParams, output_ids: list[int]) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from pdmesh.decode_svc.engine_service import configure_logging, serve
+from pdmesh.decode_svc.engine_service import serve
 from pdmesh.grpc_common import parse_config
+from pdmesh.logs import configure_logging
 from pdmesh.prefill_svc.config import PrefillConfig
 
 

@@ -29,6 +29,7 @@ from pdmesh.kvstore.instance_registry import InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
+from pdmesh.logs import configure_logging
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,
@@ -327,12 +328,6 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
             await conn.aclose()
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

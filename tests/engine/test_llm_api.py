@@ -183,11 +183,18 @@ def test_abort_returns_every_block(llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_kv_export_import_continues_exactly(llm):
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=16),
+        SamplingParams(n=2, temperature=0.8, top_k=50, seed=11, max_tokens=16),
+    ],
+    ids=["greedy", "seeded-n2"],
+)
+def test_kv_export_import_continues_exactly(llm, params):
     """Prefill role on one engine, decode role on another: same tokens as one engine."""
     prompt = "Explain in one sentence why the sky is blue. " * 3
-    params = SamplingParams(temperature=0, max_tokens=16)
-    expected = llm.generate(prompt, params)[0].outputs[0].token_ids
+    expected = [o.token_ids for o in llm.generate(prompt, params)[0].outputs]
 
     prefill = llm.engine
     prefill.add_request("xfer", prompt, params, export_kv=True)
@@ -196,14 +203,14 @@ def test_kv_export_import_continues_exactly(llm):
         for out in prefill.step():
             if out.kv_export is not None:
                 exported = out
-    assert exported is not None and len(exported.outputs[0].token_ids) == 1
+    assert exported is not None
+    assert [len(o.token_ids) for o in exported.outputs] == [1] * params.n
     kv = prefill.read_kv("xfer")
     assert prefill.num_free_blocks < prefill.num_total_blocks  # pinned until released
 
     decode = LLM("smollm2", kv_cache_memory="64MiB").engine
-    decode.add_imported_request(
-        "xfer", exported.prompt_token_ids, exported.outputs[0].token_ids, kv.clone(), params
-    )
+    first = [o.token_ids[0] for o in exported.outputs]
+    decode.add_imported_request("xfer", exported.prompt_token_ids, first, kv.clone(), params)
     assert prefill.release_kv("xfer")
     assert all_blocks_free(llm)
     final = None
@@ -211,5 +218,5 @@ def test_kv_export_import_continues_exactly(llm):
         for out in decode.step():
             final = out
     assert final.finished
-    assert final.outputs[0].token_ids == expected
+    assert [o.token_ids for o in final.outputs] == expected
     assert decode.num_free_blocks == decode.num_total_blocks
