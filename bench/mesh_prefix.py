@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--kv-cache-memory", default="192MiB")
     args = parser.parse_args(argv)
-    config = MeshConfig(num_prefill=2, num_decode=2, kv_cache_memory=args.kv_cache_memory)
+    config = MeshConfig(
+        num_prefill=2, num_decode=2, kv_cache_memory=args.kv_cache_memory, gateway_port=-1
+    )
     with LocalMesh(config) as mesh:
         rr = Child("rr-router", pdmesh_command(
             "router", *mesh._router_argv(), "--routing-policy", "round_robin"))

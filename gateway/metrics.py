@@ -22,8 +22,8 @@ class GatewayMetrics:
             ["endpoint", "status"], registry=r,
         )
         self.errors = Counter(
-            "pdmesh:gateway_request_errors", "Requests answered with an error, by status and type",
-            ["endpoint", "status", "type"], registry=r,
+            "pdmesh:gateway_request_errors", "Requests answered with an error status",
+            ["endpoint", "status"], registry=r,
         )
         self.in_flight = Gauge(
             "pdmesh:gateway_requests_in_flight", "Generation requests being served",

@@ -62,6 +62,14 @@ class SamplingFields(StrictModel):
     cache_salt: str = ""
     priority: int = 0
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+        return bias
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -70,10 +78,7 @@ class SamplingFields(StrictModel):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         proto = common_pb2.SamplingParams(
             n=self.n,
             top_k=self.top_k,

@@ -1,7 +1,8 @@
 """`pdmesh serve`: a whole mesh on this machine, as real processes.
 
 Starts a Redis for the cluster index (a real redis-server, see kvstore/redis_server.py) unless
-`--redis-url` names one, then N prefill and M decode engine processes and the router, each as
+`--redis-url` names one, then N prefill and M decode engine processes (or, with `--colocated`,
+engines that do both), the router and the OpenAI REST gateway, each as
 `python -m pdmesh.cli <role> ...`. Every child prints one `ready <host:port> ...` line when it
 serves; we wait for that line (with a deadline) instead of sleeping, then print the router's
 address. Ctrl-C / SIGTERM stop the children (SIGTERM, then SIGKILL after a grace period) in
@@ -59,6 +60,15 @@ class MeshConfig:
     tls_cert: str | None = field(default=None, metadata=_help("PEM cert for every hop"))
     tls_key: str | None = field(default=None, metadata=_help("PEM private key"))
     tls_ca: str | None = field(default=None, metadata=_help("PEM CA: mutual TLS everywhere"))
+    colocated: bool = field(
+        default=False,
+        metadata=_help("engines do prefill and decode themselves (no KV moves); "
+                       "--num-decode of them, no prefill processes"),
+    )
+    gateway_port: int = field(
+        default=8000, metadata=_help("OpenAI REST gateway port; 0 picks a free one, -1 disables")
+    )
+    api_key: str | None = field(default=None, metadata=_help("gateway API key (Bearer)"))
     startup_timeout_s: float = field(default=180.0, metadata=_help("per-child ready deadline"))
     log_level: str = field(default="warning", metadata=_help("children's log level"))
 
@@ -67,6 +77,10 @@ class MeshConfig:
             raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
         if self.routing_policy not in POLICY_NAMES:
             raise ValueError(f"--routing-policy must be one of {', '.join(POLICY_NAMES)}")
+        if self.colocated:
+            self.num_prefill = 0
+        if self.gateway_port < -1:
+            raise ValueError("--gateway-port must be -1 (off), 0 (free port) or a port")
         if self.startup_timeout_s <= 0:
             raise ValueError("--startup-timeout-s must be > 0")
 
@@ -164,10 +178,12 @@ class LocalMesh:
         self.prefill: list[Child] = []
         self.decode: list[Child] = []
         self.router: Child | None = None
+        self.gateway: Child | None = None
 
     @property
     def children(self) -> list[Child]:
-        return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
+        front = [c for c in (self.router, self.gateway) if c is not None]
+        return [*self.prefill, *self.decode, *front]
 
     def engine_args(self, role: str) -> list[str]:
         c = self.config
@@ -188,14 +204,22 @@ class LocalMesh:
                 Child(f"prefill-{i}", pdmesh_command("prefill", *self.engine_args("prefill")))
                 for i in range(c.num_prefill)
             ]
+            role_args = ["--role", "colocated"] if c.colocated else []
             self.decode = [
-                Child(f"decode-{i}", pdmesh_command("decode", *self.engine_args("decode")))
+                Child(
+                    f"{'colocated' if c.colocated else 'decode'}-{i}",
+                    pdmesh_command("decode", *self.engine_args("decode"), *role_args),
+                )
                 for i in range(c.num_decode)
             ]
             for child in [*self.prefill, *self.decode]:  # they start in parallel
                 child.wait_ready(c.startup_timeout_s)
             self.router = Child("router", pdmesh_command("router", *self._router_argv()))
-            return self.router.wait_ready(c.startup_timeout_s)
+            address = self.router.wait_ready(c.startup_timeout_s)
+            if c.gateway_port >= 0:
+                self.gateway = Child("gateway", pdmesh_command("gateway", *self._gateway_argv()))
+                self.gateway.wait_ready(c.startup_timeout_s)
+            return address
         except BaseException:
             self.stop()
             raise
@@ -213,15 +237,31 @@ class LocalMesh:
         argv += ["--decode", ",".join(d.address or "" for d in self.decode)]
         return argv + self.router_args
 
+    def _gateway_argv(self) -> list[str]:
+        c = self.config
+        argv = [
+            "--router-address", self.router_address, "--host", c.host,
+            "--port", str(c.gateway_port), "--log-level", c.log_level, *c.tls_flags(),
+        ]  # fmt: skip
+        return argv + (["--api-key", c.api_key] if c.api_key else [])
+
+    @property
+    def gateway_url(self) -> str | None:
+        """Base URL of the OpenAI API (`http://host:port/v1`), or None without a gateway."""
+        if self.gateway is None or self.gateway.address is None:
+            return None
+        return f"http://{self.gateway.address}/v1"
+
     @property
     def router_address(self) -> str:
         assert self.router is not None and self.router.address is not None
         return self.router.address
 
     def stop(self) -> None:
-        """Router first, then engines (all signalled before waiting on any), then Redis."""
-        if self.router is not None:
-            self.router.terminate()
+        """Gateway and router first, then engines (all signalled at once), then Redis."""
+        for front in (self.gateway, self.router):
+            if front is not None:
+                front.terminate()
         engines = [*self.prefill, *self.decode]
         for child in engines:
             if child.running():
@@ -258,9 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ChildFailed, OSError) as exc:
         print(f"pdmesh serve: error: {exc}", file=sys.stderr)
         return 1
-    print(f"router listening on {address} (redis {mesh.redis_url}, "
-          f"{config.num_prefill} prefill, {config.num_decode} decode)", flush=True)
-    print(f"ready {address}", flush=True)
+    engines = (
+        f"{config.num_decode} colocated" if config.colocated
+        else f"{config.num_prefill} prefill, {config.num_decode} decode"
+    )
+    print(f"router listening on {address} (redis {mesh.redis_url}, {engines})", flush=True)
+    if mesh.gateway_url:
+        print(f"OpenAI API on {mesh.gateway_url}", flush=True)
+    gateway = f" gateway={mesh.gateway_url}" if mesh.gateway_url else ""
+    print(f"ready {address}{gateway}", flush=True)
     exit_code = 0
     reported: set[str] = set()
     try:

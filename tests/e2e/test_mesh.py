@@ -162,7 +162,7 @@ def test_mtls_mesh_serves_and_refuses_clients_without_a_valid_cert(tmp_path: Pat
     serve = Child(
         "serve",
         pdmesh_command("serve", "--num-prefill", "1", "--num-decode", "1",
-                       "--kv-cache-memory", KV_MEMORY, *tls),
+                       "--kv-cache-memory", KV_MEMORY, "--gateway-port", "-1", *tls),
     )
     try:
         address = serve.wait_ready(timeout_s=180)
@@ -216,7 +216,8 @@ class Mesh:
 @pytest.fixture(name="mesh", scope="module")
 def mesh_fixture() -> Iterator[Mesh]:
     config = MeshConfig(
-        num_prefill=2, num_decode=2, kv_cache_memory=KV_MEMORY, local_prefill_threshold=0
+        num_prefill=2, num_decode=2, kv_cache_memory=KV_MEMORY, local_prefill_threshold=0,
+        gateway_port=-1,
     )
     fast_polls = ["--poll-interval-s", "0.2"]
     with LocalMesh(config, router_args=fast_polls) as local:

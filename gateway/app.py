@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP routes (FastAPI), translated to router gRPC calls.
+
+One HTTP generation request becomes one router `Generate` call per prompt (completions accept
+several prompts; choice index = prompt index × n + sequence index, as OpenAI numbers them).
+Errors raised before any output answer with the mapped HTTP status (router_client.py); a
+streaming response only starts once every call produced its first message, so a refusal is
+still a proper status and not a broken stream. Every call is cancelled when the HTTP client
+goes away (`DisconnectWatch`), which makes the router abort the request everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdmesh.gateway.config import GatewayConfig
+from pdmesh.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdmesh.gateway.openai_format import (
+    SequenceState,
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    finish_reason,
+    stop_reason,
+)
+from pdmesh.gateway.router_client import GatewayError, GenerateCall, RouterClient
+from pdmesh.gateway.schemas import (
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    validation_param,
+)
+from pdmesh.v1 import common_pb2, router_pb2
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Kind = Literal["completion", "chat"]
+CLIENT_CLOSED = 499  # nginx's convention; only ever seen in logs and metrics
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class DisconnectWatch:
+    """Calls `on_disconnect` once if the HTTP client goes away before `stop()`.
+
+    It waits on the ASGI receive channel, which yields `http.disconnect` when the client closes
+    the connection (and also once the response is complete, hence `stop()` first).
+    """
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self.fired = False
+        self._request = request
+        self._on_disconnect = on_disconnect
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self.fired = True
+        self._on_disconnect()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+@dataclass
+class Generation:
+    """One HTTP generation request in flight: its router calls and what it has produced."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    n: int
+    want_logprobs: bool
+    include_usage: bool
+    calls: list[GenerateCall]
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    ok: bool = False  # answered in full, without error
+    usage: UsageInfo = field(default_factory=UsageInfo)
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.close()
+
+    def saw_delta(self, delta: common_pb2.SequenceDelta) -> None:
+        if self.first_token_at is None and (delta.token_ids or delta.text):
+            self.first_token_at = time.monotonic()
+
+
+_END = object()
+
+
+class OpenAIServing:
+    """Route handlers sharing one router client and one metrics registry."""
+
+    def __init__(self, config: GatewayConfig, client: RouterClient, metrics: GatewayMetrics):
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.started = int(time.time())
+        self._default_model: str | None = None
+
+    # -- small endpoints ---------------------------------------------------------------------
+    async def models(self) -> ModelList:
+        models = await self.client.list_models()
+        return ModelList(
+            data=[ModelCard(id=m.id, created=self.started, max_model_len=m.max_model_len)
+                  for m in models]
+        )
+
+    async def health(self) -> JSONResponse:
+        serving, detail = await self.client.healthy()
+        body = {"status": "ok" if serving else "unavailable", "router": detail}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def model_name(self, requested: str) -> str:
+        """The name echoed in responses: the request's, or the served model's."""
+        if requested:
+            return requested
+        if self._default_model is None:
+            models = await self.client.list_models()
+            if len(models) != 1:
+                return ""
+            self._default_model = models[0].id
+        return self._default_model
+
+    # -- generation --------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        grpc_requests = [body.to_generate(p, f"{rid}-{i}") for i, p in enumerate(body.prompts())]
+        return await self._generate(
+            "completion", rid, body.model, body.n, body.logprobs is not None,
+            body.include_usage_in_stream, body.stream, grpc_requests, request,
+        )
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generate(
+            "chat", rid, body.model, body.n, body.logprobs, body.include_usage_in_stream,
+            body.stream, [body.to_generate(rid)], request,
+        )
+
+    async def _generate(
+        self, kind: Kind, rid: str, model: str, n: int, want_logprobs: bool,
+        include_usage: bool, stream: bool, grpc_requests: list[router_pb2.GenerateRequest],
+        request: Request,
+    ) -> Response:
+        gen = Generation(
+            kind=kind, id=rid, created=int(time.time()), model=await self.model_name(model),
+            n=n, want_logprobs=want_logprobs, include_usage=include_usage,
+            calls=[self.client.generate(r) for r in grpc_requests],
+        )
+        endpoint = request.url.path
+        watch = DisconnectWatch(request, gen.close)
+        self.metrics.in_flight.labels(endpoint).inc()
+        handed_over = False
+        try:
+            if not stream:
+                result = await self._until_disconnect(watch, self._collect(gen))
+                return result if result is not None else Response(status_code=CLIENT_CLOSED)
+            iterators = [call.__aiter__() for call in gen.calls]
+            firsts = await self._until_disconnect(
+                watch, asyncio.gather(*(anext(it, _END) for it in iterators))
+            )
+            if firsts is None:
+                return Response(status_code=CLIENT_CLOSED)
+            handed_over = True
+            return StreamingResponse(
+                self._sse(gen, watch, iterators, list(firsts), endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        finally:
+            if not handed_over:
+                self._finished(gen, watch, endpoint)
+
+    async def _until_disconnect(self, watch: DisconnectWatch, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None when the client left first (the calls are cancelled)."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if watch.fired:
+                return None
+            raise
+        except GatewayError as exc:
+            if watch.fired:
+                return None
+            raise exc from None
+
+    def _finished(self, gen: Generation, watch: DisconnectWatch, endpoint: str) -> None:
+        watch.stop()
+        gen.close()
+        self.metrics.in_flight.labels(endpoint).dec()
+        if watch.fired:
+            self.metrics.disconnects.labels(endpoint).inc()
+        if not gen.ok:
+            return
+        now = time.monotonic()
+        if gen.first_token_at is not None:
+            self.metrics.ttft.labels(endpoint).observe(gen.first_token_at - gen.started)
+        self.metrics.e2e.labels(endpoint).observe(now - gen.started)
+        self.metrics.prompt_tokens.inc(gen.usage.prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(gen.usage.prompt_tokens_details.cached_tokens)
+        self.metrics.generation_tokens.inc(gen.usage.completion_tokens)
+
+    async def _collect(self, gen: Generation) -> JSONResponse:
+        states: dict[int, SequenceState] = {}
+
+        async def one(p: int, call: GenerateCall) -> None:
+            async for resp in call:
+                if resp.HasField("delta"):
+                    gen.saw_delta(resp.delta)
+                    states.setdefault(p * gen.n + resp.delta.index, SequenceState()).add(
+                        resp.delta
+                    )
+                else:
+                    gen.usage.add(resp.result.usage)
+
+        await asyncio.gather(*(one(p, call) for p, call in enumerate(gen.calls)))
+        failed = [s.finish for s in states.values()
+                  if s.finish is not None and s.finish.reason == common_pb2.FINISH_REASON_ERROR]
+        if failed:
+            raise GatewayError(500, f"generation failed: {failed[0].message}",
+                               type="internal_error")
+        indices = sorted(states)
+        body: CompletionResponse | ChatCompletionResponse
+        if gen.kind == "completion":
+            body = CompletionResponse(
+                id=gen.id, created=gen.created, model=gen.model, usage=gen.usage,
+                choices=[completion_choice(i, states[i], gen.want_logprobs) for i in indices],
+            )
+        else:
+            body = ChatCompletionResponse(
+                id=gen.id, created=gen.created, model=gen.model, usage=gen.usage,
+                choices=[chat_choice(i, states[i], gen.want_logprobs) for i in indices],
+            )
+        gen.ok = True
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _sse(
+        self, gen: Generation, watch: DisconnectWatch, iterators: list[Any],
+        firsts: list[Any], endpoint: str,
+    ) -> AsyncIterator[str]:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(p: int) -> None:
+            try:
+                if firsts[p] is not _END:
+                    await queue.put((p, firsts[p]))
+                    async for resp in iterators[p]:
+                        await queue.put((p, resp))
+                await queue.put((p, _END))
+            except GatewayError as exc:
+                await queue.put((p, exc))
+            except asyncio.CancelledError:
+                # The call was cancelled (client gone, or cleanup): nothing left to read.
+                await queue.put((p, GatewayError(CLIENT_CLOSED, "cancelled")))
+
+        pumps = [asyncio.create_task(pump(p)) for p in range(len(gen.calls))]
+        offsets: dict[int, int] = {}
+        error: GatewayError | None = None
+        try:
+            if gen.kind == "chat":
+                for i in range(len(gen.calls) * gen.n):
+                    yield _sse_chunk(gen, i, text=None, role=True)
+            ended = 0
+            while ended < len(pumps):
+                p, item = await queue.get()
+                if item is _END:
+                    ended += 1
+                    continue
+                if isinstance(item, GatewayError):
+                    error = item
+                    break
+                if item.HasField("result"):
+                    gen.usage.add(item.result.usage)
+                    continue
+                delta = item.delta
+                gen.saw_delta(delta)
+                if not (delta.text or delta.logprobs or delta.HasField("finish")):
+                    continue
+                index = p * gen.n + delta.index
+                offset = offsets.get(index, 0)
+                offsets[index] = offset + sum(len(lp.text) for lp in delta.logprobs)
+                yield _sse_chunk(gen, index, text=delta.text, delta=delta, offset=offset)
+                if delta.finish.reason == common_pb2.FINISH_REASON_ERROR and error is None:
+                    error = GatewayError(500, f"generation failed: {delta.finish.message}",
+                                         type="internal_error")
+            if error is not None:
+                yield f"data: {_json(error.body())}\n\n"
+            elif gen.include_usage:
+                chunk = _chunk_envelope(gen, [])
+                chunk["usage"] = gen.usage.model_dump(mode="json")
+                yield f"data: {_json(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+            gen.ok = error is None
+        finally:
+            for task in pumps:
+                task.cancel()
+            self._finished(gen, watch, endpoint)
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _chunk_envelope(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    obj = "text_completion" if gen.kind == "completion" else "chat.completion.chunk"
+    return {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model,
+            "choices": choices, "usage": None}
+
+
+def _sse_chunk(
+    gen: Generation, index: int, *, text: str | None, role: bool = False,
+    delta: common_pb2.SequenceDelta | None = None, offset: int = 0,
+) -> str:
+    finish = delta.finish if delta is not None and delta.HasField("finish") else None
+    logprobs = list(delta.logprobs) if delta is not None and gen.want_logprobs else None
+    choice: dict[str, Any]
+    if gen.kind == "completion":
+        choice = CompletionChoice(
+            index=index, text=text or "",
+            logprobs=completion_logprobs(logprobs, offset) if logprobs is not None else None,
+            finish_reason=finish_reason(finish), stop_reason=stop_reason(finish),
+        ).model_dump(mode="json")
+    else:
+        message = DeltaMessage(role="assistant", content="") if role else DeltaMessage(
+            content=text or None
+        )
+        choice = ChatChunkChoice(
+            index=index, delta=message,
+            logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
+            finish_reason=finish_reason(finish), stop_reason=stop_reason(finish),
+        ).model_dump(mode="json")
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {_json(_chunk_envelope(gen, [choice]))}\n\n"
+
+
+# -- the app ---------------------------------------------------------------------------------------
+def _validation_error(exc: RequestValidationError) -> GatewayError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return GatewayError(400, f"the body is not valid JSON: {first.get('msg')}")
+    param = validation_param(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request"))
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return GatewayError(400, message, param=param)
+
+
+def create_app(config: GatewayConfig, client: RouterClient | None = None) -> FastAPI:
+    """The gateway app. Without `client`, one to `config.router_address` is opened at start-up
+    and closed at shutdown (closing it cancels every call still running)."""
+    metrics = GatewayMetrics()
+    holder: dict[str, OpenAIServing] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router = client or RouterClient(
+            config.router_address, tls=config.tls, max_message_bytes=config.max_message_bytes,
+            request_timeout_s=config.request_timeout_s,
+            control_timeout_s=config.control_timeout_s,
+        )
+        holder["serving"] = OpenAIServing(config, router, metrics)
+        try:
+            yield
+        finally:
+            if client is None:
+                await router.close()
+
+    app = FastAPI(title="pdmesh OpenAI-compatible gateway", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.add_middleware(GuardMiddleware, config=config, metrics=metrics)
+
+    def serving() -> OpenAIServing:
+        return holder["serving"]
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return error_response(GatewayError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(GatewayError(500, f"internal error: {exc}", type="internal_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await serving().health()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return await serving().models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving().completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving().chat(body, request)
+
+    return app
+
+
+class GuardMiddleware:
+    """Pure ASGI (so disconnects and streaming pass through untouched): refuses a bad API key
+    on /v1/* and an oversized body before anything is read, and counts every answer."""
+
+    def __init__(self, app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+                self.metrics.requests.labels(endpoint, status).inc()
+                if message["status"] >= 400:
+                    self.metrics.errors.labels(endpoint, status).inc()
+            await send(message)
+
+        refusal = _refuse(self.config, path, Headers(scope=scope))
+        if refusal is not None:
+            await refusal(scope, receive, counting_send)
+            return
+        await self.app(scope, receive, counting_send)
+
+
+def _refuse(config: GatewayConfig, path: str, headers: Headers) -> JSONResponse | None:
+    if config.api_key and path.startswith("/v1/"):
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), config.api_key.encode()
+        ):
+            return error_response(GatewayError(
+                401, "invalid or missing API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            ))
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > config.max_request_bytes:
+        return error_response(GatewayError(
+            413, f"request body over {config.max_request_bytes} bytes", code="body_too_large"
+        ))
+    return None

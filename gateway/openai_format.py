@@ -1,0 +1,118 @@
+"""Router messages → OpenAI objects: finish reasons, logprobs and whole choices.
+
+Pure functions over the protobuf messages, so every format detail is unit-testable without a
+mesh. `SequenceState` accumulates the deltas of one output sequence (router.proto: their
+concatenation is the whole output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdmesh.gateway.schemas import (
+    ChatChoice,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    TopLogprob,
+)
+from pdmesh.v1 import common_pb2
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def finish_reason(finish: common_pb2.Finish | None) -> str | None:
+    if finish is None:
+        return None
+    return _FINISH_REASONS.get(finish.reason)
+
+
+def stop_reason(finish: common_pb2.Finish | None) -> str | int | None:
+    """vLLM's extension: the stop string or token id that ended the sequence, if any."""
+    if finish is None:
+        return None
+    which = finish.WhichOneof("stop_reason")
+    return getattr(finish, which) if which else None
+
+
+def completion_logprobs(
+    logprobs: list[common_pb2.TokenLogprob], text_offset: int = 0
+) -> CompletionLogprobs:
+    """The legacy format. `text_offset` is where the first token starts in the choice's text;
+    offsets add up token texts, which is exact except around held-back partial characters."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for lp in logprobs:
+        out.tokens.append(lp.text)
+        out.token_logprobs.append(lp.logprob)
+        top = {c.text: c.logprob for c in lp.top}
+        top.setdefault(lp.text, lp.logprob)  # like OpenAI: the sampled token is always listed
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(lp.text)
+    return out
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(logprobs: list[common_pb2.TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=lp.text,
+                logprob=lp.logprob,
+                bytes=_utf8(lp.text),
+                top_logprobs=[
+                    TopLogprob(token=c.text, logprob=c.logprob, bytes=_utf8(c.text))
+                    for c in lp.top
+                ],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+@dataclass
+class SequenceState:
+    """One output sequence, as accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish: common_pb2.Finish | None = None
+
+    def add(self, delta: common_pb2.SequenceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.HasField("finish"):
+            self.finish = delta.finish
+
+
+def completion_choice(index: int, seq: SequenceState, want_logprobs: bool) -> CompletionChoice:
+    return CompletionChoice(
+        index=index,
+        text=seq.text,
+        logprobs=completion_logprobs(seq.logprobs) if want_logprobs else None,
+        finish_reason=finish_reason(seq.finish),
+        stop_reason=stop_reason(seq.finish),
+    )
+
+
+def chat_choice(index: int, seq: SequenceState, want_logprobs: bool) -> ChatChoice:
+    return ChatChoice(
+        index=index,
+        message=ChatMessageOut(content=seq.text),
+        logprobs=chat_logprobs(seq.logprobs) if want_logprobs else None,
+        finish_reason=finish_reason(seq.finish),
+        stop_reason=stop_reason(seq.finish),
+    )

@@ -1,0 +1,86 @@
+"""`pdmesh gateway`: serve the OpenAI-compatible REST API in front of a router.
+
+    pdmesh gateway --router-address 127.0.0.1:50051 --host 127.0.0.1 --port 8000
+
+Prints `ready <host:port>` once it accepts requests (as every pdmesh service does), so that
+`pdmesh serve` and tests wait for that line instead of sleeping. SIGINT/SIGTERM stop it:
+uvicorn stops accepting, gives running requests a short grace, then the router channel is
+closed, which cancels the calls still running and so frees their KV on the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from pdmesh.gateway.app import create_app
+from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 30.0
+SHUTDOWN_GRACE_S = 2.0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run until SIGINT/SIGTERM (uvicorn's own handlers)."""
+    sock = _bind(config.host, config.port)
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config), log_level=config.log_level, access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
+        )
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_TIMEOUT_S
+    while not server.started and not task.done() and loop.time() < deadline:
+        await asyncio.sleep(0.02)  # uvicorn exposes no event for "listening"
+    if not server.started:
+        server.should_exit = True
+        await task
+        raise OSError(f"gateway did not start within {STARTUP_TIMEOUT_S:g}s")
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    logger.info("gateway serving address=%s:%d router=%s", host, bound, config.router_address)
+    print(f"ready {host}:{bound}", flush=True)
+    await task
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_gateway_config(argv)
+    configure_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"pdmesh gateway: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+{{/*
+One engine pool (prefill or decode) as a Deployment; takes
+(dict "root" $ "component" "prefill" "values" .Values.prefill). Both roles share this shape:
+they differ only in the sub-command, the decode role flag and whether the KV port is open.
+Each pod advertises its own IP (PDMESH_ADVERTISE_HOST from the downward API) in the Redis
+registry, which is how the router finds it; a restarted pod re-registers with a new id.
+*/}}
+{{- define "pdmesh.engineDeployment" -}}
+{{- $root := .root }}
+{{- $v := .values }}
+{{- $isPrefill := eq .component "prefill" }}
+{{- $servesKV := or $isPrefill (eq (toString $v.role) "colocated") }}
+{{- $gpu := int $v.gpu }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pdmesh.componentName" . }}
+  labels:
+    {{- include "pdmesh.labels" . | nindent 4 }}
+spec:
+  {{- if not $v.autoscaling.enabled }}
+  replicas: {{ $v.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "pdmesh.selectorLabels" . | nindent 6 }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
+  template:
+    metadata:
+      labels:
+        {{- include "pdmesh.selectorLabels" . | nindent 8 }}
+      {{- with $v.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "pdmesh.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- with (include "pdmesh.modelInitContainer" .) }}
+      initContainers:
+        {{- . | trim | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "pdmesh.image" . }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["pdmesh", {{ .component | quote }}]
+          env:
+            {{- include "pdmesh.podEnv" $root | nindent 12 }}
+            {{- include "pdmesh.commonEnv" $root | nindent 12 }}
+            - name: PDMESH_MODEL
+              value: {{ include "pdmesh.modelRef" $root | quote }}
+            - name: PDMESH_SERVED_MODEL_NAME
+              value: {{ $root.Values.model.name | quote }}
+            - name: PDMESH_HOST
+              value: {{ $root.Values.bindHost | quote }}
+            - name: PDMESH_PORT
+              value: {{ $v.port | quote }}
+            - name: PDMESH_ADVERTISE_HOST
+              value: $(POD_IP)
+            {{- include "pdmesh.redisUrlEnv" $root | nindent 12 }}
+            - name: PDMESH_HEARTBEAT_TTL_S
+              value: {{ $root.Values.engine.heartbeatTtlSeconds | quote }}
+            - name: PDMESH_KV_BACKEND
+              value: {{ $root.Values.engine.kvBackend | quote }}
+            {{- if $servesKV }}
+            - name: PDMESH_KV_PORT
+              value: {{ $v.kvPort | quote }}
+            {{- end }}
+            {{- if not $isPrefill }}
+            - name: PDMESH_ROLE
+              value: {{ $v.role | quote }}
+            {{- end }}
+            - name: PDMESH_KV_CACHE_MEMORY
+              value: {{ $v.kvCacheMemory | quote }}
+            - name: PDMESH_BLOCK_SIZE
+              value: {{ $root.Values.engine.blockSize | quote }}
+            - name: PDMESH_HASH_ALGORITHM
+              value: {{ $root.Values.engine.hashAlgorithm | quote }}
+            - name: PDMESH_HASH_ROOT_SEED
+              value: {{ $root.Values.engine.hashRootSeed | quote }}
+            - name: PDMESH_MAX_NUM_SEQS
+              value: {{ $v.maxNumSeqs | quote }}
+            - name: PDMESH_MAX_NUM_BATCHED_TOKENS
+              value: {{ $v.maxNumBatchedTokens | quote }}
+            {{- if $v.maxModelLen }}
+            - name: PDMESH_MAX_MODEL_LEN
+              value: {{ $v.maxModelLen | quote }}
+            {{- end }}
+            - name: PDMESH_DEVICE
+              value: {{ ternary "cuda" $v.device (gt $gpu 0) | quote }}
+            - name: PDMESH_DTYPE
+              value: {{ $root.Values.engine.dtype | quote }}
+            {{- include "pdmesh.otelEnv" (dict "root" $root "service" .component) | trim | nindent 12 }}
+            {{- with $v.env }}
+            {{- include "pdmesh.extraEnv" . | trim | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $v.port }}
+              protocol: TCP
+            {{- if $servesKV }}
+            - name: kv
+              containerPort: {{ $v.kvPort }}
+              protocol: TCP
+            {{- end }}
+          {{- include "pdmesh.grpcProbes" (dict "root" $root "port" $v.port) | trim | nindent 10 }}
+          volumeMounts:
+            {{- include "pdmesh.modelMounts" $root | nindent 12 }}
+          resources:
+            {{- $resources := deepCopy ($v.resources | default dict) }}
+            {{- if gt $gpu 0 }}
+            {{- $limits := merge (dict "nvidia.com/gpu" $gpu) ($resources.limits | default dict) }}
+            {{- $_ := set $resources "limits" $limits }}
+            {{- end }}
+            {{- toYaml $resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+      volumes:
+        {{- include "pdmesh.modelVolume" $root | trim | nindent 8 }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $tolerations := $v.tolerations | default list }}
+      {{- if gt $gpu 0 }}
+      {{- $tolerations = append $tolerations (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
+      {{- end }}
+      {{- with $tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}

