@@ -343,7 +343,10 @@ def test_overload_is_429_with_retry_after(mesh: Mesh) -> None:
             http, f"{base}/v1/completions", body
         ) as first:
             assert first.status_code == 200
-            line = next(first.iter_lines())  # admitted and producing
+            # Keep the line iterator referenced: a discarded httpx iterator closes the
+            # connection, which the gateway rightly treats as a client disconnect.
+            lines = first.iter_lines()
+            line = next(lines)  # admitted and producing
             assert line.startswith("data:") and '"error"' not in line, line
             wait_for(lambda: _router_running(address) == 1, "the limited router's one slot taken")
             limited = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
@@ -351,6 +354,8 @@ def test_overload_is_429_with_retry_after(mesh: Mesh) -> None:
                 limited.completions.create(model="smollm2", prompt="x", max_tokens=2)
             assert int(info.value.response.headers["retry-after"]) >= 1
             assert _error_body(info.value)["code"] == "rate_limit_exceeded"
+            assert _router_running(address) == 1  # the first stream is still being served
+            del lines
     finally:
         if gateway is not None:
             gateway.terminate()
