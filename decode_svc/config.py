@@ -55,10 +55,18 @@ class EngineServiceConfig:
     hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
     log_level: str = field(default="warning", metadata=_help("debug|info|warning|error"))
+    # 0 by default: several engines often share a host (the URL is in the ready line and the
+    # log); deployments set a fixed port (PDMESH_METRICS_PORT) for their scrape config.
+    metrics_port: int = field(default=0, metadata=_help("Prometheus /metrics port; 0 picks "
+                                                        "a free one, -1 turns it off"))
+    metrics_host: str = field(default="", metadata=_help("/metrics bind address; "
+                                                         "empty = --host"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [-1, 65535], got {self.metrics_port}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
         if self.kv_backend not in KV_BACKENDS:
@@ -80,6 +88,10 @@ class EngineServiceConfig:
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def metrics_bind_host(self) -> str:
+        return self.metrics_host or self.host
 
     @property
     def model_name(self) -> str:

@@ -35,6 +35,15 @@ from pdmesh.kvstore.transfer import (
     KVSenderConfig,
     available_backends,
 )
+from pdmesh.metrics import (
+    EngineCollector,
+    EngineState,
+    MetricsEndpoint,
+    engine_metrics,
+    process_registry,
+    start_metrics_server,
+)
+from pdmesh.tracing import configure_tracing, shutdown_tracing
 from pdmesh.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -123,6 +132,21 @@ class EngineService:
             kv_transfers_received=c.transfers_received,
         )
 
+    def metrics_state(self, index_up: bool | None) -> EngineState:
+        """The scrape-time figures of this instance (see pdmesh.metrics.EngineCollector)."""
+        snap = self.engine.load()
+        return EngineState(
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            kv_usage=snap.kv_usage,
+            num_free_blocks=snap.num_free_blocks,
+            num_total_blocks=snap.num_total_blocks,
+            num_pinned_blocks=snap.num_pinned_blocks,
+            prefix_query_tokens=snap.prefix_query_tokens,
+            prefix_hit_tokens=snap.prefix_hit_tokens,
+            index_up=index_up,
+        )
+
     def load_figures(self) -> dict[str, float]:
         """The heartbeat's load (flat numbers; see InstanceInfo.load)."""
         snap = self.engine.load()
@@ -151,6 +175,18 @@ def _service_names(role: Role) -> list[str]:
 
 async def serve(config: EngineServiceConfig, role: Role) -> int:
     """Run one engine process until SIGINT/SIGTERM; returns the exit code."""
+    try:
+        configure_tracing(f"pdmesh-{role}")
+    except ValueError as exc:
+        print(f"pdmesh {role}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return await _serve(config, role)
+    finally:
+        shutdown_tracing()
+
+
+async def _serve(config: EngineServiceConfig, role: Role) -> int:
     from pdmesh.decode_svc.servicer import DecodeServicer
     from pdmesh.prefill_svc.servicer import PrefillServicer
     from pdmesh.v1 import engine_pb2_grpc
@@ -170,6 +206,7 @@ async def serve(config: EngineServiceConfig, role: Role) -> int:
         await engine.shutdown()
         return 2
     service = EngineService(config, role, engine, kv_backends=backends)
+    metrics = engine_metrics(role)
     grpc_server = GrpcServer(
         _service_names(role), host=config.host, port=config.port, tls=config.tls,
         max_message_bytes=config.max_message_bytes,
@@ -177,7 +214,7 @@ async def serve(config: EngineServiceConfig, role: Role) -> int:
     sender: KVSender | None = None
     receiver: KVReceiver | None = None
     if sends:
-        prefill = PrefillServicer(service)
+        prefill = PrefillServicer(service, metrics=metrics)
         sender = KVSender(
             KVSenderConfig(
                 host=config.host,
@@ -200,7 +237,8 @@ async def serve(config: EngineServiceConfig, role: Role) -> int:
             channel_credentials=channel_credentials(config.tls),
         )
         decode = DecodeServicer(
-            service, receiver, kv_fetch_timeout_s=getattr(config, "kv_fetch_timeout_s", 30.0)
+            service, receiver, kv_fetch_timeout_s=getattr(config, "kv_fetch_timeout_s", 30.0),
+            metrics=metrics,
         )
         engine_pb2_grpc.add_DecodeServicer_to_server(decode, grpc_server.server)
     address = await grpc_server.start()
@@ -238,9 +276,22 @@ async def serve(config: EngineServiceConfig, role: Role) -> int:
         if presence is not None:
             presence.start()
 
+    collector = EngineCollector(role, lambda: service.metrics_state(
+        None if not config.redis_url else presence is not None and presence.registered))
+    process_registry().register(collector)
+    endpoint: MetricsEndpoint | None = None
+    if exit_code == 0 and config.metrics_port >= 0:
+        try:
+            endpoint = start_metrics_server(config.metrics_bind_host, config.metrics_port)
+        except OSError as exc:
+            print(f"pdmesh {role}: error: {exc}", file=sys.stderr, flush=True)
+            stop.set()
+            exit_code = 1
+
     if exit_code == 0:
         print(f"ready {address} role={role} instance_id={service.instance_id} "
               f"kv_address={sender.address if sender else ''} "
+              f"metrics={endpoint.url if endpoint else ''} "
               f"startup_s={time.monotonic() - started:.1f}", flush=True)
         waiters = [asyncio.ensure_future(stop.wait())]
         if presence is not None:
@@ -263,4 +314,7 @@ async def serve(config: EngineServiceConfig, role: Role) -> int:
     if receiver is not None:
         await receiver.close()
     await engine.shutdown()
+    if endpoint is not None:
+        endpoint.close()
+    process_registry().unregister(collector)
     return exit_code

@@ -6,6 +6,9 @@ clear UNAVAILABLE status and nothing is decoded. Without it the prompt is prefil
 (conditional disaggregation: the router decided the prompt is mostly cached on this instance).
 Deltas never repeat the prefill's first tokens; the last message is one DecodeResult.
 A cancelled call aborts the request, which frees its blocks.
+
+Each call is one `pdmesh.decode` span (parent: the router's, from the gRPC metadata) with the
+KV pull as its `pdmesh.kv_transfer` child, and one observation in the engine metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -28,24 +32,94 @@ from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.transfer import KVHandle, KVHandleError, KVReceiver, KVTransferError
+from pdmesh.metrics import EngineMetrics, engine_metrics
+from pdmesh.tracing import (
+    Span,
+    SpanKind,
+    extract_metadata,
+    gen_ai_request_attributes,
+    gen_ai_response_attributes,
+    get_tracer,
+    mark_error,
+    span_traceparent,
+)
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Observed:
+    """What one Decode call did, for its span and metrics (filled as it runs)."""
+
+    span: Span
+    received: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+    queue_s: float | None = None
+    streamed_tokens: int = 0
+    outcome: str = "error"
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def __init__(
-        self, service: EngineService, receiver: KVReceiver, *, kv_fetch_timeout_s: float = 30.0
+        self, service: EngineService, receiver: KVReceiver, *, kv_fetch_timeout_s: float = 30.0,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.service = service
         self.engine = service.engine
         self.receiver = receiver
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.metrics = metrics or engine_metrics(service.role)
 
     async def Decode(
         self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
-        received = time.monotonic()
+        # Spans are passed explicitly, never made current: this generator may be closed from
+        # another context than the one it started in.
+        span = get_tracer().start_span(
+            "pdmesh.decode", context=extract_metadata(context), kind=SpanKind.SERVER,
+            attributes={"pdmesh.request_id": request.request_id,
+                        "pdmesh.instance_id": self.service.instance_id,
+                        "pdmesh.decode.remote_prefill": request.HasField("remote_prefill")},
+        )
+        seen = _Observed(span, prompt_tokens=len(request.prompt_token_ids))
+        try:
+            async for response in self._decode(request, context, seen):
+                yield response
+        except BaseException as exc:
+            seen.outcome = "cancelled" if isinstance(exc, GeneratorExit) else "error"
+            mark_error(span, exc)
+            raise
+        finally:
+            self._observe(request, seen)
+
+    def _observe(self, request: engine_pb2.DecodeRequest, seen: _Observed) -> None:
+        e2e_s = time.monotonic() - seen.received
+        self.metrics.request_finished(
+            outcome=seen.outcome, prompt_tokens=seen.prompt_tokens,
+            generation_tokens=seen.streamed_tokens, ttft_s=seen.ttft_s, e2e_s=e2e_s,
+            queue_s=seen.queue_s,
+        )
+        span = seen.span
+        if span.is_recording():
+            span.set_attributes(gen_ai_response_attributes(
+                response_id=request.request_id, output_tokens=seen.streamed_tokens,
+                finish_reasons=seen.finish_reasons, input_tokens=seen.prompt_tokens,
+            ))
+            if seen.ttft_s is not None:
+                span.set_attribute("pdmesh.decode.ttft_ms", seen.ttft_s * 1e3)
+            if seen.queue_s is not None:
+                span.set_attribute("pdmesh.queue_ms", seen.queue_s * 1e3)
+            span.set_attribute("pdmesh.outcome", seen.outcome)
+        span.end()
+
+    async def _decode(
+        self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
+        seen: _Observed,
+    ) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        received = seen.received
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
@@ -54,15 +128,20 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
         prompt = list(request.prompt_token_ids)
+        if seen.span.is_recording():
+            seen.span.set_attributes(gen_ai_request_attributes(
+                self.service.config.model_name, params, input_tokens=len(prompt)))
         builder = DeltaBuilder(params)
         timing = common_pb2.Timing()
         remote = request.remote_prefill if request.HasField("remote_prefill") else None
         if remote is not None and not remote.HasField("kv"):
             # Every sequence finished on the prefill instance: only the summary is left.
+            seen.outcome = "finished_on_prefill"
             yield self._result(prompt, params, remote, None, received, timing)
             return
         if remote is not None:
-            outputs = await self._import(request, params, remote, builder, context, timing)
+            outputs = await self._import(request, params, remote, builder, context, timing,
+                                         seen.span)
         else:
             outputs = self.engine.generate(
                 rid, {"prompt_token_ids": prompt}, params,
@@ -75,13 +154,20 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 last = out
                 if remote is None and not timing.prefill_ms and out.metrics.get("ttft_s"):
                     timing.prefill_ms = out.metrics["ttft_s"] * 1e3
+                if seen.queue_s is None:
+                    seen.queue_s = out.metrics.get("queue_s")
                 for completion in sorted(out.outputs, key=lambda c: c.index):
                     delta = builder.delta(completion)
                     if delta is not None:
                         if timing.ttft_ms == 0.0:
                             timing.ttft_ms = (time.monotonic() - received) * 1e3
+                            seen.ttft_s = timing.ttft_ms / 1e3
+                        seen.streamed_tokens += len(delta.token_ids)
                         yield engine_pb2.DecodeResponse(delta=delta)
             finished = True
+            if last is not None:
+                seen.finish_reasons = [c.finish_reason or "" for c in last.outputs]
+                seen.outcome = seen.finish_reasons[0] if seen.finish_reasons else "stop"
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVCacheFullError as exc:
@@ -101,6 +187,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         builder: DeltaBuilder,
         context: grpc.aio.ServicerContext,
         timing: common_pb2.Timing,
+        span: Span,
     ) -> AsyncIterator[RequestOutput]:
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         try:
@@ -129,7 +216,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
         started = time.monotonic()
         try:
-            kv = await self.receiver.fetch(handle, self.kv_fetch_timeout_s)
+            kv = await self.receiver.fetch(
+                handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span)
+            )
         except KVTransferError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -138,6 +227,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             )
         timing.kv_transfer_ms = (time.monotonic() - started) * 1e3
         self.service.counters.add_received(kv.numel() * kv.element_size())
+        if span.is_recording():
+            span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
+                                 "pdmesh.kv.bytes": kv.numel() * kv.element_size()})
         return self.engine.import_and_decode(
             rid, prompt, first_ids, kv, params,
             first_logprobs=first_logprobs,

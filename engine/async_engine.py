@@ -18,6 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -64,6 +65,8 @@ class _Stream:
         self.loop = loop
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.added_at = 0.0  # engine thread: when the request entered the engine
+        self.queue_s: float | None = None  # engine thread: added -> first scheduled
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
@@ -80,16 +83,19 @@ class _Command:
 _STOP = object()
 
 
-def _snapshot_output(out: RequestOutput) -> RequestOutput:
-    """Copy the lists the engine keeps mutating, so the loop reads a consistent view."""
+def _snapshot_output(out: RequestOutput, queue_s: float | None = None) -> RequestOutput:
+    """Copy the lists the engine keeps mutating, so the loop reads a consistent view;
+    `queue_s` (time waiting to be scheduled) joins the engine's own metrics."""
     outputs = [
         replace(c, token_ids=list(c.token_ids),
                 logprobs=list(c.logprobs) if c.logprobs is not None else None)
         for c in out.outputs
     ]
     prompt_lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else None
-    return replace(out, outputs=outputs, prompt_logprobs=prompt_lps,
-                   metrics=dict(out.metrics))
+    metrics = dict(out.metrics)
+    if queue_s is not None:
+        metrics["queue_s"] = queue_s
+    return replace(out, outputs=outputs, prompt_logprobs=prompt_lps, metrics=metrics)
 
 
 class AsyncEngine:
@@ -270,6 +276,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             add(engine)
+            stream.added_at = time.monotonic()
             self._streams[request_id] = stream
 
         await self.call(start)
@@ -349,6 +356,7 @@ class AsyncEngine:
         if not engine.has_unfinished_requests() and not engine._pending_outputs:
             return False
         steps_before = engine.num_steps
+        step_started = time.monotonic()
         try:
             outputs = engine.step()
         except Exception as exc:
@@ -356,17 +364,28 @@ class AsyncEngine:
             self._fail_all(exc)
             return False
         self._refresh_load()
+        self._note_scheduled(step_started)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put_threadsafe(_snapshot_output(out))
+            stream.put_threadsafe(_snapshot_output(out, stream.queue_s))
             if out.finished:
                 self._streams.pop(out.request_id, None)
         self._collect_events()
         # No step ran and nothing came out: waiting requests are blocked (e.g. on pinned KV).
         # Sleep on the command queue until something (a release, an abort) changes that.
         return engine.num_steps != steps_before or bool(outputs)
+
+    def _note_scheduled(self, step_started: float) -> None:
+        """Queue time of requests that left the waiting queue in the step just run."""
+        unscheduled = [s for s in self._streams.values() if s.queue_s is None]
+        if not unscheduled:
+            return
+        waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
+        for stream in unscheduled:
+            if stream.request_id not in waiting:
+                stream.queue_s = max(0.0, step_started - stream.added_at)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineError(f"engine step failed: {type(exc).__name__}: {exc}")

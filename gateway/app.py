@@ -24,6 +24,8 @@ from typing import Any, Literal, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,6 +55,7 @@ from pdmesh.gateway.schemas import (
     UsageInfo,
     validation_param,
 )
+from pdmesh.tracing import extract_headers, get_tracer, inject_metadata
 from pdmesh.v1 import common_pb2, router_pb2
 
 logger = logging.getLogger(__name__)
@@ -106,6 +109,7 @@ class Generation:
     first_token_at: float | None = None
     ok: bool = False  # answered in full, without error
     usage: UsageInfo = field(default_factory=UsageInfo)
+    span: Span | None = None  # the trace's root span on this hop
 
     def close(self) -> None:
         for call in self.calls:
@@ -174,12 +178,22 @@ class OpenAIServing:
         include_usage: bool, stream: bool, grpc_requests: list[router_pb2.GenerateRequest],
         request: Request,
     ) -> Response:
-        gen = Generation(
-            kind=kind, id=rid, created=int(time.time()), model=await self.model_name(model),
-            n=n, want_logprobs=want_logprobs, include_usage=include_usage,
-            calls=[self.client.generate(r) for r in grpc_requests],
-        )
         endpoint = request.url.path
+        served_model = await self.model_name(model)
+        # The HTTP caller's traceparent (if any) parents this hop; the router calls carry ours.
+        span = get_tracer().start_span(
+            "pdmesh.gateway.request", context=extract_headers(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"http.route": endpoint, "gen_ai.request.model": served_model,
+                        "gen_ai.operation.name": kind, "pdmesh.request_id": rid},
+        )
+        metadata = inject_metadata(ctx=trace.set_span_in_context(span))
+        gen = Generation(
+            kind=kind, id=rid, created=int(time.time()), model=served_model,
+            n=n, want_logprobs=want_logprobs, include_usage=include_usage,
+            calls=[self.client.generate(r, metadata=metadata) for r in grpc_requests],
+            span=span,
+        )
         watch = DisconnectWatch(request, gen.close)
         self.metrics.in_flight.labels(endpoint).inc()
         handed_over = False
@@ -222,6 +236,15 @@ class OpenAIServing:
         self.metrics.in_flight.labels(endpoint).dec()
         if watch.fired:
             self.metrics.disconnects.labels(endpoint).inc()
+        if gen.span is not None:
+            gen.span.set_attributes({
+                "gen_ai.usage.input_tokens": gen.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": gen.usage.completion_tokens,
+                "pdmesh.client_disconnected": watch.fired,
+            })
+            if not gen.ok and not watch.fired:
+                gen.span.set_status(trace.StatusCode.ERROR)
+            gen.span.end()
         if not gen.ok:
             return
         now = time.monotonic()

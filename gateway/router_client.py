@@ -128,8 +128,12 @@ class RouterClient:
         self._request_timeout_s = request_timeout_s
         self._control_timeout_s = control_timeout_s
 
-    def generate(self, request: router_pb2.GenerateRequest) -> GenerateCall:
-        return GenerateCall(self._stub.Generate(request, timeout=self._request_timeout_s))
+    def generate(
+        self, request: router_pb2.GenerateRequest, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> GenerateCall:
+        """Start a Generate call; `metadata` carries e.g. the W3C trace context."""
+        call = self._stub.Generate(request, timeout=self._request_timeout_s, metadata=metadata)
+        return GenerateCall(call)
 
     async def list_models(self) -> list[router_pb2.ModelInfo]:
         try:

@@ -20,6 +20,8 @@ import uvicorn
 
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
+from pdmesh.logs import configure_logging
+from pdmesh.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +63,20 @@ async def serve(config: GatewayConfig) -> None:
     await task
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_gateway_config(argv)
     configure_logging(config.log_level)
     try:
+        configure_tracing("pdmesh-gateway")
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"pdmesh gateway: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        shutdown_tracing()
     return 0
 
 

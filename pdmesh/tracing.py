@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -52,11 +53,14 @@ __all__ = [
     "current_traceparent",
     "extract_headers",
     "extract_metadata",
+    "gen_ai_request_attributes",
+    "gen_ai_response_attributes",
     "get_tracer",
     "inject_metadata",
     "mark_error",
     "monotonic_to_ns",
     "shutdown_tracing",
+    "span_traceparent",
     "tracing_requested",
 ]
 
@@ -113,7 +117,7 @@ def _make_exporter(name: str, env: Mapping[str, str]) -> Any:
     if name == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        return ConsoleSpanExporter()
+        return ConsoleSpanExporter(out=sys.stderr)  # stdout carries the ready line
     if name != "otlp":
         raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} "
                          "(use otlp, console or none)")
@@ -206,11 +210,66 @@ def current_traceparent(ctx: otel_context.Context | None = None) -> str:
     return carrier.get(TRACEPARENT, "")
 
 
+def span_traceparent(span: Span) -> str:
+    """W3C `traceparent` naming `span` as the parent (for a string field such as the KV
+    transfer control messages'); "" when the span carries no valid context."""
+    return current_traceparent(trace.set_span_in_context(span))
+
+
 def context_from_traceparent(traceparent: str) -> otel_context.Context | None:
     """The parent context described by a `traceparent` string; None if absent or malformed."""
     if not traceparent or not _TRACEPARENT_RE.fullmatch(traceparent.strip().lower()):
         return None
     return propagate.extract({TRACEPARENT: traceparent.strip().lower()})
+
+
+# -- OpenTelemetry GenAI semantic-convention attributes ------------------------------------------
+GEN_AI_OPERATION = "text_completion"
+GEN_AI_PROVIDER = "pdmesh"
+
+
+def gen_ai_request_attributes(
+    model: str, params: Any, *, input_tokens: int | None = None, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """`gen_ai.*` request attributes from a SamplingParams-like object (reads max_tokens,
+    temperature, top_p, top_k, seed, n, stop when present); `max_tokens` overrides params'."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": GEN_AI_OPERATION,
+        "gen_ai.provider.name": GEN_AI_PROVIDER,
+        "gen_ai.request.model": model,
+    }
+    limit = max_tokens if max_tokens is not None else getattr(params, "max_tokens", None)
+    if limit is not None:
+        attrs["gen_ai.request.max_tokens"] = int(limit)
+    for key, attr in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                      ("seed", "seed")):
+        value = getattr(params, attr, None)
+        if value is not None:
+            attrs[f"gen_ai.request.{key}"] = value
+    n = getattr(params, "n", 1) or 1
+    if n != 1:
+        attrs["gen_ai.request.choice.count"] = int(n)
+    stop = getattr(params, "stop", None)
+    if stop:
+        attrs["gen_ai.request.stop_sequences"] = list(stop)
+    if input_tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = int(input_tokens)
+    return attrs
+
+
+def gen_ai_response_attributes(
+    *, response_id: str, output_tokens: int, finish_reasons: Iterable[str],
+    input_tokens: int | None = None,
+) -> dict[str, Any]:
+    """`gen_ai.*` response attributes; finish reasons as the OpenAI-style strings."""
+    attrs: dict[str, Any] = {
+        "gen_ai.response.id": response_id,
+        "gen_ai.usage.output_tokens": int(output_tokens),
+        "gen_ai.response.finish_reasons": [r for r in finish_reasons if r],
+    }
+    if input_tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = int(input_tokens)
+    return attrs
 
 
 # -- small helpers for span bookkeeping -----------------------------------------------------------

@@ -5,6 +5,10 @@ through the `KVSender` under a lease. The pinned blocks are released exactly onc
 sender's `on_release` (decode acked, failed, lease expired, cancelled via ReleaseKV/Abort,
 shutdown). Every path that never reaches `publish` (cancelled call, read failure, a request
 whose every sequence already finished) releases them itself.
+
+Each call is one `pdmesh.prefill` span (parent: the router's, from the gRPC metadata) with
+`pdmesh.prefill.queue` and `pdmesh.prefill.compute` children timed from the engine's own
+clock, and one observation in the engine metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from pdmesh.engine.async_engine import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.transfer import KVSender, KVTransferError, ReleaseReason
+from pdmesh.metrics import EngineMetrics, engine_metrics
+from pdmesh.tracing import (
+    Span,
+    SpanKind,
+    extract_metadata,
+    gen_ai_request_attributes,
+    gen_ai_response_attributes,
+    get_tracer,
+    monotonic_to_ns,
+)
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kv_transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,10 +70,14 @@ def first_token_finish(
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
-    def __init__(self, service: EngineService, sender: KVSender | None = None) -> None:
+    def __init__(
+        self, service: EngineService, sender: KVSender | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         self.service = service
         self.engine = service.engine
         self.sender = sender
+        self.metrics = metrics or engine_metrics(service.role)
         self._lock = threading.Lock()
         self._published: dict[str, _Published] = {}
 
@@ -88,6 +106,68 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.PrefillResponse:
         received = time.monotonic()
+        with get_tracer().start_as_current_span(
+            "pdmesh.prefill", context=extract_metadata(context), kind=SpanKind.SERVER,
+            attributes={"pdmesh.request_id": request.request_id,
+                        "pdmesh.instance_id": self.service.instance_id},
+        ) as span:
+            try:
+                response = await self._prefill(request, context, received, span)
+            except BaseException:
+                self.metrics.request_finished(
+                    outcome="error", prompt_tokens=len(request.prompt_token_ids),
+                    generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received,
+                    queue_s=None,
+                )
+                raise
+            return response
+
+    def _observe(
+        self, span: Span, rid: str, prompt: list[int], out: RequestOutput,
+        response: engine_pb2.PrefillResponse, received: float,
+    ) -> None:
+        """Metrics and span attributes of one finished prefill."""
+        queue_s = out.metrics.get("queue_s")
+        ttft_s = out.metrics.get("ttft_s")
+        finishes = [common_pb2.FinishReason.Name(d.finish.reason).removeprefix("FINISH_REASON_")
+                    .lower() for d in response.first if d.HasField("finish")]
+        generated = sum(len(d.token_ids) for d in response.first)
+        self.metrics.request_finished(
+            outcome="exported" if response.HasField("kv") else (finishes or ["stop"])[0],
+            prompt_tokens=len(prompt), generation_tokens=generated, ttft_s=ttft_s,
+            e2e_s=time.monotonic() - received, queue_s=queue_s,
+        )
+        if not span.is_recording():
+            return
+        span.set_attributes(gen_ai_response_attributes(
+            response_id=rid, output_tokens=generated, finish_reasons=finishes,
+            input_tokens=len(prompt)))
+        span.set_attributes({
+            "pdmesh.cached_prompt_tokens": out.num_cached_tokens,
+            "pdmesh.kv.published": response.HasField("kv"),
+        })
+        if response.HasField("kv"):
+            span.set_attribute("pdmesh.kv.transfer_id", response.kv.transfer_id)
+        if queue_s is None or ttft_s is None:
+            return
+        # The engine's clock: queued from arrival (~ `received`) until first scheduled, then
+        # computing until the first token was sampled.
+        tracer = get_tracer()
+        scheduled = received + queue_s
+        queue = tracer.start_span("pdmesh.prefill.queue", start_time=monotonic_to_ns(received))
+        queue.set_attribute("pdmesh.queue_ms", queue_s * 1e3)
+        queue.end(end_time=monotonic_to_ns(scheduled))
+        compute = tracer.start_span("pdmesh.prefill.compute",
+                                    start_time=monotonic_to_ns(scheduled))
+        compute.set_attributes({"pdmesh.compute_ms": (ttft_s - queue_s) * 1e3,
+                                "pdmesh.prompt_tokens": len(prompt),
+                                "pdmesh.cached_prompt_tokens": out.num_cached_tokens})
+        compute.end(end_time=monotonic_to_ns(received + ttft_s))
+
+    async def _prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+        received: float, span: Span,
+    ) -> engine_pb2.PrefillResponse:
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
@@ -96,6 +176,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
         prompt = list(request.prompt_token_ids)
+        if span.is_recording():
+            span.set_attributes(gen_ai_request_attributes(
+                self.service.config.model_name, params, input_tokens=len(prompt)))
         try:
             out = await self.engine.prefill_export(
                 rid, {"prompt_token_ids": prompt}, params,
@@ -120,6 +203,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 self._cancel_transfer(rid, "prefill call failed before returning")
             raise
         response.timing.e2e_ms = (time.monotonic() - received) * 1e3
+        self._observe(span, rid, prompt, out, response, received)
         return response
 
     async def _publish(self, rid: str, out: RequestOutput) -> kv_transfer_pb2.KVHandle:

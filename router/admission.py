@@ -34,10 +34,15 @@ class InvalidRequest(ValueError):
 
 
 class OverCapacity(RuntimeError):
-    """Over a limit right now; the same request may succeed after `retry_after_s`."""
+    """Over a limit right now; the same request may succeed after `retry_after_s`.
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    `reason` is a metric label: "queue_full" (no room to wait) or "queue_timeout" (waited
+    `max_queue_wait_s` in vain).
+    """
+
+    def __init__(self, message: str, retry_after_s: float, reason: str = "queue_full") -> None:
         self.retry_after_s = retry_after_s
+        self.reason = reason
         super().__init__(message)
 
 
@@ -154,6 +159,7 @@ class Admission:
             raise OverCapacity(
                 f"waited {self.limits.max_queue_wait_s:g}s for a slot; router still at capacity",
                 self._retry_hint(),
+                reason="queue_timeout",
             ) from None
         finally:
             if waiter in self._queue:

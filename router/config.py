@@ -78,10 +78,16 @@ class RouterConfig:
     )
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
     log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
+    metrics_port: int = field(
+        default=9400, metadata=_help("Prometheus /metrics port; 0 picks a free one, -1 = off")
+    )
+    metrics_host: str = field(default="", metadata=_help("/metrics bind address; empty = --host"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [-1, 65535], got {self.metrics_port}")
         if self.routing_policy not in POLICY_NAMES:
             raise ValueError(
                 f"--routing-policy must be one of {', '.join(POLICY_NAMES)}, "

@@ -8,6 +8,11 @@ serves; we wait for that line (with a deadline) instead of sleeping, then print 
 address. Ctrl-C / SIGTERM stop the children (SIGTERM, then SIGKILL after a grace period) in
 reverse order: router first, so no new request reaches an engine that is going away.
 
+Every child serves Prometheus metrics on a free port (`--metrics-port 0`); its URL comes back
+in the ready line (`metrics=http://...`, `Child.metrics_url`) and `pdmesh serve` prints them
+all. The OTEL_* variables of this process (or of `env`) reach every child unchanged, so one
+`OTEL_EXPORTER_OTLP_ENDPOINT` traces the whole mesh.
+
 `LocalMesh` is also the test harness: tests start, inspect and kill its children.
 """
 
@@ -111,6 +116,7 @@ class Child:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.address: str | None = None
         self.ready_line = ""
+        self.fields: dict[str, str] = {}  # the ready line's key=value fields
         threading.Thread(target=self._pump, name=f"stdout-{name}", daemon=True).start()
 
     @property
@@ -141,7 +147,13 @@ class Child:
             parts = line.split()
             if len(parts) >= 2 and parts[0] == "ready":
                 self.address, self.ready_line = parts[1], line
+                self.fields = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
                 return self.address
+
+    @property
+    def metrics_url(self) -> str:
+        """The child's /metrics URL ("" when it serves none)."""
+        return self.fields.get("metrics", "")
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -170,9 +182,13 @@ def pdmesh_command(component: str, *args: str) -> list[str]:
 class LocalMesh:
     """Redis + engines + router; `start()` returns the router address. A context manager."""
 
-    def __init__(self, config: MeshConfig, router_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, config: MeshConfig, router_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.config = config
         self.router_args = list(router_args)
+        self.env = env  # the children's environment; None = this process's
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url or ""
         self.prefill: list[Child] = []
@@ -191,7 +207,7 @@ class LocalMesh:
             "--model", c.model, "--host", c.host, "--port", "0",
             "--redis-url", self.redis_url, "--kv-cache-memory", c.kv_cache_memory,
             "--kv-backend", c.kv_backend, "--block-size", str(c.block_size),
-            "--log-level", c.log_level, *c.tls_flags(),
+            "--log-level", c.log_level, "--metrics-port", "0", *c.tls_flags(),
         ]  # fmt: skip
 
     def start(self) -> str:
@@ -201,7 +217,8 @@ class LocalMesh:
                 self.redis = RedisServer().start()
                 self.redis_url = self.redis.url
             self.prefill = [
-                Child(f"prefill-{i}", pdmesh_command("prefill", *self.engine_args("prefill")))
+                Child(f"prefill-{i}", pdmesh_command("prefill", *self.engine_args("prefill")),
+                      env=self.env)
                 for i in range(c.num_prefill)
             ]
             role_args = ["--role", "colocated"] if c.colocated else []
@@ -209,15 +226,18 @@ class LocalMesh:
                 Child(
                     f"{'colocated' if c.colocated else 'decode'}-{i}",
                     pdmesh_command("decode", *self.engine_args("decode"), *role_args),
+                    env=self.env,
                 )
                 for i in range(c.num_decode)
             ]
             for child in [*self.prefill, *self.decode]:  # they start in parallel
                 child.wait_ready(c.startup_timeout_s)
-            self.router = Child("router", pdmesh_command("router", *self._router_argv()))
+            self.router = Child("router", pdmesh_command("router", *self._router_argv()),
+                                env=self.env)
             address = self.router.wait_ready(c.startup_timeout_s)
             if c.gateway_port >= 0:
-                self.gateway = Child("gateway", pdmesh_command("gateway", *self._gateway_argv()))
+                self.gateway = Child("gateway", pdmesh_command("gateway", *self._gateway_argv()),
+                                     env=self.env)
                 self.gateway.wait_ready(c.startup_timeout_s)
             return address
         except BaseException:
@@ -230,7 +250,7 @@ class LocalMesh:
             "--model", c.model, "--host", c.host, "--port", str(c.port),
             "--redis-url", self.redis_url, "--routing-policy", c.routing_policy,
             "--local-prefill-threshold", str(c.local_prefill_threshold),
-            "--log-level", c.log_level, *c.tls_flags(),
+            "--log-level", c.log_level, "--metrics-port", "0", *c.tls_flags(),
         ]  # fmt: skip
         if self.prefill:
             argv += ["--prefill", ",".join(p.address or "" for p in self.prefill)]
@@ -251,6 +271,13 @@ class LocalMesh:
         if self.gateway is None or self.gateway.address is None:
             return None
         return f"http://{self.gateway.address}/v1"
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each child's /metrics URL, by child name (the gateway serves it on its API port)."""
+        urls = {c.name: c.metrics_url for c in self.children if c.metrics_url}
+        if self.gateway is not None and self.gateway.address:
+            urls[self.gateway.name] = f"http://{self.gateway.address}/metrics"
+        return urls
 
     @property
     def router_address(self) -> str:

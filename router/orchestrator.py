@@ -26,12 +26,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from pdmesh.engine.block_hash import hash_token_blocks
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable
+from pdmesh.metrics import RouterMetrics, router_metrics
 from pdmesh.router.instances import Instance, InstancePool
-from pdmesh.router.routing.base import NoCandidateError, RouteRequest, RoutingPolicy
+from pdmesh.router.routing.base import (
+    Candidate,
+    Decision,
+    NoCandidateError,
+    RouteRequest,
+    RoutingPolicy,
+)
+from pdmesh.router.routing.prefix_aware import prefix_cost
+from pdmesh.tracing import gen_ai_response_attributes, get_tracer, inject_metadata
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2
 
 logger = logging.getLogger(__name__)
@@ -149,6 +159,31 @@ class _Plan:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """What the prefix index said about a prompt."""
+
+    cached: dict[str, int]  # leading prompt blocks held, by instance id
+    consulted: bool  # a policy wanted the index and one is configured
+    ok: bool  # ... and it answered
+
+
+def decision_reason(policy: RoutingPolicy, decision: Decision, num_candidates: int,
+                    lookup: _Lookup) -> str:
+    """Why an instance was chosen, as a low-cardinality metric label."""
+    if num_candidates == 1:
+        return "single_candidate"
+    if not policy.uses_prefix_index:
+        return policy.name
+    if lookup.consulted and not lookup.ok:
+        return "index_unavailable"
+    return "cached_prefix" if decision.cached_blocks > 0 else "load"
+
+
+def _finish_name(reason: int) -> str:
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -158,8 +193,10 @@ class Orchestrator:
         *,
         local_prefill_threshold: int,
         rpc_timeout_s: float,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.pool = pool
+        self.metrics = metrics or router_metrics()
         self.policies = policies  # one per role ("prefill", "decode"): stateful ones stay fair
         self.index = index
         self.local_prefill_threshold = local_prefill_threshold
@@ -169,42 +206,96 @@ class Orchestrator:
     # -- routing -----------------------------------------------------------------------------
     async def cached_blocks(self, req: PreparedRequest) -> dict[str, int]:
         """Leading prompt blocks each instance holds; {} when the index cannot say."""
+        return (await self._lookup(req)).cached
+
+    async def _lookup(self, req: PreparedRequest) -> _Lookup:
         scheme = self.pool.scheme
         uses_index = any(p.uses_prefix_index for p in self.policies.values())
         if not uses_index or self.index is None or scheme is None:
-            return {}
+            return _Lookup({}, consulted=False, ok=False)
         hashes = hash_token_blocks(scheme, req.prompt_token_ids, req.cache_salt or None)
+        started = time.monotonic()
         try:
-            return await self.index.longest_prefix(hashes)
+            cached = await self.index.longest_prefix(hashes)
         except IndexUnavailable as exc:
+            self.metrics.index_lookups.labels("error").inc()
             self.pool.index_detail = f"redis unavailable: {exc}"
             logger.info("prefix lookup failed, routing on load only: %s", exc)
-            return {}
+            return _Lookup({}, consulted=True, ok=False)
+        self.metrics.index_lookups.labels("ok").inc()
+        self.metrics.index_lookup_duration.observe(time.monotonic() - started)
+        return _Lookup(cached, consulted=True, ok=True)
 
-    def _choose(self, role: str, route: RouteRequest, cached: dict[str, int]) -> Instance:
+    def _choose(self, role: str, route: RouteRequest, lookup: _Lookup) -> Instance:
         instances = [i for i in self.pool.routable(role) if i.instance_id]
+        policy = self.policies[role]
         try:
-            candidates = [i.candidate(cached) for i in instances]
-            decision = self.policies[role].choose(route, candidates)
+            candidates = [i.candidate(lookup.cached) for i in instances]
+            decision = policy.choose(route, candidates)
         except NoCandidateError:
             raise RouteError(
                 grpc.StatusCode.UNAVAILABLE, f"no live {role} instance to route to"
             ) from None
         chosen = next(i for i in instances if i.instance_id == decision.instance_id)
+        reason = decision_reason(policy, decision, len(candidates), lookup)
+        self.metrics.routing_decisions.labels(policy.name, role, reason).inc()
+        self._trace_choice(role, route, policy, decision, chosen, candidates, reason)
         logger.debug("routed role=%s to=%s reason=%s", role, chosen.address, decision.reason)
         return chosen
 
+    @staticmethod
+    def _trace_choice(
+        role: str, route: RouteRequest, policy: RoutingPolicy, decision: Decision,
+        chosen: Instance, candidates: list[Candidate], reason: str,
+    ) -> None:
+        """Attributes of the routing span: who was chosen, why, and every candidate's score."""
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        prefix = f"pdmesh.route.{role}"
+        span.set_attributes({
+            f"{prefix}.instance_id": chosen.instance_id,
+            f"{prefix}.address": chosen.address,
+            f"{prefix}.cached_prefix_tokens": min(
+                decision.cached_blocks * route.block_size, route.num_prompt_tokens),
+            f"{prefix}.cost": decision.cost,
+            f"{prefix}.reason": reason,
+            f"{prefix}.detail": decision.reason,
+            f"{prefix}.candidate_ids": [c.instance_id for c in candidates],
+            f"{prefix}.candidate_cached_blocks": [c.cached_blocks for c in candidates],
+        })
+        weight = getattr(policy, "prefix_weight", None)
+        if weight is not None:
+            span.set_attribute(f"{prefix}.candidate_costs",
+                               [float(prefix_cost(route, c, weight)) for c in candidates])
+
     async def plan(self, req: PreparedRequest) -> _Plan:
-        cached = await self.cached_blocks(req)
-        block_size = self.pool.block_size or 16
-        route = RouteRequest(len(req.prompt_token_ids), block_size)
-        decode = self._choose("decode", route, cached)
-        held = min(cached.get(decode.instance_id, 0) * block_size, route.num_prompt_tokens)
-        uncached = route.num_prompt_tokens - held
-        if decode.role == "colocated" or uncached < self.local_prefill_threshold:
-            return _Plan(decode, None, f"local prefill ({uncached} uncached tokens)")
-        prefill = self._choose("prefill", route, cached)
-        return _Plan(decode, prefill, f"remote prefill ({uncached} uncached tokens on decode)")
+        with get_tracer().start_as_current_span("pdmesh.router.route") as span:
+            lookup = await self._lookup(req)
+            block_size = self.pool.block_size or 16
+            route = RouteRequest(len(req.prompt_token_ids), block_size)
+            if span.is_recording():
+                span.set_attributes({
+                    "pdmesh.route.policy": self.policies["decode"].name,
+                    "pdmesh.route.index_consulted": lookup.consulted,
+                    "pdmesh.route.index_ok": lookup.ok,
+                    "pdmesh.route.prompt_blocks": route.prompt_blocks,
+                })
+            decode = self._choose("decode", route, lookup)
+            held = min(lookup.cached.get(decode.instance_id, 0) * block_size,
+                       route.num_prompt_tokens)
+            uncached = route.num_prompt_tokens - held
+            if decode.role == "colocated" or uncached < self.local_prefill_threshold:
+                plan = _Plan(decode, None, f"local prefill ({uncached} uncached tokens)")
+            else:
+                prefill = self._choose("prefill", route, lookup)
+                plan = _Plan(decode, prefill,
+                             f"remote prefill ({uncached} uncached tokens on decode)")
+            placement = "local" if plan.prefill is None else "remote"
+            self.metrics.prefill_placements.labels(placement).inc()
+            span.set_attribute("pdmesh.route.prefill_placement", placement)
+            span.set_attribute("pdmesh.route.uncached_tokens_on_decode", uncached)
+            return plan
 
     # -- running -----------------------------------------------------------------------------
     async def run(self, req: PreparedRequest, send: Send) -> None:
@@ -295,7 +386,37 @@ class _Run:
             timing=_merge_timing(self.req, self.ttft_ms, self.timings),
             served_by=self._served_by(),
         )
+        self._observe(result)
         await self._send(router_pb2.GenerateResponse(result=result))
+
+    def _observe(self, result: router_pb2.GenerateResult) -> None:
+        """Router metrics and the generate span's response attributes for one request."""
+        m = self.orch.metrics
+        usage, timing = result.usage, result.timing
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        e2e_s = timing.e2e_ms / 1e3
+        m.e2e.observe(e2e_s)
+        if self.ttft_ms:
+            m.ttft.observe(self.ttft_ms / 1e3)
+            if usage.completion_tokens > 1:
+                m.tpot.observe((e2e_s - self.ttft_ms / 1e3) / (usage.completion_tokens - 1))
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        finishes = [_finish_name(s.finish.reason) for s in self.out.sequences if s.finish]
+        span.set_attributes(gen_ai_response_attributes(
+            response_id=result.request_id, output_tokens=usage.completion_tokens,
+            finish_reasons=finishes, input_tokens=usage.prompt_tokens,
+        ))
+        span.set_attributes({
+            "pdmesh.cached_prompt_tokens": usage.cached_prompt_tokens,
+            "pdmesh.ttft_ms": self.ttft_ms,
+            "pdmesh.e2e_ms": timing.e2e_ms,
+            "pdmesh.decode.instance_id": result.served_by.decode_instance_id,
+            "pdmesh.prefill.instance_id": result.served_by.prefill_instance_id,
+        })
 
     async def execute(self) -> None:
         remote: engine_pb2.RemotePrefill | None = None
@@ -323,7 +444,9 @@ class _Run:
             priority=req.priority,
         )
         try:
-            resp = await instance.prefill_stub().Prefill(message, timeout=req.remaining_s())
+            resp = await instance.prefill_stub().Prefill(
+                message, timeout=req.remaining_s(), metadata=inject_metadata()
+            )
         except asyncio.CancelledError:
             self.orch.spawn(self._abort_prefill(instance, "client cancelled"))
             raise
@@ -356,7 +479,9 @@ class _Run:
             remote_prefill=remote,
         )
         result: engine_pb2.DecodeResult | None = None
-        call = instance.decode_stub().Decode(message, timeout=req.remaining_s())
+        call = instance.decode_stub().Decode(
+            message, timeout=req.remaining_s(), metadata=inject_metadata()
+        )
         try:
             async for resp in call:
                 if resp.HasField("delta"):

@@ -4,7 +4,12 @@ Generate = admit (validate, tokenize, budget) â†’ route and run (orchestrator) â
 Tokenize, ListModels and GetStatus answer from the router's own state. The standard health
 service reports "" and "pdmesh.v1.Router" SERVING while the router runs, and
 "pdmesh.router.PrefixIndex" SERVING only while the Redis prefix index is reachable: without it
-the router keeps serving with load-only routing, and says so there and in GetStatus.
+the router keeps serving with load-only routing, and says so there, in GetStatus and in the
+`pdmesh:index_up` metric.
+
+Each Generate call is one `pdmesh.router.generate` span (parent: the caller's `traceparent`
+metadata, e.g. the gateway's) with `pdmesh.router.admission` and `pdmesh.router.route`
+children; the prefill and decode calls carry its context on.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+from opentelemetry import trace
 
 from pdmesh.engine.llm import apply_chat_template
 from pdmesh.engine.model_store import resolve_model
@@ -30,6 +37,14 @@ from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.logs import configure_logging
+from pdmesh.metrics import (
+    RouterCollector,
+    RouterMetrics,
+    RouterState,
+    process_registry,
+    router_metrics,
+    start_metrics_server,
+)
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,
@@ -45,6 +60,15 @@ from pdmesh.router.config import RouterConfig, parse_router_config
 from pdmesh.router.instances import InstancePool, PoolSettings
 from pdmesh.router.orchestrator import Orchestrator, PreparedRequest, RouteError
 from pdmesh.router.routing import make_policy
+from pdmesh.tracing import (
+    SpanKind,
+    configure_tracing,
+    extract_metadata,
+    gen_ai_request_attributes,
+    get_tracer,
+    mark_error,
+    shutdown_tracing,
+)
 from pdmesh.v1 import engine_pb2, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -109,6 +133,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer
         self.pool = pool
         self.orchestrator = orchestrator
+        self.metrics = orchestrator.metrics
         self.admission = Admission(config.admission_limits())
         self._inflight: set[str] = set()
 
@@ -118,26 +143,65 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> None:
         received = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        with get_tracer().start_as_current_span(
+            "pdmesh.router.generate", context=extract_metadata(context), kind=SpanKind.SERVER,
+            attributes={"pdmesh.request_id": request_id},
+        ) as span:
+            status = _CallStatus()
+            try:
+                await self._generate_call(request, request_id, received, context, status)
+            except asyncio.CancelledError:
+                status.code = grpc.StatusCode.CANCELLED
+                span.set_attribute("pdmesh.outcome", "cancelled")
+                raise
+            except BaseException:
+                if status.code == grpc.StatusCode.OK:  # not one of our own aborts
+                    status.code = grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                code = status.code
+                self.metrics.requests.labels(code.name).inc()
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                logger.info("request_id=%s code=%s e2e_ms=%.1f", request_id, code.name,
+                            (time.monotonic() - received) * 1e3)
+
+    async def _generate_call(
+        self,
+        request: router_pb2.GenerateRequest,
+        request_id: str,
+        received: float,
+        context: grpc.aio.ServicerContext,
+        status: _CallStatus,
+    ) -> None:
+        """Serve one Generate, or abort the call (raising) with the status noted in `status`."""
         if request_id in self._inflight:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            self.metrics.admission_rejections.labels("duplicate_request_id").inc()
+            await _abort(
+                context, status, grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight",
             )
         await context.send_initial_metadata((("x-request-id", request_id),))
         self._inflight.add(request_id)
+        rejected = self.metrics.admission_rejections
         try:
             await self._generate(request, request_id, received, context)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            rejected.labels("invalid_argument").inc()
+            await _abort(context, status, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OverCapacity as exc:
-            await context.abort(
+            rejected.labels(exc.reason).inc()
+            await _abort(
+                context,
+                status,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{exc}; retry in {exc.retry_after_s:.1f}s",
                 trailing_metadata=((RETRY_AFTER_KEY, retry_after_ms(exc.retry_after_s)),),
             )
         except DeadlineExpired as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            rejected.labels("deadline").inc()
+            await _abort(context, status, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RouteError as exc:
-            await context.abort(exc.code, str(exc))
+            await _abort(context, status, exc.code, str(exc))
         finally:
             self._inflight.discard(request_id)
 
@@ -177,9 +241,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
             deadline=received + timeout_s,
             tokenize_ms=tokenize_ms,
         )
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(gen_ai_request_attributes(
+                self.config.model, params, input_tokens=len(ids), max_tokens=max_tokens))
+            span.set_attribute("pdmesh.tokenize_ms", tokenize_ms)
         budget = budget_tokens(len(ids), max_tokens, params.n)
         wait_s = prepared.deadline - time.monotonic()
-        ticket = await self.admission.acquire(budget, timeout_s=wait_s)
+        with get_tracer().start_as_current_span(
+            "pdmesh.router.admission", attributes={"pdmesh.admission.budget_tokens": budget}
+        ) as admission_span:
+            queued = time.monotonic()
+            ticket = await self.admission.acquire(budget, timeout_s=wait_s)
+            queue_s = time.monotonic() - queued
+            self.metrics.queue_time.observe(queue_s)
+            admission_span.set_attributes({
+                "pdmesh.queue_ms": queue_s * 1e3,
+                "pdmesh.admission.running": self.admission.running,
+                "pdmesh.admission.queued": self.admission.queued,
+            })
         async with ticket:
             await self.orchestrator.run(prepared, context.write)
 
@@ -242,6 +322,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
 
+@dataclass
+class _CallStatus:
+    """The status one Generate call ends with (context.abort raises, so it is noted first)."""
+
+    code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, status: _CallStatus, code: grpc.StatusCode,
+    details: str, trailing_metadata: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Abort the call, noting the status for the metrics and the current span first."""
+    status.code = code
+    span = trace.get_current_span()
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    mark_error(span, f"{code.name}: {details}")
+    await context.abort(code, details, trailing_metadata=trailing_metadata)
+
+
 async def _report_index_health(server: GrpcServer, pool: InstancePool) -> None:
     """Mirror the prefix index's reachability into the health service after every poll."""
     last: bool | None = None
@@ -277,6 +376,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     """Run the router until `stop` is set (SIGINT/SIGTERM when not given)."""
     stop = stop or asyncio.Event()
     install_shutdown_signals(stop)
+    metrics: RouterMetrics = router_metrics()
     tokenizer = await asyncio.to_thread(PromptTokenizer, config.tokenizer or config.model)
     conn = RedisConnection.from_url(config.redis_url) if config.redis_url else None
     keys = KeySpace(model=config.model)
@@ -302,23 +402,38 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         PrefixIndex(conn, keys) if conn else None,
         local_prefill_threshold=config.local_prefill_threshold,
         rpc_timeout_s=config.rpc_timeout_s,
+        metrics=metrics,
     )
     service = RouterService(config, tokenizer, pool, orchestrator)
+    collector = RouterCollector(lambda: RouterState(
+        running=service.admission.running,
+        queued=service.admission.queued,
+        inflight_tokens=service.admission.inflight_tokens,
+        instances=[(i.role, i.healthy) for i in pool.instances()],
+        index_up=pool.index_available if conn is not None else None,
+    ))
     server = GrpcServer(
         [SERVICE_NAME], host=config.host, port=config.port, tls=config.tls,
         max_message_bytes=config.max_message_bytes,
     )
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     await _first_contact(pool, timeout_s=config.startup_wait_s)
+    endpoint = None
+    if config.metrics_port >= 0:  # before serving: a taken port must fail the start-up
+        endpoint = start_metrics_server(config.metrics_host or config.host, config.metrics_port)
+    process_registry().register(collector)
     pool.start()
     address = await server.start()
     health_task = asyncio.create_task(_report_index_health(server, pool))
     logger.info("router serving address=%s policy=%s", address, config.routing_policy)
-    print(f"ready {address}", flush=True)
+    print(f"ready {address} metrics={endpoint.url if endpoint else ''}", flush=True)
     try:
         await stop.wait()
     finally:
         logger.info("router shutting down")
+        process_registry().unregister(collector)
+        if endpoint is not None:
+            endpoint.close()
         health_task.cancel()
         await server.stop(grace_s=1.0)  # cancels in-flight calls: their cleanup frees KV
         await orchestrator.drain()
@@ -334,12 +449,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_router_config(argv)
     configure_logging(config.log_level)
     try:
+        configure_tracing("pdmesh-router")
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError) as exc:
         print(f"pdmesh router: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        shutdown_tracing()
     return 0
 
 

@@ -8,6 +8,10 @@
 sender's, and whose ack the sender accepted (so a lease that ran out or a cancel that raced
 the copy is reported, never silently served). Every failure is a `KVTransferError`
 subclass raised by the deadline; the caller falls back to recompute or fails the request.
+
+Observability: each fetch is one `pdmesh.kv_transfer` span (kind CLIENT; parent: the
+`traceparent` given, else the current span) whose context travels to the sender in the control
+messages, and one observation in the `pdmesh:kv_transfer*` metrics (direction="received").
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
+import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +51,14 @@ from pdmesh.kvstore.transfer.errors import (
 )
 from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.state import TransferState
+from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
+from pdmesh.tracing import (
+    SpanKind,
+    context_from_traceparent,
+    get_tracer,
+    mark_error,
+    span_traceparent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +66,25 @@ _PRECISE_BY_STATE: dict[TransferState, type[KVTransferError]] = {
     TransferState.EXPIRED: KVTransferExpired,
     TransferState.CANCELLED: KVTransferCancelled,
 }
+_OUTCOMES: tuple[tuple[type[BaseException], str], ...] = (
+    (KVTransferTimeout, "timeout"),
+    (KVTransferExpired, "expired"),
+    (KVTransferCancelled, "cancelled"),
+    (KVChecksumError, "checksum"),
+    (KVBackendUnavailable, "backend_unavailable"),
+    (asyncio.CancelledError, "cancelled"),
+)
+
+
+def failure_outcome(exc: BaseException) -> str:
+    """A low-cardinality label for why a fetch failed."""
+    for error_type, outcome in _OUTCOMES:
+        if isinstance(exc, error_type):
+            return outcome
+    if isinstance(exc, KVTransferError):
+        name = type(exc).__name__.removeprefix("KV")  # e.g. SenderUnavailable
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()  # -> sender_unavailable
+    return "error"
 
 
 @dataclass(frozen=True)
@@ -72,8 +105,10 @@ class KVReceiver:
         config: KVReceiverConfig | None = None,
         *,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        metrics: KVTransferMetrics | None = None,
     ) -> None:
         self.config = config or KVReceiverConfig()
+        self._metrics = metrics or kv_transfer_metrics()
         self._credentials = channel_credentials
         self._host_key = host_key(os.path.realpath(self.config.shm_dir))
         self._plane = DataPlaneConfig(shm_dir=self.config.shm_dir, grace_s=self.config.grace_s)
@@ -109,10 +144,54 @@ class KVReceiver:
         """Pull, verify and ack the KV of `handle`; `deadline` is a Deadline or seconds.
 
         `out`, if given, must be a contiguous tensor of the handle's layout; it is filled in
-        place (and is garbage if this raises).
+        place (and is garbage if this raises). `traceparent` parents this transfer's span
+        (default: the current span).
         """
-        deadline = Deadline.coerce(deadline)
-        name = backend or self.choose_backend(handle)
+        started = time.monotonic()
+        name = backend or ""
+        span = get_tracer().start_span(
+            "pdmesh.kv_transfer",
+            context=context_from_traceparent(traceparent),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "pdmesh.kv.side": "receiver",
+                "pdmesh.kv.transfer_id": handle.transfer_id,
+                "pdmesh.request_id": handle.request_id,
+                "pdmesh.kv.sender_address": handle.sender_address,
+                "pdmesh.kv.num_blocks": handle.layout.num_blocks,
+                "pdmesh.kv.num_tokens": handle.layout.num_tokens,
+            },
+        )
+        try:
+            name = backend or self.choose_backend(handle)
+            span.set_attribute("pdmesh.kv.backend", name)
+            dst = await self._fetch(
+                handle, Deadline.coerce(deadline), out, name, span_traceparent(span)
+            )
+        except BaseException as exc:
+            outcome = failure_outcome(exc)
+            self._metrics.observe("received", name or "none", 0, 0.0, outcome)
+            span.set_attribute("pdmesh.kv.outcome", outcome)
+            mark_error(span, exc)
+            span.end()
+            raise
+        elapsed = time.monotonic() - started
+        nbytes = dst.numel() * dst.element_size()
+        self._metrics.observe("received", name, nbytes, elapsed, "ok")
+        if span.is_recording():
+            span.set_attributes({"pdmesh.kv.bytes": nbytes, "pdmesh.kv.outcome": "ok",
+                                 "pdmesh.kv.duration_ms": elapsed * 1e3})
+        span.end()
+        return dst
+
+    async def _fetch(
+        self,
+        handle: KVHandle,
+        deadline: Deadline,
+        out: torch.Tensor | None,
+        name: str,
+        traceparent: str,
+    ) -> torch.Tensor:
         if name not in handle.backends:
             raise KVBackendUnavailable(f"sender does not offer backend {name!r}")
         client = self._client(name)

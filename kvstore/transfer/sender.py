@@ -9,6 +9,10 @@
 `on_release` may run on any thread (gRPC loop, a data-plane thread, the caller of `cancel`);
 keep it short and thread-safe. `publish` and `cancel` are thread-safe too, so an engine
 thread can call them while the control plane runs on the sender's event loop.
+
+Observability: each pull is one `pdmesh.kv_transfer` span (kind SERVER) from StartTransfer to
+release, parented on the receiver's span through the control message's `traceparent`, and
+one observation in the `pdmesh:kv_transfer*` metrics (direction="sent").
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -35,6 +41,9 @@ from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable, ReleaseCallback
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 from pdmesh.kvstore.transfer.wire import WireHeader, encode_header
+from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
+from pdmesh.tracing import Span, SpanKind, context_from_traceparent, get_tracer, mark_error
+from pdmesh.v1 import kv_transfer_pb2 as pb
 from pdmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,32 @@ class KVSenderConfig:
     checksum_algo: ChecksumAlgo = field(default_factory=default_algo)
 
 
+@dataclass
+class _Served:
+    """One published KV, as observed: what it weighs, and its pull once started."""
+
+    transfer_id: str
+    nbytes: int
+    backend: str = ""
+    started: float | None = None
+    span: Span | None = None
+
+
+class _ObservedService(KVTransferService):
+    """The control service, telling the sender when a pull starts (for its span and timing)."""
+
+    def __init__(self, sender: KVSender, table: LeaseTable,
+                 servers: dict[str, DataPlaneServer]) -> None:
+        super().__init__(table, servers)
+        self._sender = sender
+
+    async def StartTransfer(
+        self, request: pb.StartTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartTransferReply:
+        self._sender._pull_started(request)
+        return await super().StartTransfer(request, context)
+
+
 class KVSender:
     def __init__(
         self,
@@ -63,13 +98,18 @@ class KVSender:
         on_release: ReleaseCallback,
         *,
         server_credentials: grpc.ServerCredentials | None = None,
+        metrics: KVTransferMetrics | None = None,
     ) -> None:
         if not config.backends:
             raise ValueError("a KV sender needs at least one backend")
         self.config = config
         self.sender_id = uuid.uuid4().hex
         self._credentials = server_credentials
-        self._table = LeaseTable(on_release, max_lease_s=config.max_lease_s)
+        self._on_release = on_release
+        self._metrics = metrics or kv_transfer_metrics()
+        self._served: dict[str, _Served] = {}  # by request id; guarded by _served_lock
+        self._served_lock = threading.Lock()
+        self._table = LeaseTable(self._released, max_lease_s=config.max_lease_s)
         advertise = config.advertise_host or config.host
         self._plane = DataPlaneConfig(
             host=config.host,
@@ -102,7 +142,7 @@ class KVSender:
             server = make_server(name, self._table, self._plane)
             await server.start()
             self._servers[name] = server
-        self._service = KVTransferService(self._table, self._servers)
+        self._service = _ObservedService(self, self._table, self._servers)
         self._grpc = grpc.aio.server(options=channel_options(self.config.max_message_bytes))
         pb_grpc.add_KVTransferServicer_to_server(self._service, self._grpc)
         bind = f"{format_host(self.config.host)}:{self.config.port}"
@@ -163,6 +203,8 @@ class KVSender:
             checksum=tensor_checksum(self.config.checksum_algo, kv),
         )
         header = encode_header(WireHeader.for_handle(handle))
+        with self._served_lock:
+            self._served[request_id] = _Served(handle.transfer_id, kv.numel() * kv.element_size())
         self._table.add(handle, kv, header, self.config.lease_s if lease_s is None else lease_s)
         self._poke()
         return handle
@@ -180,6 +222,51 @@ class KVSender:
     def pinned_count(self) -> int:
         """Transfers whose KV is still held; 0 once everything was released."""
         return self._table.pinned_count()
+
+    # -- observation -------------------------------------------------------------------------
+
+    def _pull_started(self, request: pb.StartTransferRequest) -> None:
+        with self._served_lock:
+            served = self._served.get(request.request_id)
+            if served is None or served.transfer_id != request.transfer_id or served.started:
+                return
+            served.backend = request.backend
+            served.started = time.monotonic()
+            served.span = get_tracer().start_span(
+                "pdmesh.kv_transfer",
+                context=context_from_traceparent(request.traceparent),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "pdmesh.kv.side": "sender",
+                    "pdmesh.kv.backend": request.backend,
+                    "pdmesh.kv.transfer_id": request.transfer_id,
+                    "pdmesh.request_id": request.request_id,
+                    "pdmesh.kv.bytes": served.nbytes,
+                },
+            )
+
+    def _released(self, request_id: str, reason: ReleaseReason) -> None:
+        """The lease table's release callback: record the outcome, then the caller's one."""
+        with self._served_lock:
+            served = self._served.pop(request_id, None)
+        try:
+            if served is not None:
+                self._observe(served, reason)
+        except Exception:  # observability must never keep pinned KV from being freed
+            logger.exception("recording KV transfer %s failed", request_id)
+        self._on_release(request_id, reason)
+
+    def _observe(self, served: _Served, reason: ReleaseReason) -> None:
+        outcome = "ok" if reason is ReleaseReason.ACKED else reason.name.lower()
+        elapsed = time.monotonic() - served.started if served.started is not None else 0.0
+        self._metrics.observe("sent", served.backend or "none", served.nbytes, elapsed, outcome)
+        span = served.span
+        if span is not None:
+            span.set_attribute("pdmesh.kv.outcome", outcome)
+            span.set_attribute("pdmesh.kv.duration_ms", elapsed * 1e3)
+            if outcome != "ok":
+                mark_error(span, f"transfer ended: {outcome}")
+            span.end()
 
     # -- lease expiry ------------------------------------------------------------------------
 

@@ -1,0 +1,375 @@
+"""Prometheus metrics of the pdmesh services: one catalog, one prefix (`pdmesh:`), one endpoint.
+
+Every process keeps its metrics in one `CollectorRegistry` (`process_registry()`), served as
+text on `http://<host>:<port>/metrics` by `start_metrics_server`. Only pdmesh metrics are in
+it, so every exported name starts with `pdmesh:`.
+
+Two kinds of metric live here:
+
+* *observed* ones (histograms, event counters) that the code updates as things happen — the
+  `*Metrics` dataclasses, created once per registry (`engine_metrics()`, `router_metrics()`,
+  `kv_transfer_metrics()`);
+* *scraped* ones (gauges of live state, counters the engine already keeps cumulatively) read at
+  scrape time by a collector (`EngineCollector`, `RouterCollector`), so the hot paths pay
+  nothing for them and the numbers can never drift from the engine's own.
+
+Units are in the names (`_seconds`, `_bytes`, `_ratio`); token counters count tokens.
+Label values are low-cardinality by construction (roles, policies, reasons from fixed sets).
+See docs/OBSERVABILITY.md for the full list.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pdmesh:"
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+TOKEN_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                      2.5, 5.0, 10.0, 30.0)
+
+T = TypeVar("T")
+_lock = threading.Lock()
+_process_registry: CollectorRegistry | None = None
+_per_registry: dict[tuple[int, str], Any] = {}
+
+
+def metric_name(name: str) -> str:
+    """`name` with the one pdmesh prefix."""
+    return name if name.startswith(PREFIX) else PREFIX + name
+
+
+def process_registry() -> CollectorRegistry:
+    """The registry this process serves on /metrics (created on first use)."""
+    global _process_registry
+    with _lock:
+        if _process_registry is None:
+            _process_registry = CollectorRegistry(auto_describe=True)
+        return _process_registry
+
+
+def _once(kind: str, registry: CollectorRegistry | None, build: Callable[[CollectorRegistry], T]
+          ) -> T:
+    """One `build(registry)` per registry and kind: metrics cannot be registered twice."""
+    registry = registry or process_registry()
+    key = (id(registry), kind)
+    with _lock:
+        if key not in _per_registry:
+            _per_registry[key] = build(registry)
+        return _per_registry[key]
+
+
+# -- KV transfer (both ends) -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVTransferMetrics:
+    """Labels: direction = sent (prefill, serving a pull) | received (decode, pulling)."""
+
+    bytes: Counter
+    duration: Histogram
+    transfers: Counter
+    failures: Counter
+
+    def observe(self, direction: str, backend: str, nbytes: int, seconds: float,
+                outcome: str) -> None:
+        """Record one finished transfer; bytes and duration only for successful ones."""
+        self.transfers.labels(direction, backend, outcome).inc()
+        if outcome == "ok":
+            self.bytes.labels(direction, backend).inc(nbytes)
+            self.duration.labels(direction, backend).observe(seconds)
+        else:
+            self.failures.labels(direction, outcome).inc()
+
+
+def _build_kv(r: CollectorRegistry) -> KVTransferMetrics:
+    return KVTransferMetrics(
+        bytes=Counter(metric_name("kv_transfer_bytes"),
+                      "KV cache bytes moved by completed transfers",
+                      ["direction", "backend"], registry=r),
+        duration=Histogram(metric_name("kv_transfer_duration_seconds"),
+                           "Duration of completed KV transfers (start to acknowledgement)",
+                           ["direction", "backend"], buckets=TRANSFER_BUCKETS_S, registry=r),
+        transfers=Counter(metric_name("kv_transfers"),
+                          "KV transfers that ended, by outcome",
+                          ["direction", "backend", "outcome"], registry=r),
+        failures=Counter(metric_name("kv_transfer_failures"),
+                         "KV transfers that did not complete, by reason",
+                         ["direction", "reason"], registry=r),
+    )
+
+
+def kv_transfer_metrics(registry: CollectorRegistry | None = None) -> KVTransferMetrics:
+    return _once("kv_transfer", registry, _build_kv)
+
+
+# -- engine services (prefill, decode, colocated) --------------------------------------------------
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Per-request observations of one engine service; every metric has a `role` label."""
+
+    role: str
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    requests: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+    def request_finished(
+        self, *, outcome: str, prompt_tokens: int, generation_tokens: int,
+        ttft_s: float | None, e2e_s: float, queue_s: float | None,
+    ) -> None:
+        """Record one request this service finished serving (`outcome`: a finish reason,
+        "exported" for a prefill handed to decode, or "error"/"cancelled")."""
+        role = self.role
+        self.requests.labels(role, outcome).inc()
+        self.prompt_tokens.labels(role).inc(prompt_tokens)
+        self.generation_tokens.labels(role).inc(generation_tokens)
+        self.e2e.labels(role).observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.labels(role).observe(ttft_s)
+            if generation_tokens > 1:
+                self.tpot.labels(role).observe((e2e_s - ttft_s) / (generation_tokens - 1))
+        if queue_s is not None:
+            self.queue_time.labels(role).observe(queue_s)
+
+
+def _build_engine(r: CollectorRegistry, role: str) -> EngineMetrics:
+    return EngineMetrics(
+        role=role,
+        ttft=Histogram(metric_name("time_to_first_token_seconds"),
+                       "Request received by this service to its first output token",
+                       ["role"], buckets=LATENCY_BUCKETS_S, registry=r),
+        tpot=Histogram(metric_name("time_per_output_token_seconds"),
+                       "(e2e - ttft) / (output tokens - 1) of each finished request",
+                       ["role"], buckets=TOKEN_LATENCY_BUCKETS_S, registry=r),
+        e2e=Histogram(metric_name("e2e_request_latency_seconds"),
+                      "Request received by this service to its last output",
+                      ["role"], buckets=LATENCY_BUCKETS_S, registry=r),
+        queue_time=Histogram(metric_name("request_queue_time_seconds"),
+                             "Time a request waited in the engine before first scheduled",
+                             ["role"], buckets=LATENCY_BUCKETS_S, registry=r),
+        requests=Counter(metric_name("requests"), "Requests this service finished, by outcome",
+                         ["role", "outcome"], registry=r),
+        prompt_tokens=Counter(metric_name("prompt_tokens"), "Prompt tokens of finished requests",
+                              ["role"], registry=r),
+        generation_tokens=Counter(metric_name("generation_tokens"),
+                                  "Tokens generated by this service", ["role"], registry=r),
+    )
+
+
+def engine_metrics(role: str, registry: CollectorRegistry | None = None) -> EngineMetrics:
+    return _once(f"engine:{role}", registry, lambda r: _build_engine(r, role))
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What an engine process reports at scrape time (read from its load snapshot)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_pinned_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    index_up: bool | None  # None: no Redis configured
+
+
+class EngineCollector:
+    """Scrape-time gauges and cumulative counters of one engine process."""
+
+    def __init__(self, role: str, state: Callable[[], EngineState]) -> None:
+        self.role = role
+        self._state = state
+
+    def describe(self) -> list[Metric]:
+        return []  # names are checked by tests; skip the registry's duplicate bookkeeping
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state()
+        role = [self.role]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric_name(name), doc, labels=["role"])
+            g.add_metric(role, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(metric_name(name), doc, labels=["role"])
+            c.add_metric(role, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the engine's running batch",
+                    s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)", s.kv_usage)
+        yield gauge("kv_cache_free_blocks", "KV blocks free (cached or empty)", s.num_free_blocks)
+        yield gauge("kv_cache_total_blocks", "KV blocks in the paged cache", s.num_total_blocks)
+        yield gauge("kv_cache_pinned_blocks", "KV blocks pinned for a transfer to decode",
+                    s.num_pinned_blocks)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      s.prefix_query_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      s.prefix_hit_tokens)
+        if s.index_up is not None:
+            yield gauge("index_up", "1 while registered in the Redis prefix index, else 0",
+                        1.0 if s.index_up else 0.0)
+
+
+# -- router ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RouterMetrics:
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    requests: Counter
+    prompt_tokens: Counter
+    cached_prompt_tokens: Counter
+    generation_tokens: Counter
+    routing_decisions: Counter
+    prefill_placements: Counter
+    admission_rejections: Counter
+    index_lookups: Counter
+    index_lookup_duration: Histogram
+
+
+def _build_router(r: CollectorRegistry) -> RouterMetrics:
+    return RouterMetrics(
+        ttft=Histogram(metric_name("router_time_to_first_token_seconds"),
+                       "Request received by the router to the first token sent back",
+                       buckets=LATENCY_BUCKETS_S, registry=r),
+        tpot=Histogram(metric_name("router_time_per_output_token_seconds"),
+                       "(e2e - ttft) / (output tokens - 1), as the router streams them",
+                       buckets=TOKEN_LATENCY_BUCKETS_S, registry=r),
+        e2e=Histogram(metric_name("router_e2e_request_latency_seconds"),
+                      "Request received by the router to its final message",
+                      buckets=LATENCY_BUCKETS_S, registry=r),
+        queue_time=Histogram(metric_name("router_request_queue_time_seconds"),
+                             "Time a request waited for admission",
+                             buckets=LATENCY_BUCKETS_S, registry=r),
+        requests=Counter(metric_name("router_requests"),
+                         "Generate calls answered, by gRPC status code", ["code"], registry=r),
+        prompt_tokens=Counter(metric_name("router_prompt_tokens"),
+                              "Prompt tokens of completed requests", registry=r),
+        cached_prompt_tokens=Counter(metric_name("router_cached_prompt_tokens"),
+                                     "Prompt tokens served from a prefix cache", registry=r),
+        generation_tokens=Counter(metric_name("router_generation_tokens"),
+                                  "Tokens streamed back to clients", registry=r),
+        routing_decisions=Counter(
+            metric_name("router_routing_decisions"),
+            "Instance choices, by policy, role chosen for, and why",
+            ["policy", "role", "reason"], registry=r),
+        prefill_placements=Counter(
+            metric_name("router_prefill_placements"),
+            "Where prompts were prefilled: remote (a prefill instance) or local (on decode)",
+            ["placement"], registry=r),
+        admission_rejections=Counter(
+            metric_name("router_admission_rejections"),
+            "Requests refused before routing, by reason", ["reason"], registry=r),
+        index_lookups=Counter(
+            metric_name("router_index_lookups"),
+            "Prefix index (Redis) lookups, by outcome (ok, error)", ["outcome"], registry=r),
+        index_lookup_duration=Histogram(
+            metric_name("router_index_lookup_duration_seconds"),
+            "Duration of prefix index (Redis) lookups", buckets=TRANSFER_BUCKETS_S, registry=r),
+    )
+
+
+def router_metrics(registry: CollectorRegistry | None = None) -> RouterMetrics:
+    return _once("router", registry, _build_router)
+
+
+@dataclass(frozen=True)
+class RouterState:
+    running: int
+    queued: int
+    inflight_tokens: int
+    instances: Iterable[tuple[str, bool]]  # (role, healthy) of every known instance
+    index_up: bool | None  # None: no Redis configured
+
+
+class RouterCollector:
+    """Scrape-time gauges of one router."""
+
+    def __init__(self, state: Callable[[], RouterState]) -> None:
+        self._state = state
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state()
+        for name, doc, value in (
+            ("router_requests_running", "Admitted requests being served", s.running),
+            ("router_requests_queued", "Requests waiting for admission", s.queued),
+            ("router_inflight_tokens", "Prompt + max output tokens of admitted requests",
+             s.inflight_tokens),
+        ):
+            yield GaugeMetricFamily(metric_name(name), doc, value=value)
+        counts: dict[tuple[str, str], int] = {}
+        for role, healthy in s.instances:
+            key = (role, "healthy" if healthy else "unhealthy")
+            counts[key] = counts.get(key, 0) + 1
+        family = GaugeMetricFamily(metric_name("router_instances"),
+                                   "Known engine instances, by role and health",
+                                   labels=["role", "state"])
+        for (role, state), count in sorted(counts.items()):
+            family.add_metric([role, state], count)
+        yield family
+        if s.index_up is not None:
+            yield GaugeMetricFamily(
+                metric_name("index_up"), "1 while the Redis prefix index is reachable, else 0",
+                value=1.0 if s.index_up else 0.0)
+
+
+# -- exposition ------------------------------------------------------------------------------------
+@dataclass
+class MetricsEndpoint:
+    """A running /metrics HTTP server (its own daemon thread)."""
+
+    host: str
+    port: int
+    _server: Any
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry | None = None
+) -> MetricsEndpoint:
+    """Serve `registry` (default: the process registry) on host:port; port 0 picks a free one.
+
+    Raises OSError naming the address when it cannot bind.
+    """
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry or
+                                            process_registry())
+    except OSError as exc:
+        raise OSError(f"cannot serve /metrics on {host}:{port} ({exc.strerror or exc}); "
+                      "choose another --metrics-port (0 = any free port, -1 = off)") from exc
+    endpoint = MetricsEndpoint(host, server.server_port, server)
+    logger.info("metrics url=%s", endpoint.url)
+    return endpoint
