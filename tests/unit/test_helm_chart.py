@@ -44,6 +44,10 @@ KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; their shape is checked below
 RELEASE, NAMESPACE = "t", "pdmesh-test"
 POD_IP = "10.1.2.3"
+# Containers with their own Prometheus server (PDMESH_METRICS_PORT); the gateway serves its
+# /metrics on its API port instead.
+METRICS_CONTAINERS = ("router", "prefill", "decode")
+SCRAPED_COMPONENTS = {"router", "prefill", "decode"}  # the gateway is in the router's pod
 PDMESH_ENV_NOT_CONFIG = {"PDMESH_CACHE_DIR"}  # read by engine/model_store.py, not a config field
 
 Manifest = dict[str, Any]
@@ -158,6 +162,9 @@ def test_values_schema_is_valid_and_accepts_every_variant(schema: dict[str, Any]
         (("prefill", "kvCacheMemory"), "lots"),
         (("redis", "external", "url"), "http://redis:6379"),
         (("otel", "protocol"), "thrift"),
+        (("decode", "metricsPort"), 0),  # a free port: Prometheus could not find it
+        (("router", "metricsPort"), 70000),
+        (("prefill", "metricsPort"), "9400"),
     ],
 )
 def test_values_schema_rejects_bad_values(
@@ -272,24 +279,66 @@ def test_rendered_manifests_validate_against_kubernetes_schemas(render, variant:
     assert len(names) == len(set(names)), "duplicate objects"
 
 
+def selects(selector: Manifest, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and In/NotIn/Exists/DoesNotExist) on labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
 def check_service_monitor(m: Manifest, manifests: list[Manifest]) -> None:
+    """The ServiceMonitor's shape, and that it reaches every /metrics the mesh serves: the
+    gateway's (`http` on the router Service) and each `metrics` Service port, which must lead
+    to a containerPort named `metrics`."""
     assert m["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(m) == {"apiVersion", "kind", "metadata", "spec"}
     spec = m["spec"]
     assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel"}
+    assert set(spec["selector"]) <= {"matchLabels", "matchExpressions"}
     assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    selected = [
-        s for s in by_kind(manifests, "Service").values()
-        if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
-    ]
-    assert len(selected) == 1, "the ServiceMonitor must select exactly the router Service"
-    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    selected = {
+        s["metadata"]["labels"]["app.kubernetes.io/component"]: s
+        for s in by_kind(manifests, "Service").values()
+        if selects(spec["selector"], s["metadata"]["labels"])
+    }
+    assert set(selected) == SCRAPED_COMPONENTS, f"the ServiceMonitor selects {sorted(selected)}"
     assert spec["endpoints"], "no endpoints"
+    scraped: dict[str, set[str]] = {c: set() for c in selected}
     for endpoint in spec["endpoints"]:
         assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
-        assert endpoint["port"] in port_names
         assert endpoint["path"] == "/metrics"
         assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
+        holders = [
+            c for c, s in selected.items()
+            if endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert holders, f"endpoint {endpoint['port']!r} is on no selected Service"
+        for component in holders:
+            scraped[component].add(endpoint["port"])
+    assert "http" in scraped["router"], "the gateway's /metrics is not scraped"
+    for component, service in selected.items():
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        pod_ports = {
+            p["name"]: p["containerPort"]
+            for c in containers(workload(manifests, component)).values()
+            for p in c.get("ports", [])
+        }
+        if "metrics" in pod_ports:
+            assert "metrics" in scraped[component], f"{component}: /metrics not scraped"
+            assert ports["metrics"]["targetPort"] == "metrics"
+            assert ports["metrics"]["port"] == pod_ports["metrics"]
+        else:
+            assert "metrics" not in ports, f"{component}: a metrics Service port with no server"
 
 
 @pytest.mark.slow
@@ -340,6 +389,10 @@ def test_every_container_env_configures_the_real_service(render, variant: str) -
             pytest.fail(f"{c['name']} would exit at start-up with env {env}")
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert config.port == ports["grpc" if c["name"] != "gateway" else "http"]
+        if c["name"] in METRICS_CONTAINERS:
+            check_metrics_server(c["name"], config, ports, values[c["name"]]["metricsPort"])
+        else:
+            assert "metrics" not in ports, f"{c['name']} serves no separate /metrics"
         configs[c["name"]] = config
     router, gateway = configs["router"], configs["gateway"]
     prefill, decode = configs["prefill"], configs["decode"]
@@ -356,6 +409,65 @@ def test_every_container_env_configures_the_real_service(render, variant: str) -
     expected = model["path"] if model["source"] == "volume" else model["alias"]
     assert prefill.model == decode.model == router.tokenizer == expected
     assert prefill.kv_port == values["prefill"]["kvPort"]
+
+
+def check_metrics_server(
+    name: str, config: Any, ports: dict[str, int], metrics_port: int
+) -> None:
+    """A parsed config serves /metrics where the pod says it does, reachable from other pods:
+    on the `metrics` containerPort, bound to every address (never the 0 = free-port default)."""
+    if metrics_port == -1:
+        assert config.metrics_port == -1, f"{name}: metrics should be off"
+        assert "metrics" not in ports, f"{name}: a metrics containerPort with no server"
+        return
+    assert config.metrics_port == ports["metrics"] == metrics_port, (name, ports)
+    assert (config.metrics_host or config.host) == "0.0.0.0", f"{name}: {config.metrics_host!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [
+        ("default", ()),
+        ("autoscaling-monitoring", ()),
+        ("model-pvc-colocated", ("--set", "prefill.metricsPort=9500",
+                                 "--set", "decode.metricsPort=9600",
+                                 "--set", "router.metricsPort=9700")),
+        ("autoscaling-monitoring", ("--set", "decode.metricsPort=-1")),
+    ],
+)
+def test_metrics_servers_are_named_ports_on_their_services(
+    render, variant: str, extra: tuple[str, ...]
+) -> None:
+    """Each pdmesh container's PDMESH_METRICS_PORT is its containerPort named `metrics`, bound
+    to 0.0.0.0, and its Service exposes it; -1 turns server, port and scrape off together."""
+    manifests = render(variant, *extra)
+    values = load_values(variant)
+    for setting in extra[1::2]:  # "<component>.metricsPort=<n>"
+        key, number = setting.split("=")
+        component, field = key.split(".")
+        values[component][field] = int(number)
+    services = by_kind(manifests, "Service")
+    for component in METRICS_CONTAINERS:
+        c = containers(workload(manifests, component))[component]
+        env = resolved_env(c)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        expected = values[component]["metricsPort"]
+        assert env["PDMESH_METRICS_PORT"] == str(expected), component
+        assert env["PDMESH_METRICS_HOST"] == "0.0.0.0", component
+        service_ports = {
+            p["name"]: p for p in services[f"{RELEASE}-pdmesh-{component}"]["spec"]["ports"]
+        }
+        if expected == -1:
+            assert "metrics" not in ports and "metrics" not in service_ports, component
+            continue
+        assert ports["metrics"] == expected, component
+        assert service_ports["metrics"]["port"] == expected
+        assert service_ports["metrics"]["targetPort"] == "metrics"
+    monitors = by_kind(manifests, "ServiceMonitor")
+    assert len(monitors) == (1 if values["serviceMonitor"]["enabled"] else 0)
+    for monitor in monitors.values():
+        check_service_monitor(monitor, manifests)
 
 
 @pytest.mark.slow
@@ -539,7 +651,7 @@ def test_model_from_a_volume_or_an_init_step(render) -> None:
     assert list(claims) == [f"{RELEASE}-pdmesh-model"]
     assert claims[f"{RELEASE}-pdmesh-model"]["spec"]["storageClassName"] == "nfs"
     decode = workload(pvc, "decode")
-    assert {p["name"] for p in containers(decode)["decode"]["ports"]} == {"grpc", "kv"}
+    assert {p["name"] for p in containers(decode)["decode"]["ports"]} == {"grpc", "kv", "metrics"}
 
 
 @pytest.mark.slow
@@ -566,6 +678,10 @@ def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
         (["--set", "prefil.replicas=2"], "prefil"),
         (["--set", "router.routingPolicy=fastest"], "routingPolicy"),
         (["--set", "engine.blockSize=0"], "blockSize"),
+        (["--set", "router.metricsPort=8000"], "router.gateway.port and router.metricsPort"),
+        (["--set", "decode.role=colocated", "--set", "decode.metricsPort=50052"],
+         "decode.kvPort and decode.metricsPort"),
+        (["--set", "prefill.metricsPort=0"], "metricsPort"),
     ],
 )
 def test_bad_values_fail_with_a_message(helm: str, args: list[str], message: str) -> None:

@@ -11,6 +11,11 @@ registry, which is how the router finds it; a restarted pod re-registers with a 
 {{- $isPrefill := eq .component "prefill" }}
 {{- $servesKV := or $isPrefill (eq (toString $v.role) "colocated") }}
 {{- $gpu := int $v.gpu }}
+{{- $ports := dict (printf "%s.port" .component) $v.port (printf "%s.metricsPort" .component) $v.metricsPort }}
+{{- if $servesKV }}
+{{- $_ := set $ports (printf "%s.kvPort" .component) $v.kvPort }}
+{{- end }}
+{{- include "pdmesh.distinctPorts" $ports }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -102,6 +107,7 @@ spec:
               value: {{ ternary "cuda" $v.device (gt $gpu 0) | quote }}
             - name: PDMESH_DTYPE
               value: {{ $root.Values.engine.dtype | quote }}
+            {{- include "pdmesh.metricsEnv" (dict "root" $root "port" $v.metricsPort) | nindent 12 }}
             {{- include "pdmesh.otelEnv" (dict "root" $root "service" .component) | trim | nindent 12 }}
             {{- with $v.env }}
             {{- include "pdmesh.extraEnv" . | trim | nindent 12 }}
@@ -114,6 +120,9 @@ spec:
             - name: kv
               containerPort: {{ $v.kvPort }}
               protocol: TCP
+            {{- end }}
+            {{- with (include "pdmesh.metricsContainerPort" $v.metricsPort) }}
+            {{- . | trim | nindent 12 }}
             {{- end }}
           {{- include "pdmesh.grpcProbes" (dict "root" $root "port" $v.port) | trim | nindent 10 }}
           volumeMounts:

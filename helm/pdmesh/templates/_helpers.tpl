@@ -227,6 +227,57 @@ app.kubernetes.io/part-of: pdmesh
 {{- end }}
 {{- end }}
 
+{{/* ---- Metrics ----------------------------------------------------------------------------- */}}
+
+{{/*
+PDMESH_METRICS_* of one process; takes (dict "root" $ "port" <metricsPort>). The bind address is
+bindHost, never the service's default of its gRPC --host, so a scrape from another pod reaches it
+whatever PDMESH_HOST says. -1 passes through: the process then serves no /metrics.
+*/}}
+{{- define "pdmesh.metricsEnv" -}}
+- name: PDMESH_METRICS_HOST
+  value: {{ .root.Values.bindHost | quote }}
+- name: PDMESH_METRICS_PORT
+  value: {{ .port | quote }}
+{{- end }}
+
+{{/* The `metrics` containerPort for a metricsPort; nothing for -1. */}}
+{{- define "pdmesh.metricsContainerPort" -}}
+{{- if ge (int .) 1 }}
+- name: metrics
+  containerPort: {{ . }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* The `metrics` Service port (what the ServiceMonitor scrapes); nothing for -1. */}}
+{{- define "pdmesh.metricsServicePort" -}}
+{{- if ge (int .) 1 }}
+- name: metrics
+  port: {{ . }}
+  targetPort: metrics
+  protocol: TCP
+  appProtocol: http
+{{- end }}
+{{- end }}
+
+{{/*
+Fails when two ports of one pod are the same (the second server would exit at start-up with
+"address in use"); takes a dict of value name -> port, -1 meaning "not opened".
+*/}}
+{{- define "pdmesh.distinctPorts" -}}
+{{- $seen := dict }}
+{{- range $name, $port := . }}
+{{- if ge (int $port) 1 }}
+{{- $key := toString (int $port) }}
+{{- if hasKey $seen $key }}
+{{- fail (printf "pdmesh: %s and %s are both %s; the ports of one pod must differ" (get $seen $key) $name $key) }}
+{{- end }}
+{{- $_ := set $seen $key $name }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* ---- Probes ------------------------------------------------------------------------------ */}}
 
 {{/* Native gRPC probes (grpc.health.v1) on `port`; takes (dict "root" $ "port" 50051). */}}
