@@ -51,6 +51,9 @@ class EngineServiceConfig:
     max_model_len: int | None = field(default=None, metadata=_help("context limit (tokens)"))
     device: str = field(default="auto", metadata=_help("auto|cpu|cuda[:N]"))
     dtype: str = field(default="auto", metadata=_help("auto|float32|bfloat16|float16"))
+    attention_backend: str = field(
+        default="auto", metadata=_help("auto|flash-attn|triton|cpu|torch (auto picks by device)")
+    )
     seed: int = field(default=0, metadata=_help("engine seed (unseeded requests)"))
     hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
@@ -111,6 +114,7 @@ class EngineServiceConfig:
             kv_cache_memory=self.kv_cache_memory,
             dtype=self.dtype,
             device=self.device,
+            attention_backend=self.attention_backend,
             seed=self.seed,
             hash_algorithm=self.hash_algorithm,
             hash_root_seed=self.hash_root_seed,

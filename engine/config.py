@@ -65,6 +65,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        from pdmesh.kernels.backend import BACKEND_NAMES
+
+        names = {"auto", *BACKEND_NAMES, *(n.replace("-", "_") for n in BACKEND_NAMES)}
+        if self.attention_backend not in names:
+            raise ValueError(
+                f"attention_backend must be auto or one of {', '.join(BACKEND_NAMES)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

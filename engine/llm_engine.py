@@ -123,7 +123,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.scheduler.on_preempt = self._on_preempt
-        backend = get_attention_backend(config.attention_backend)
+        backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, backend, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.eos_token_ids = self._eos_token_ids()

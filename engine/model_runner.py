@@ -14,7 +14,7 @@ from itertools import accumulate
 import torch
 
 from pdmesh.engine.kv_cache_manager import KVCacheManager
-from pdmesh.engine.models.llama import LlamaForCausalLM
+from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 
@@ -40,6 +40,8 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
     ) -> None:
+        if can_pack_linears(device, kv_cache.dtype):
+            pack_linears(model)
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv_manager

@@ -62,7 +62,7 @@ def paged_decode_attention(
     length = layout.num_blocks * block_size
     kv = kv_layer.index_select(1, layout.blocks)  # [2, B * nb, bs, Hkv, D]
     kv = kv.view(2, batch, length, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, Hkv, L, D]
-    q = query.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    q = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=layout.mask, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
 

@@ -17,8 +17,9 @@ num_kv_heads, head_dim]`, contiguous):
   read from the step's contiguous `key`/`value` rows.
 
 All three use online softmax in base 2 with float32 accumulation. They run on CPU under
-`TRITON_INTERPRET=1`, which is how the tests check them against `torch_ref`; that flag is read
-when this module is imported (at `@triton.jit`), so set it before the first import.
+`TRITON_INTERPRET=1`, which is how the tests check them against `torch_ref`. Triton reads
+that flag when `triton` itself is imported (its library functions are `@triton.jit` too) and
+again while kernels run, so it must be in the environment before the first `import triton`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from pdmesh.kernels.backend import AttentionMetadata
 
@@ -39,7 +41,7 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 def interpreting() -> bool:
     """True when this module's kernels were built for the Triton CPU interpreter."""
-    return isinstance(_reshape_and_cache_kernel, triton.runtime.interpreter.InterpretedFunction)
+    return not isinstance(_reshape_and_cache_kernel, JITFunction)
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -64,6 +66,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
+
+
+def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.stride(2) != 1:
+        raise ValueError("out must have the query's shape and unit stride on head_dim")
+    return out
 
 
 @triton.jit
@@ -274,8 +284,7 @@ def paged_decode_attention(
     """
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = _check_cache(kv_layer)
-    if out is None:
-        out = torch.empty_like(query)
+    out = _output(query, out)
     if batch == 0:
         return out
     max_blocks = block_tables.shape[1]
@@ -468,8 +477,7 @@ def paged_prefill_attention(
     """
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = _check_cache(kv_layer)
-    if out is None:
-        out = torch.empty_like(query)
+    out = _output(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out

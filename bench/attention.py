@@ -1,0 +1,181 @@
+"""Paged decode attention on CPU: the engine's CPU path against a naive gather + SDPA, the
+torch reference, and the memory-bandwidth floor, for one layer of a decode step.
+
+    python bench/attention.py            # SmolLM2-135M and Llama-3-8B head shapes (~1 min)
+    python bench/attention.py --quick    # fewer shapes, shorter timing (~15 s)
+
+- naive: what a first implementation does: per sequence, gather its blocks with advanced
+  indexing, repeat the KV heads for GQA, SDPA.
+- reference: `torch_ref.paged_decode_attention` (one batched advanced-index gather + SDPA).
+- cpu path: `cpu_attention.paged_decode_attention`, the engine's CPU default.
+- floor: K/V bytes the step must read ÷ measured memory bandwidth (a large `copy_`, counting
+  bytes read + written): no kernel can read the context faster.
+
+Each cell is the best of repeated runs within a time budget (wall clock); the three
+implementations are checked to agree before they are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdmesh.kernels import cpu_attention, torch_ref
+from pdmesh.kernels.backend import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = [Shape("SmolLM2-135M", 9, 3, 64), Shape("Llama-3-8B", 32, 8, 128)]
+
+
+@dataclass
+class Case:
+    query: torch.Tensor
+    kv_layer: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+
+    @property
+    def kv_bytes(self) -> int:
+        _, _, _, heads, dim = self.kv_layer.shape
+        return 2 * int(self.seq_lens.sum()) * heads * dim * self.kv_layer.element_size()
+
+    def meta(self) -> AttentionMetadata:
+        batch = self.query.shape[0]
+        return AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long),
+            num_decode_tokens=batch,
+            decode_block_tables=self.block_tables,
+            decode_seq_lens=self.seq_lens,
+            prefill_query_start_loc=[0],
+            prefill_seq_lens=[],
+            prefill_block_tables=self.block_tables[:0],
+        )
+
+
+def make_case(shape: Shape, batch: int, ctx: int, block_size: int, seed: int) -> Case:
+    """`batch` sequences of about `ctx` tokens (±25 %, not block multiples), blocks scattered
+    over a cache with 25 % spare blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(1, ctx * 3 // 4), ctx * 5 // 4 + 1, (batch,), generator=gen)
+    need = (lens + block_size - 1) // block_size
+    num_blocks = int(need.sum()) * 5 // 4 + 1
+    kv = torch.randn(2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(batch, int(need.max()), dtype=torch.long)
+    used = 0
+    for i, n in enumerate(need.tolist()):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    query = torch.randn(batch, shape.num_q_heads, shape.head_dim, generator=gen)
+    return Case(query, kv, tables, lens, shape.head_dim**-0.5)
+
+
+def naive(case: Case) -> torch.Tensor:
+    out = torch.empty_like(case.query)
+    block_size = case.kv_layer.shape[2]
+    group = case.query.shape[1] // case.kv_layer.shape[3]
+    for i, n in enumerate(case.seq_lens.tolist()):
+        blocks = case.kv_layer[:, case.block_tables[i, : -(-n // block_size)]]
+        kv = blocks.flatten(1, 2)[:, :n].transpose(1, 2)  # [2, Hkv, n, D]
+        k = kv[0].repeat_interleave(group, 0)
+        v = kv[1].repeat_interleave(group, 0)
+        q = case.query[i].unsqueeze(1)  # [Hq, 1, D]
+        out[i] = F.scaled_dot_product_attention(q, k, v, scale=case.scale).squeeze(1)
+    return out
+
+
+def reference(case: Case) -> torch.Tensor:
+    return torch_ref.paged_decode_attention(
+        case.query, case.kv_layer, case.block_tables, case.seq_lens, case.scale
+    )
+
+
+def cpu_path(case: Case) -> torch.Tensor:
+    # A fresh metadata object per call: the per-step layout is part of what is timed.
+    return cpu_attention.paged_decode_attention(case.query, case.kv_layer, case.meta(), case.scale)
+
+
+def best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int = 200) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    for _ in range(max_runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def copy_bandwidth(budget_s: float) -> float:
+    """Bytes moved per second (read + write) by a copy far larger than the caches."""
+    src = torch.ones(64 * 2**20 // 4 * 4)  # 256 MiB
+    dst = torch.empty_like(src)
+    seconds = best_seconds(lambda: dst.copy_(src), budget_s, max_runs=20)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--budget", type=float, default=0.4, help="seconds of timing per cell")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches, contexts = ((1, 8), (512,)) if args.quick else ((1, 8, 32), (512, 2048))
+    budget = args.budget / 2 if args.quick else args.budget
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    bandwidth = copy_bandwidth(budget)
+    print(
+        f"torch {torch.__version__}, threads={torch.get_num_threads()}, float32, "
+        f"block_size={args.block_size}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write)"
+    )
+    print(
+        f"| {'heads q/kv x dim':<24} | {'batch':>5} | {'ctx':>5} | {'KV MB':>6} | "
+        f"{'floor ms':>8} | {'cpu path':>8} | {'reference':>9} | {'naive':>8} | "
+        f"{'cpu/floor':>9} | {'naive/cpu':>9} |"
+    )
+    print("|" + "|".join("-" * w for w in (26, 7, 7, 8, 10, 10, 11, 10, 11, 11)) + "|")
+    with torch.inference_mode():
+        for shape in shapes:
+            for batch in batches:
+                for ctx in contexts:
+                    case = make_case(shape, batch, ctx, args.block_size, seed=batch * ctx)
+                    expected = reference(case)
+                    for fn in (naive, cpu_path):
+                        torch.testing.assert_close(fn(case), expected, atol=1e-5, rtol=1e-4)
+                    floor = case.kv_bytes / bandwidth
+                    ms = {
+                        fn.__name__: 1e3 * best_seconds(lambda fn=fn, c=case: fn(c), budget)
+                        for fn in (cpu_path, reference, naive)
+                    }
+                    label = (
+                        f"{shape.name} {shape.num_q_heads}/{shape.num_kv_heads}x{shape.head_dim}"
+                    )
+                    print(
+                        f"| {label:<24} | {batch:>5} | {ctx:>5} | {case.kv_bytes / 1e6:6.1f} | "
+                        f"{floor * 1e3:8.3f} | {ms['cpu_path']:8.3f} | {ms['reference']:9.3f} | "
+                        f"{ms['naive']:8.3f} | {ms['cpu_path'] / (floor * 1e3):8.1f}x | "
+                        f"{ms['naive'] / ms['cpu_path']:8.1f}x |"
+                    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Attention through flash-attn (`pip install 'pdmesh[flash-attn]'`), CUDA only.
+
+- Prompt chunks with nothing cached before them (the bulk of prefill work): one
+  `flash_attn_varlen_func` call over all of them, causal, on the step's contiguous K/V.
+- Decode rows: `flash_attn_with_kvcache` with the block table, reading the paged cache.
+- Chunks after a cached prefix: `flash_attn_varlen_func` with `block_table`.
+
+Upstream flash-attn 2 reads a paged cache only when a page holds a multiple of 256 tokens
+(`PAGED_BLOCK_MULTIPLE`), and computes in fp16/bf16 only. Steps or parts it cannot take —
+paged reads with smaller blocks, float32 — go to the Triton kernels (or the torch reference
+when Triton is absent), so the backend is always correct and flash-attn does what it can.
+
+flash-attn is imported when the backend is built, never at module import, so this module
+can be imported (and the selection logic tested) on machines without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+
+import torch
+
+from pdmesh.kernels import torch_ref
+from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+PAGED_BLOCK_MULTIPLE = 256
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _fallback() -> AttentionBackend:
+    if importlib.util.find_spec("triton") is not None:
+        from pdmesh.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+class FlashAttnBackend:
+    name = "flash-attn"
+
+    def __init__(self, paged_block_multiple: int = PAGED_BLOCK_MULTIPLE) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self.paged_block_multiple = paged_block_multiple
+        self.fallback = _fallback()
+        self._warned = False
+
+    def _note_fallback(self, why: str) -> None:
+        if not self._warned:
+            logger.info(
+                "flash-attn: %s; those parts run on the %s backend", why, self.fallback.name
+            )
+            self._warned = True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if query.dtype not in _HALF_DTYPES:
+            self._note_fallback(f"dtype {query.dtype} is not fp16/bf16")
+            return self.fallback.forward(query, key, value, kv_layer, meta, scale)
+        block_size = kv_layer.shape[2]
+        paged = block_size % self.paged_block_multiple == 0
+        prefixed = any(
+            ctx != b - a
+            for ctx, (a, b) in zip(
+                meta.prefill_seq_lens,
+                itertools.pairwise(meta.prefill_query_start_loc),
+                strict=True,
+            )
+        )
+        if not paged and (meta.num_decode_tokens or prefixed):
+            # Paged reads are needed and flash-attn cannot do them with these pages: the
+            # fallback takes the step whole (it writes the cache itself).
+            self._note_fallback(
+                f"block_size {block_size} is not a multiple of {self.paged_block_multiple}"
+            )
+            return self.fallback.forward(query, key, value, kv_layer, meta, scale)
+
+        torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        nd = meta.num_decode_tokens
+        if nd:
+            tables = meta.cached("fa.decode_tables", lambda: meta.decode_block_tables.int())
+            seq_lens = meta.cached("fa.decode_lens", lambda: meta.decode_seq_lens.int())
+            out[:nd] = self._with_kvcache(
+                query[:nd].unsqueeze(1),
+                kv_layer[0],
+                kv_layer[1],
+                cache_seqlens=seq_lens,
+                block_table=tables,
+                softmax_scale=scale,
+                causal=True,
+            ).squeeze(1)
+        if meta.num_prefills:
+            out[nd:] = self._prefill(
+                query[nd:], key[nd:], value[nd:], kv_layer, meta, scale, prefixed
+            )
+        return out
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        prefixed: bool,
+    ) -> torch.Tensor:
+        qsl = meta.prefill_query_start_loc
+        device = query.device
+        cu_q = meta.cached("fa.cu_q", lambda: torch.tensor(qsl, dtype=torch.int32, device=device))
+        max_q = max(b - a for a, b in itertools.pairwise(qsl))
+        if not prefixed:
+            return self._varlen(
+                query, key, value, cu_q, cu_q, max_q, max_q, softmax_scale=scale, causal=True
+            )
+        cu_k = meta.cached(
+            "fa.cu_k",
+            lambda: torch.tensor(
+                [0, *itertools.accumulate(meta.prefill_seq_lens)], dtype=torch.int32, device=device
+            ),
+        )
+        tables = meta.cached("fa.prefill_tables", lambda: meta.prefill_block_tables.int())
+        # Causal masks are aligned bottom-right: query i of a chunk sees its prefix + i + 1.
+        return self._varlen(
+            query,
+            kv_layer[0],
+            kv_layer[1],
+            cu_q,
+            cu_k,
+            max_q,
+            max(meta.prefill_seq_lens),
+            softmax_scale=scale,
+            causal=True,
+            block_table=tables,
+        )

@@ -1,0 +1,156 @@
+"""Backend selection, and the CPU backend against the reference backend.
+
+Selection is a pure function of an `Environment` (device type, what is installed, the
+interpreter flag), so the CUDA rows of the table are checked here without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdmesh.kernels import torch_ref
+from pdmesh.kernels.backend import (
+    AttentionMetadata,
+    Environment,
+    TorchAttentionBackend,
+    available_backends,
+    get_attention_backend,
+    select_backend,
+)
+from pdmesh.kernels.cpu_attention import CpuAttentionBackend, gather_kv
+
+CPU = Environment("cpu", has_flash_attn=False, has_triton=True, triton_interpret=False)
+CUDA_ALL = Environment("cuda", has_flash_attn=True, has_triton=True, triton_interpret=False)
+CUDA_TRITON = Environment("cuda", has_flash_attn=False, has_triton=True, triton_interpret=False)
+CUDA_BARE = Environment("cuda", has_flash_attn=False, has_triton=False, triton_interpret=False)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [(CPU, "cpu"), (CUDA_ALL, "flash-attn"), (CUDA_TRITON, "triton"), (CUDA_BARE, "torch")],
+)
+def test_auto_prefers_flash_attn_then_triton_on_cuda_and_cpu_path_on_cpu(env, expected):
+    assert select_backend("auto", env) == expected
+    assert select_backend(None, env) == expected
+
+
+def test_explicit_names_and_aliases():
+    assert select_backend("torch", CPU) == "torch"
+    assert select_backend("flash_attn", CUDA_ALL) == "flash-attn"
+    assert select_backend("Triton", CUDA_ALL) == "triton"
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "reason"),
+    [
+        ("triton", CPU, "TRITON_INTERPRET=1"),
+        ("triton", CUDA_BARE, "triton is not installed"),
+        ("flash-attn", CPU, "needs a CUDA device"),
+        ("flash-attn", CUDA_TRITON, "pip install 'pdmesh[flash-attn]'"),
+        ("cpu", CUDA_ALL, "CPU tensors only"),
+        ("xformers", CPU, "unknown backend"),
+    ],
+)
+def test_a_backend_that_cannot_run_here_is_a_clear_error(name, env, reason):
+    with pytest.raises(ValueError, match="cannot run here") as err:
+        select_backend(name, env)
+    assert reason in str(err.value)
+    assert "available here" in str(err.value)
+
+
+def test_triton_on_cpu_is_allowed_with_the_interpreter():
+    env = Environment("cpu", has_flash_attn=False, has_triton=True, triton_interpret=True)
+    assert select_backend("triton", env) == "triton"
+    assert available_backends(env) == ["triton", "cpu", "torch"]
+
+
+def test_get_attention_backend_on_this_machine_cpu():
+    assert isinstance(get_attention_backend("auto", "cpu"), CpuAttentionBackend)
+    assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="flash-attn needs a CUDA device"):
+        get_attention_backend("flash-attn", "cpu")
+
+
+# -- the CPU backend computes exactly what the reference computes ----------------------------
+
+
+def random_step(
+    seed: int,
+    kv_heads: int,
+    group: int,
+    block_size: int,
+    decode_lens: list[int],
+    chunks: list[tuple[int, int]],
+) -> tuple[AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
+    """A mixed step (decodes, then prompt chunks given as (context, chunk length)) over a
+    cache with random contents; returns the metadata, the cache and query/key/value."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 64
+    lens = decode_lens + [c for c, _ in chunks]
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 2
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(order[:n])
+        order = order[n:]
+
+    def slot(seq: int, pos: int) -> int:
+        return int(tables[seq, pos // block_size]) * block_size + pos % block_size
+
+    nd = len(decode_lens)
+    slots = [slot(i, n - 1) for i, n in enumerate(decode_lens)]
+    qsl = [0]
+    for j, (c, n) in enumerate(chunks):
+        slots += [slot(nd + j, p) for p in range(c - n, c)]
+        qsl.append(qsl[-1] + n)
+    rows = nd + qsl[-1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=nd,
+        decode_block_tables=tables[:nd],
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
+        prefill_query_start_loc=qsl,
+        prefill_seq_lens=[c for c, _ in chunks],
+        prefill_block_tables=tables[nd:],
+    )
+    qkv = [
+        torch.randn(rows, kv_heads * group, head_dim, generator=gen),
+        torch.randn(rows, kv_heads, head_dim, generator=gen),
+        torch.randn(rows, kv_heads, head_dim, generator=gen),
+    ]
+    return meta, kv, qkv
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "block_size", "decode_lens", "chunks"),
+    [
+        (3, 3, 16, [1, 17, 300, 40], []),  # decode only (the fast path)
+        (1, 8, 32, [5, 64], [(30, 30), (75, 11)]),  # mixed: fresh and cached-prefix chunks
+        (2, 1, 16, [], [(16, 16), (49, 1)]),  # prefill only
+    ],
+)
+def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, decode_lens, chunks):
+    meta, kv, (q, k, v) = random_step(7, kv_heads, group, block_size, decode_lens, chunks)
+    ref_cache = kv.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    cpu = CpuAttentionBackend()
+    actual = cpu.forward(q, k, v, kv, meta, 0.125)
+    assert torch.equal(kv, ref_cache)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    # A second layer of the same step reuses what the first built, and still agrees.
+    assert meta.step_cache or not decode_lens
+    again = cpu.forward(q, k, v, kv, meta, 0.125)
+    torch.testing.assert_close(again, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_gather_equals_reference_gather():
+    meta, kv, _ = random_step(3, 2, 1, 16, [], [(70, 5)])
+    for got, want in zip(
+        gather_kv(kv, meta.prefill_block_tables[0], 70),
+        torch_ref.gather_kv(kv, meta.prefill_block_tables[0], 70),
+        strict=True,
+    ):
+        assert torch.equal(got, want)

@@ -1,0 +1,329 @@
+"""The Triton paged-attention kernels against the torch reference, on CPU.
+
+The kernels run in Triton's interpreter, which needs TRITON_INTERPRET=1 before triton itself
+is imported (its own library functions are decorated then). So the cases run in one child
+process started with that flag (this file, run as a script), which reports each case's
+outcome as JSON; each pytest test asserts one case. Nothing leaks into this process.
+
+The interpreter is slow, so shapes are small but cover what the kernels branch on: head size
+64/128, GQA ratio 1/3/8, block size 16/32, lengths that are not multiples of the block size,
+several sequences per launch, one or several KV splits, float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import pytest
+import torch
+
+from pdmesh.kernels import torch_ref
+from pdmesh.kernels.backend import AttentionMetadata, TorchAttentionBackend
+
+MODULE = "pdmesh.kernels.triton_attention"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+CASES: dict[str, Callable[[ModuleType], None]] = {}
+
+
+def case(name: str) -> Callable:
+    def register(fn: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+        CASES[name] = fn
+        return fn
+
+    return register
+
+
+@dataclass
+class Paged:
+    kv_layer: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks], unused entries hold random valid ids
+    seq_lens: list[int]
+
+
+def make_paged(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Paged:
+    """A cache with random contents and each sequence's blocks scattered at random."""
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max(need)), generator=gen)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    return Paged(kv, tables, seq_lens)
+
+
+def slots_of(paged: Paged, seq: int, positions: range) -> list[int]:
+    bs = paged.kv_layer.shape[2]
+    table = paged.block_tables[seq]
+    return [int(table[p // bs]) * bs + p % bs for p in positions]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _reshape_and_cache(tk: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    paged = make_paged(gen, [21, 9], block_size=16, kv_heads=3, head_dim=64, dtype=dtype)
+    key = torch.randn(6, 3, 64, generator=gen).to(dtype)
+    value = torch.randn(6, 3, 64, generator=gen).to(dtype)
+    slots = slots_of(paged, 0, range(15, 18)) + slots_of(paged, 1, range(8, 9)) + [-1, 2]
+    expected = paged.kv_layer.clone()
+    keep = [0, 1, 2, 3, 5]  # slot -1 is padding: nothing written
+    torch_ref.reshape_and_cache(key[keep], value[keep], expected, torch.tensor(slots)[keep])
+    tk.reshape_and_cache(key, value, paged.kv_layer, torch.tensor(slots))
+    assert torch.equal(paged.kv_layer, expected)
+
+
+for _dtype in (torch.float32, torch.bfloat16):
+    case(f"reshape_and_cache-{str(_dtype)[6:]}")(
+        lambda tk, dtype=_dtype: _reshape_and_cache(tk, dtype)
+    )
+
+
+@case("reshape_and_cache-strided-rows")
+def _reshape_and_cache_strided(tk: ModuleType) -> None:
+    """K/V arrive as views of the fused QKV projection (row stride > Hkv * D)."""
+    gen = torch.Generator().manual_seed(2)
+    paged = make_paged(gen, [40], block_size=32, kv_heads=2, head_dim=64, dtype=torch.float32)
+    qkv = torch.randn(5, 3 * 2 * 64, generator=gen)
+    key, value = qkv[:, 128:256].view(5, 2, 64), qkv[:, 256:].view(5, 2, 64)
+    slots = torch.tensor(slots_of(paged, 0, range(30, 35)))
+    expected = paged.kv_layer.clone()
+    torch_ref.reshape_and_cache(key.contiguous(), value.contiguous(), expected, slots)
+    tk.reshape_and_cache(key, value, paged.kv_layer, slots)
+    assert torch.equal(paged.kv_layer, expected)
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    head_dim: int
+    group: int  # query heads per KV head
+    kv_heads: int
+    block_size: int
+    seq_lens: tuple[int, ...]
+    num_splits: int | None  # None: the kernel's own choice
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return (
+            f"decode-d{self.head_dim}-g{self.group}-kv{self.kv_heads}-bs{self.block_size}-"
+            f"len{'_'.join(map(str, self.seq_lens))}-s{self.num_splits}-{str(self.dtype)[6:]}"
+        )
+
+    def run(self, tk: ModuleType) -> None:
+        gen = torch.Generator().manual_seed(self.head_dim + self.group + self.block_size)
+        lens = list(self.seq_lens)
+        paged = make_paged(gen, lens, self.block_size, self.kv_heads, self.head_dim, self.dtype)
+        hq = self.kv_heads * self.group
+        query = torch.randn(len(lens), hq, self.head_dim, generator=gen).to(self.dtype)
+        scale = self.head_dim**-0.5
+        expected = torch_ref.paged_decode_attention(
+            query.float(), paged.kv_layer.float(), paged.block_tables, torch.tensor(lens), scale
+        )
+        actual = tk.paged_decode_attention(
+            query,
+            paged.kv_layer,
+            paged.block_tables,
+            torch.tensor(lens),
+            scale,
+            num_splits=self.num_splits,
+        )
+        assert actual.dtype == self.dtype
+        close(actual, expected, self.dtype)
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+DECODE_CASES = [
+    DecodeCase(64, 1, 2, 16, (1, 17, 40), 1, F32),
+    DecodeCase(64, 3, 1, 16, (33, 5, 70), 3, F32),
+    DecodeCase(128, 8, 1, 32, (31, 65), 2, F32),
+    DecodeCase(64, 8, 1, 32, (100, 3), None, BF16),
+    DecodeCase(128, 3, 1, 16, (47, 16), 2, BF16),
+    DecodeCase(128, 1, 2, 32, (9, 33), 1, BF16),
+    # More splits than the short sequence has blocks: empty splits must weigh nothing.
+    DecodeCase(64, 3, 1, 16, (130, 2), 9, F32),
+    DecodeCase(64, 8, 2, 16, (300, 45, 7), None, BF16),
+]
+for _c in DECODE_CASES:
+    case(_c.name)(_c.run)
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    head_dim: int
+    group: int
+    kv_heads: int
+    block_size: int
+    chunks: tuple[tuple[int, int], ...]  # (context length incl. the chunk, chunk length)
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        chunks = "_".join(f"{c}-{n}" for c, n in self.chunks)
+        return (
+            f"prefill-d{self.head_dim}-g{self.group}-kv{self.kv_heads}-bs{self.block_size}-"
+            f"ctx{chunks}-{str(self.dtype)[6:]}"
+        )
+
+    def run(self, tk: ModuleType) -> None:
+        """Chunks after a cached prefix and without one, in one launch. The chunk's own K/V
+        come from the step's rows, deliberately absent from the kernel's cache."""
+        gen = torch.Generator().manual_seed(self.head_dim * self.group + self.block_size)
+        ctx = [c for c, _ in self.chunks]
+        dims = (self.kv_heads, self.head_dim)
+        paged = make_paged(gen, ctx, self.block_size, *dims, self.dtype)
+        qsl, slots = [0], []
+        for i, (c, n) in enumerate(self.chunks):
+            qsl.append(qsl[-1] + n)
+            slots += slots_of(paged, i, range(c - n, c))
+        rows, hq = qsl[-1], self.kv_heads * self.group
+        query = torch.randn(rows, hq, self.head_dim, generator=gen).to(self.dtype)
+        key = torch.randn(rows, *dims, generator=gen).to(self.dtype)
+        value = torch.randn(rows, *dims, generator=gen).to(self.dtype)
+        scale = self.head_dim**-0.5
+        full = paged.kv_layer.float().clone()
+        torch_ref.reshape_and_cache(key.float(), value.float(), full, torch.tensor(slots))
+        expected = torch_ref.paged_prefill_attention(
+            query.float(), full, paged.block_tables, qsl, ctx, scale
+        )
+        actual = tk.paged_prefill_attention(
+            query,
+            key,
+            value,
+            paged.kv_layer,
+            paged.block_tables,
+            torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32),
+            max(n for _, n in self.chunks),
+            scale,
+        )
+        close(actual, expected, self.dtype)
+
+
+PREFILL_CASES = [
+    PrefillCase(64, 1, 1, 16, ((21, 21), (37, 20)), F32),
+    PrefillCase(64, 3, 1, 32, ((70, 33), (5, 5)), F32),
+    PrefillCase(128, 8, 1, 16, ((40, 17),), F32),
+    PrefillCase(64, 8, 1, 16, ((19, 19), (50, 3)), BF16),
+    PrefillCase(128, 3, 1, 32, ((45, 12),), BF16),
+    PrefillCase(64, 3, 2, 16, ((90, 40), (16, 16), (33, 1)), F32),
+]
+for _c in PREFILL_CASES:
+    case(_c.name)(_c.run)
+
+
+@case("backend-mixed-step")
+def _backend_mixed_step(tk: ModuleType) -> None:
+    """Decode rows and prefill chunks in one step through the backend interface."""
+    gen = torch.Generator().manual_seed(11)
+    kv_heads, group, head_dim, bs = 1, 3, 64, 16
+    decode_lens, chunks = [18, 33], [(24, 24), (40, 9)]
+    all_lens = decode_lens + [c for c, _ in chunks]
+    paged = make_paged(gen, all_lens, bs, kv_heads, head_dim, torch.float32)
+    slots = [slots_of(paged, i, range(n - 1, n))[0] for i, n in enumerate(decode_lens)]
+    qsl = [0]
+    for j, (c, n) in enumerate(chunks):
+        slots += slots_of(paged, len(decode_lens) + j, range(c - n, c))
+        qsl.append(qsl[-1] + n)
+    rows, nd = len(decode_lens) + qsl[-1], len(decode_lens)
+    query = torch.randn(rows, kv_heads * group, head_dim, generator=gen)
+    key = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    value = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=nd,
+        decode_block_tables=paged.block_tables[:nd],
+        decode_seq_lens=torch.tensor(decode_lens),
+        prefill_query_start_loc=qsl,
+        prefill_seq_lens=[c for c, _ in chunks],
+        prefill_block_tables=paged.block_tables[nd:],
+    )
+    ref_cache = paged.kv_layer.clone()
+    expected = TorchAttentionBackend().forward(query, key, value, ref_cache, meta, 0.125)
+    actual = tk.TritonAttentionBackend().forward(query, key, value, paged.kv_layer, meta, 0.125)
+    assert torch.equal(paged.kv_layer, ref_cache)
+    close(actual, expected, torch.float32)
+
+
+# -- the two halves: the child process runs the cases, pytest asserts their outcomes ---------
+
+
+def run_cases() -> dict[str, str | None]:
+    """In the interpreter process: every case's failure message, or None when it passed."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    tk = importlib.import_module(MODULE)
+    assert tk.interpreting()
+    outcome: dict[str, str | None] = {}
+    for name, fn in CASES.items():
+        try:
+            fn(tk)
+            outcome[name] = None
+        except Exception as exc:  # reported to the parent, which fails that test
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, str | None]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_matches_reference(outcomes, name):
+    assert name in outcomes
+    assert outcomes[name] is None, outcomes[name]
+
+
+def test_this_process_stays_compiled():
+    """The interpreter flag was given to the child only."""
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_on_cuda():
+    """On a GPU, the same comparison with compiled kernels (in this process)."""
+    tk = importlib.import_module(MODULE)
+    assert not tk.interpreting()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(2, 64, 16, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    tables = torch.randperm(64, device="cuda", generator=g)[:60].view(4, 15)
+    lens = torch.tensor([1, 77, 200, 240], device="cuda")
+    q = torch.randn(4, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    ref = torch_ref.paged_decode_attention(q.float(), kv.float(), tables, lens, 0.1)
+    for splits in (1, 4):
+        out = tk.paged_decode_attention(q, kv, tables, lens, 0.1, num_splits=splits)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_cases()))
