@@ -302,6 +302,12 @@ class InstancePool:
                     logger.info("instance restarted address=%s old=%s new=%s",
                                 instance.address, instance.instance_id, info.instance_id)
                 instance.info = info
+                # A statically listed decode address may be a colocated engine: its own
+                # account of its role decides whether it can prefill (never needs a P).
+                reported = ROLE_NAMES.get(info.role)
+                if reported == "colocated" and instance.role != reported:
+                    logger.info("instance is colocated address=%s", instance.address)
+                    instance.role = reported
         except grpc.aio.AioRpcError as exc:
             instance.failures += 1
             if instance.failures >= self.settings.failure_threshold:
