@@ -128,6 +128,9 @@ def random_step(
     ("kv_heads", "group", "block_size", "decode_lens", "chunks"),
     [
         (3, 3, 16, [1, 17, 300, 40], []),  # decode only (the fast path)
+        # decode rows long enough to be attended in several cache-sized groups
+        (3, 3, 16, [1, 2000, 17, 1300, 700, 40, 650, 1200, 33], []),
+        (1, 8, 32, [900, 5, 2100, 64], [(30, 30), (75, 11)]),
         (1, 8, 32, [5, 64], [(30, 30), (75, 11)]),  # mixed: fresh and cached-prefix chunks
         (2, 1, 16, [], [(16, 16), (49, 1)]),  # prefill only
     ],
