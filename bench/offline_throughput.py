@@ -99,7 +99,12 @@ def print_table(title: str, rows: list[Result], baseline: Result | None = None) 
         )
 
 
-def shared_prefix(args, vocab: int) -> None:
+def shared_prefix(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
+    from pdmesh.engine.model_store import resolve_model
+
+    vocab = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
     rng = random.Random(args.seed + 1)
     systems = [
         [rng.randint(100, vocab - 1) for _ in range(args.prefix_len)] for _ in range(args.groups)
@@ -138,28 +143,7 @@ def shared_prefix(args, vocab: int) -> None:
         )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
-    ap.add_argument("--hf-batch-size", type=int, default=8)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--questions", type=int, default=8)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--prefix-out", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-prefix", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="16 requests, short outputs")
-    args = ap.parse_args()
-    if args.quick:
-        args.num_requests, args.output_len = 16, (8, 64)
-        args.groups, args.questions, args.prefix_len = 4, 4, 256
-
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
+def run_mixed(args: argparse.Namespace) -> None:
     llm = LLM(
         args.model, kv_cache_memory="2GiB", max_num_batched_tokens=args.max_num_batched_tokens
     )
@@ -187,8 +171,35 @@ def main() -> None:
         rows,
         baseline,
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--prefix-out", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--skip-mixed", action="store_true", help="only the shared-prefix workload")
+    ap.add_argument("--quick", action="store_true", help="16 requests, short outputs")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.output_len = 16, (8, 64)
+        args.groups, args.questions, args.prefix_len = 4, 4, 256
+
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
+    if not args.skip_mixed:
+        run_mixed(args)
     if not args.skip_prefix:
-        shared_prefix(args, vocab)
+        shared_prefix(args)
 
 
 if __name__ == "__main__":
