@@ -133,13 +133,8 @@ class CpuAttentionBackend:
         out = torch.empty_like(query)
         if nd:
             out[:nd] = paged_decode_attention(query[:nd], kv_layer, meta, scale)
-        qsl = meta.prefill_query_start_loc
-        for i, ctx in enumerate(meta.prefill_seq_lens):
-            start, end = nd + qsl[i], nd + qsl[i + 1]
-            if ctx == end - start:
-                # Nothing cached before this chunk: attend to the fresh K/V, skip the gather.
-                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-            else:
-                k, v = gather_kv(kv_layer, meta.prefill_block_tables[i], ctx)
-            out[start:end] = torch_ref.prefill_attention_one(query[start:end], k, v, scale)
+        torch_ref.prefill_chunks(
+            query, key, value, kv_layer, nd, meta.prefill_query_start_loc,
+            meta.prefill_seq_lens, meta.prefill_block_tables, scale, out, gather_kv,
+        )  # fmt: skip
         return out

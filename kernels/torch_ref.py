@@ -8,6 +8,8 @@ offset `t % block_size`; `slot = block * block_size + offset` is what `slot_mapp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +86,34 @@ def prefill_attention_one(
         mask = torch.arange(ctx, device=query.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def prefill_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    first_row: int,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    gather: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Attention of a step's prompt chunks (rows from `first_row` on) into `out`.
+
+    A chunk with nothing cached before it attends to the step's fresh K/V directly; one after a
+    cached prefix reads its context from the paged cache with `gather` (the backends differ
+    only in how they gather).
+    """
+    for i, ctx in enumerate(seq_lens):
+        start, end = first_row + query_start_loc[i], first_row + query_start_loc[i + 1]
+        if ctx == end - start:
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+        else:
+            k, v = gather(kv_layer, block_tables[i], ctx)
+        out[start:end] = prefill_attention_one(query[start:end], k, v, scale)
 
 
 def paged_prefill_attention(
