@@ -20,8 +20,7 @@ import uvicorn
 
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
-from pdmesh.logs import configure_logging
-from pdmesh.tracing import configure_tracing, shutdown_tracing
+from pdmesh.logs import run_service
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,11 @@ async def serve(config: GatewayConfig) -> None:
     bound = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config), log_level=config.log_level, access_log=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
+            create_app(config),
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            lifespan="on",
         )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -63,21 +65,9 @@ async def serve(config: GatewayConfig) -> None:
     await task
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_gateway_config(argv)
-    configure_logging(config.log_level)
-    try:
-        configure_tracing("pdmesh-gateway")
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ValueError) as exc:
-        print(f"pdmesh gateway: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_tracing()
-    return 0
+    return run_service("gateway", config.log_level, lambda: serve(config))
 
 
 if __name__ == "__main__":

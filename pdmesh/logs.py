@@ -1,9 +1,13 @@
-"""Process-wide log set-up for pdmesh services: key=value lines on stderr, quiet by default."""
+"""Process set-up for pdmesh services: key=value logs on stderr (quiet by default) and the
+shared `main` body of a front-door service."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s"
 
@@ -14,3 +18,27 @@ def configure_logging(level: str = "warning") -> None:
     if not isinstance(numeric, int):
         raise ValueError(f"log_level: unknown level {level!r}")
     logging.basicConfig(level=numeric, stream=sys.stderr, format=FORMAT)
+
+
+def run_service(
+    component: str, log_level: str, serve: Callable[[], Coroutine[Any, Any, object]]
+) -> int:
+    """Run one asyncio service process to completion: logs, tracing, exit code.
+
+    Ctrl-C is a clean exit (0); a start-up error the service reports as OSError/ValueError
+    (a taken port, a bad OTEL_* setting) is one line on stderr and exit code 1.
+    """
+    from pdmesh.tracing import configure_tracing, shutdown_tracing
+
+    configure_logging(log_level)
+    try:
+        configure_tracing(f"pdmesh-{component}")
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as exc:
+        print(f"pdmesh {component}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_tracing()
+    return 0

@@ -36,7 +36,7 @@ from pdmesh.kvstore.instance_registry import InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
-from pdmesh.logs import configure_logging
+from pdmesh.logs import run_service
 from pdmesh.metrics import (
     RouterCollector,
     RouterMetrics,
@@ -62,12 +62,10 @@ from pdmesh.router.orchestrator import Orchestrator, PreparedRequest, RouteError
 from pdmesh.router.routing import make_policy
 from pdmesh.tracing import (
     SpanKind,
-    configure_tracing,
     extract_metadata,
     gen_ai_request_attributes,
     get_tracer,
     mark_error,
-    shutdown_tracing,
 )
 from pdmesh.v1 import engine_pb2, router_pb2, router_pb2_grpc
 
@@ -76,8 +74,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pdmesh.v1.Router"
 INDEX_HEALTH_NAME = "pdmesh.router.PrefixIndex"
 MAX_REQUEST_ID_BYTES = 128
-_ROLES = {"prefill": engine_pb2.ROLE_PREFILL, "decode": engine_pb2.ROLE_DECODE,
-          "colocated": engine_pb2.ROLE_COLOCATED}
+_ROLES = {
+    "prefill": engine_pb2.ROLE_PREFILL,
+    "decode": engine_pb2.ROLE_DECODE,
+    "colocated": engine_pb2.ROLE_COLOCATED,
+}
 
 
 class PromptTokenizer:
@@ -105,7 +106,8 @@ class PromptTokenizer:
                 raise InvalidRequest("chat.messages", "a chat needs at least one message")
             add = (
                 request.chat.add_generation_prompt
-                if request.chat.HasField("add_generation_prompt") else True
+                if request.chat.HasField("add_generation_prompt")
+                else True
             )
             try:
                 return apply_chat_template(self._tokenizer, messages, add)
@@ -144,7 +146,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         received = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         with get_tracer().start_as_current_span(
-            "pdmesh.router.generate", context=extract_metadata(context), kind=SpanKind.SERVER,
+            "pdmesh.router.generate",
+            context=extract_metadata(context),
+            kind=SpanKind.SERVER,
             attributes={"pdmesh.request_id": request_id},
         ) as span:
             status = _CallStatus()
@@ -162,8 +166,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 code = status.code
                 self.metrics.requests.labels(code.name).inc()
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
-                logger.info("request_id=%s code=%s e2e_ms=%.1f", request_id, code.name,
-                            (time.monotonic() - received) * 1e3)
+                logger.info(
+                    "request_id=%s code=%s e2e_ms=%.1f",
+                    request_id,
+                    code.name,
+                    (time.monotonic() - received) * 1e3,
+                )
 
     async def _generate_call(
         self,
@@ -177,7 +185,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request_id in self._inflight:
             self.metrics.admission_rejections.labels("duplicate_request_id").inc()
             await _abort(
-                context, status, grpc.StatusCode.ALREADY_EXISTS,
+                context,
+                status,
+                grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r} is already in flight",
             )
         await context.send_initial_metadata((("x-request-id", request_id),))
@@ -243,8 +253,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
         span = trace.get_current_span()
         if span.is_recording():
-            span.set_attributes(gen_ai_request_attributes(
-                self.config.model, params, input_tokens=len(ids), max_tokens=max_tokens))
+            span.set_attributes(
+                gen_ai_request_attributes(
+                    self.config.model, params, input_tokens=len(ids), max_tokens=max_tokens
+                )
+            )
             span.set_attribute("pdmesh.tokenize_ms", tokenize_ms)
         budget = budget_tokens(len(ids), max_tokens, params.n)
         wait_s = prepared.deadline - time.monotonic()
@@ -255,11 +268,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             ticket = await self.admission.acquire(budget, timeout_s=wait_s)
             queue_s = time.monotonic() - queued
             self.metrics.queue_time.observe(queue_s)
-            admission_span.set_attributes({
-                "pdmesh.queue_ms": queue_s * 1e3,
-                "pdmesh.admission.running": self.admission.running,
-                "pdmesh.admission.queued": self.admission.queued,
-            })
+            admission_span.set_attributes(
+                {
+                    "pdmesh.queue_ms": queue_s * 1e3,
+                    "pdmesh.admission.running": self.admission.running,
+                    "pdmesh.admission.queued": self.admission.queued,
+                }
+            )
         async with ticket:
             await self.orchestrator.run(prepared, context.write)
 
@@ -330,8 +345,11 @@ class _CallStatus:
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext, status: _CallStatus, code: grpc.StatusCode,
-    details: str, trailing_metadata: tuple[tuple[str, str], ...] = (),
+    context: grpc.aio.ServicerContext,
+    status: _CallStatus,
+    code: grpc.StatusCode,
+    details: str,
+    trailing_metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Abort the call, noting the status for the metrics and the current span first."""
     status.code = code
@@ -349,12 +367,16 @@ async def _report_index_health(server: GrpcServer, pool: InstancePool) -> None:
         if available != last:
             status = (
                 health_pb2.HealthCheckResponse.SERVING
-                if available else health_pb2.HealthCheckResponse.NOT_SERVING
+                if available
+                else health_pb2.HealthCheckResponse.NOT_SERVING
             )
             await server.health.set(INDEX_HEALTH_NAME, status)
             if last is not None:
-                logger.warning("prefix index %s: %s", "available" if available else
-                               "UNAVAILABLE, routing on load only", pool.index_detail)
+                logger.warning(
+                    "prefix index %s: %s",
+                    "available" if available else "UNAVAILABLE, routing on load only",
+                    pool.index_detail,
+                )
             last = available
         await pool.wait_polled()
 
@@ -405,15 +427,20 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         metrics=metrics,
     )
     service = RouterService(config, tokenizer, pool, orchestrator)
-    collector = RouterCollector(lambda: RouterState(
-        running=service.admission.running,
-        queued=service.admission.queued,
-        inflight_tokens=service.admission.inflight_tokens,
-        instances=[(i.role, i.healthy) for i in pool.instances()],
-        index_up=pool.index_available if conn is not None else None,
-    ))
+    collector = RouterCollector(
+        lambda: RouterState(
+            running=service.admission.running,
+            queued=service.admission.queued,
+            inflight_tokens=service.admission.inflight_tokens,
+            instances=[(i.role, i.healthy) for i in pool.instances()],
+            index_up=pool.index_available if conn is not None else None,
+        )
+    )
     server = GrpcServer(
-        [SERVICE_NAME], host=config.host, port=config.port, tls=config.tls,
+        [SERVICE_NAME],
+        host=config.host,
+        port=config.port,
+        tls=config.tls,
         max_message_bytes=config.max_message_bytes,
     )
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
@@ -443,22 +470,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
             await conn.aclose()
 
 
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_router_config(argv)
-    configure_logging(config.log_level)
-    try:
-        configure_tracing("pdmesh-router")
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except (OSError, ValueError) as exc:
-        print(f"pdmesh router: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_tracing()
-    return 0
+    return run_service("router", config.log_level, lambda: serve(config))
 
 
 if __name__ == "__main__":
