@@ -16,12 +16,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from grpc_health.v1 import health_pb2
+
 from pdmesh.decode_svc.config import EngineServiceConfig
 from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.grpc_common import (
+    PRESENCE_HEALTH_NAME,
     ClusterPresence,
     GrpcServer,
+    PresenceChangeFn,
     channel_credentials,
     install_shutdown_signals,
     server_credentials,
@@ -162,6 +166,18 @@ class EngineService:
 
 
 
+def _index_health_reporter(server: GrpcServer) -> PresenceChangeFn:
+    """Mirror the instance's presence in the Redis index into PRESENCE_HEALTH_NAME. Only that
+    name: losing the index degrades routing, not this engine's ability to serve."""
+
+    async def report(registered: bool, detail: str) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if registered
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.health.set(PRESENCE_HEALTH_NAME, status)  # presence logs the why
+
+    return report
+
+
 def _service_names(role: Role) -> list[str]:
     from pdmesh.v1 import engine_pb2 as pb
 
@@ -264,7 +280,7 @@ async def _serve(config: EngineServiceConfig, role: Role) -> int:
         presence = ClusterPresence(
             conn, info, load=service.load_figures, take_events=engine.take_kv_events,
             snapshot=engine.kv_snapshot, events_ready=engine.kv_events_ready,
-            ttl_s=config.heartbeat_ttl_s,
+            ttl_s=config.heartbeat_ttl_s, on_change=_index_health_reporter(grpc_server),
         )
         try:
             await presence.try_register()

@@ -5,7 +5,9 @@ checksum-verified and acknowledged) before the request enters the engine; a fail
 clear UNAVAILABLE status and nothing is decoded. Without it the prompt is prefilled here
 (conditional disaggregation: the router decided the prompt is mostly cached on this instance).
 Deltas never repeat the prefill's first tokens; the last message is one DecodeResult.
-A cancelled call aborts the request, which frees its blocks.
+A cancelled call aborts the request, which frees its blocks. A request that can never fit this
+instance's KV pool is refused with RESOURCE_EXHAUSTED before its KV is pulled; one that fits
+but finds the pool busy waits in the engine's scheduler.
 
 Each call is one `pdmesh.decode` span (parent: the router's, from the gRPC metadata) with the
 KV pull as its `pdmesh.kv_transfer` child, and one observation in the engine metrics.
@@ -32,7 +34,7 @@ from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.transfer import KVHandle, KVHandleError, KVReceiver, KVTransferError
-from pdmesh.metrics import EngineMetrics, engine_metrics
+from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
     SpanKind,
@@ -89,7 +91,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             async for response in self._decode(request, context, seen):
                 yield response
         except BaseException as exc:
-            seen.outcome = "cancelled" if isinstance(exc, GeneratorExit) else "error"
+            seen.outcome = failure_outcome(exc)
             mark_error(span, exc)
             raise
         finally:
@@ -139,6 +141,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             seen.outcome = "finished_on_prefill"
             yield self._result(prompt, params, remote, None, received, timing)
             return
+        try:  # before the KV is pulled or anything allocated
+            self.engine.check_kv_capacity(len(prompt), params)
+        except KVCacheFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if remote is not None:
             outputs = await self._import(request, params, remote, builder, context, timing,
                                          seen.span)
@@ -171,7 +177,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVCacheFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {exc}")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:

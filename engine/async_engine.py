@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
-from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.llm_engine import LLMEngine, RequestState
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 
@@ -66,6 +66,7 @@ class _Stream:
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.added_at = 0.0  # engine thread: when the request entered the engine
+        self.state: RequestState | None = None  # engine thread: the request it streams
         self.queue_s: float | None = None  # engine thread: added -> first scheduled
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
@@ -134,6 +135,12 @@ class AsyncEngine:
 
     def load(self) -> EngineLoadSnapshot:
         return self._load
+
+    def check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise `KVCacheFullError` for a request that can never fit this engine's KV pool.
+        Safe on the event loop (it reads fixed figures only): lets a service refuse before it
+        spends anything on the request, such as pulling its KV."""
+        self.engine.check_kv_capacity(num_prompt_tokens, params)
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(
@@ -277,9 +284,16 @@ class AsyncEngine:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             add(engine)
             stream.added_at = time.monotonic()
+            stream.state = engine.requests.get(request_id)
             self._streams[request_id] = stream
 
-        await self.call(start)
+        try:
+            await self.call(start)
+        except asyncio.CancelledError:
+            # Cancelled while the engine thread may be adding the request: nobody will consume
+            # it, so drop it (and its blocks) if it was added.
+            self._submit(lambda e: self._abort_stream_in_thread(e, stream), None)
+            raise
         finished = False
         try:
             while True:
@@ -295,6 +309,12 @@ class AsyncEngine:
             if not finished:
                 # The consumer left early (client cancel, error): free the request's blocks.
                 self.abort_nowait(request_id)
+
+    def _abort_stream_in_thread(self, engine: LLMEngine, stream: _Stream) -> None:
+        """Abort the request `stream` added, but never a later one under the same id."""
+        rid = stream.request_id
+        if stream.state is not None and engine.requests.get(rid) is stream.state:
+            self._abort_in_thread(engine, rid)
 
     def _abort_in_thread(self, engine: LLMEngine, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)

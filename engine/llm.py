@@ -109,6 +109,11 @@ class LLM:
         return [r for r in results if r is not None]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles of OpenAI's chat API. Anything else would be rendered into the prompt verbatim
+by permissive templates (a "wizard" turn the model was never trained on), so it is refused."""
+
+
 def apply_chat_template(
     tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
 ) -> list[int]:
@@ -117,6 +122,11 @@ def apply_chat_template(
     for i, m in enumerate(messages):
         if "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
+                + ", ".join(CHAT_ROLES)
+            )
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True
     )

@@ -20,7 +20,7 @@ import torch
 from pdmesh.engine.block_hash import HashScheme
 from pdmesh.engine.config import EngineConfig, parse_memory
 from pdmesh.engine.detokenizer import IncrementalDetokenizer
-from pdmesh.engine.kv_cache_manager import KVCacheManager
+from pdmesh.engine.kv_cache_manager import KVCacheManager, request_kv_blocks
 from pdmesh.engine.kv_events import KVEvent
 from pdmesh.engine.model_loader import load_model
 from pdmesh.engine.model_runner import ModelRunner
@@ -49,7 +49,13 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheFullError(RuntimeError):
-    """No free blocks for imported KV right now; the caller may retry or reject."""
+    """The request needs more KV blocks than this engine holds in all: it can never run here
+    (the services answer RESOURCE_EXHAUSTED). Raised before anything is allocated.
+
+    Blocks that are merely taken *right now* never raise: the sequences that find no room
+    (an imported prompt, a fork's copy-on-write block) wait in the scheduler like preempted
+    ones and recompute their KV once blocks free up.
+    """
 
 
 @dataclass
@@ -217,6 +223,24 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"logit_bias: token id {bad[0]} is outside [0, {vocab})")
 
+    def check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse a request whose `n` samples, each run to `max_tokens`, could never be held
+        at once (prompt blocks shared). Reads only fixed figures, so any thread may call it.
+        """
+        bs = self.config.block_size
+        room = max(1, self.max_model_len - num_prompt_tokens)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = request_kv_blocks(num_prompt_tokens, max_tokens, params.n, bs)
+        total = self.num_total_blocks
+        if need > total:
+            unset = " (max_tokens unset: the rest of the context)" if (
+                params.max_tokens is None) else ""
+            raise KVCacheFullError(
+                f"request needs {need} KV blocks of {bs} tokens for n={params.n} x "
+                f"(prompt {num_prompt_tokens} + max_tokens {max_tokens}{unset}), prompt blocks "
+                f"shared, but this instance holds {total} blocks in all; lower n or max_tokens"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -233,6 +257,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        if not export_kv:  # an export only ever holds its prompt, which validate() bounds
+            self.check_kv_capacity(len(ids), params)
         seq = self._new_seq(request_id, 0, list(ids), len(ids), params, priority, cache_salt)
         seq.fork_into = params.n
         seq.export_kv = export_kv
@@ -275,7 +301,10 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
-        for seq in state.seqs:
+        seqs = list(state.seqs)  # and any sample scheduled but not recorded in it yet
+        scheduled = (*self.scheduler.running, *self.scheduler.waiting)
+        seqs += [s for s in scheduled if s.request_id == request_id and s not in seqs]
+        for seq in seqs:
             if not seq.status.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 if seq.detokenizer is not None and not seq.detokenizer.finished:
@@ -333,34 +362,40 @@ class LLMEngine:
         expected = (mc.num_layers, 2, nb, self.config.block_size, mc.num_kv_heads, mc.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"kv: shape {tuple(kv.shape)} does not match {expected}")
+        self.check_kv_capacity(len(prompt_token_ids), params)
         ids = list(prompt_token_ids)
         parent = self._new_seq(request_id, 0, list(ids), len(ids), params, priority, cache_salt)
-        if not self.kv_manager.allocate_slots(parent, len(ids)):
-            raise KVCacheFullError(f"no room for {nb} imported blocks")
-        block_ids = torch.tensor(self.kv_manager.block_ids(parent.seq_id), device=self.device)
-        self.kv_cache.index_copy_(2, block_ids, kv.to(device=self.device, dtype=self.dtype))
-        parent.num_computed_tokens = len(ids)
         parent.num_cached_tokens = num_cached_tokens
-        parent.scheduled_once = True
+        parent.scheduled_once = True  # the prefill instance computed (and counted) the prompt
         state = RequestState(request_id, None, ids, params, [parent])
         state.first_token_time = time.monotonic()
         self.requests[request_id] = state
-        seqs = [parent]
-        for i in range(1, params.n):
-            child = self._fork(parent, i)
-            if child is None:
-                self.abort_request(request_id)
-                raise KVCacheFullError("no room to fork the imported request")
-            seqs.append(child)
-        self.scheduler.add_running(parent)
-        if not params.is_greedy:
-            for seq in seqs:
-                if seq.generator is not None:
-                    skip_one_draw(seq.generator, mc.vocab_size)
-        for i, seq in enumerate(seqs):
-            lp = first_logprobs[i] if first_logprobs else None
-            self._append_token(seq, first_token_ids[i], lp)
-        state.seqs = seqs
+        try:  # from here on, any failure frees whatever the request holds
+            if self.kv_manager.allocate_slots(parent, len(ids)):
+                block_ids = torch.tensor(
+                    self.kv_manager.block_ids(parent.seq_id), device=self.device
+                )
+                self.kv_cache.index_copy_(2, block_ids, kv.to(device=self.device, dtype=self.dtype))
+                parent.num_computed_tokens = len(ids)
+                self.scheduler.add_running(parent)
+            else:
+                # No room right now: wait like a preempted sequence and recompute the prompt
+                # here once blocks free up, instead of failing a request that fits the pool.
+                logger.debug("request_id=%s: no room for %d imported blocks; it waits",
+                             request_id, nb)
+                self.scheduler.add(parent)
+            for i in range(1, params.n):
+                state.seqs.append(self._fork_or_queue(parent, i))
+            if not params.is_greedy:
+                for seq in state.seqs:
+                    if seq.generator is not None:
+                        skip_one_draw(seq.generator, mc.vocab_size)
+            for i, seq in enumerate(list(state.seqs)):
+                lp = first_logprobs[i] if first_logprobs else None
+                self._append_token(seq, first_token_ids[i], lp)
+        except BaseException:
+            self.abort_request(request_id)
+            raise
         self._pending_outputs.add(request_id)
         return state
 
@@ -471,28 +506,38 @@ class LLMEngine:
     ) -> None:
         """The prompt of an n > 1 request is done: one first token per sample, then fork."""
         parent.fork_into = 1
-        children = [parent]
+        state.seqs = [parent]
         for i in range(1, len(results)):
-            child = self._fork(parent, i)
-            if child is None:
-                # No block for copy-on-write: the child recomputes its prompt later.
-                child = self._new_seq(
-                    state.request_id,
-                    i,
-                    list(parent.token_ids),
-                    parent.num_prompt_tokens,
-                    parent.params,
-                    parent.priority,
-                    parent.cache_salt,
-                )
-                self.scheduler.add(child)
+            child = self._fork_or_queue(parent, i)
             child.generator = results[i][1]
-            children.append(child)
-        state.seqs = children
-        for seq, (tok, _) in zip(children, results, strict=True):
+            state.seqs.append(child)
+        for seq, (tok, _) in zip(list(state.seqs), results, strict=True):
             self._append_token(seq, tok.token_id, self._logprob_entry(seq, tok))
 
+    def _fork_or_queue(self, parent: Sequence, index: int) -> Sequence:
+        """Sample `index` of the parent's request: a fork sharing the parent's blocks, or, when
+        there is no room for it right now (or the parent holds no blocks yet), a sequence that
+        waits in the scheduler and recomputes the prompt once blocks free up (prefix-cache hits
+        on the parent's full blocks make that cheap). Never fails for lack of blocks."""
+        child = self._fork(parent, index)
+        if child is None:
+            child = self._new_seq(
+                parent.request_id,
+                index,
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
+                parent.params,
+                parent.priority,
+                parent.cache_salt,
+            )
+            child.arrival_time = parent.arrival_time  # queued as part of its request
+            self.scheduler.add(child)
+        return child
+
     def _fork(self, parent: Sequence, index: int) -> Sequence | None:
+        """A running copy of `parent` sharing its blocks; None without room or parent blocks."""
+        if not self.kv_manager.has_blocks(parent.seq_id):
+            return None
         child = self._new_seq(
             parent.request_id,
             index,

@@ -30,6 +30,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdmesh.gateway.body import (
+    LARGE_BODY_BYTES,
+    BodyTooLarge,
+    ClientGone,
+    MemoryReleaser,
+    read_body,
+    replay,
+)
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdmesh.gateway.openai_format import (
@@ -142,9 +150,12 @@ class OpenAIServing:
         )
 
     async def health(self) -> JSONResponse:
-        serving, detail = await self.client.healthy()
-        body = {"status": "ok" if serving else "unavailable", "router": detail}
-        return JSONResponse(body, status_code=200 if serving else 503)
+        """Readiness: 200 while the router can serve a request now, else 503 and why."""
+        health = await self.client.healthy()
+        if health.serving:
+            return JSONResponse({"status": "ok", "router": health.status})
+        body = {"status": "unavailable", "router": health.status, "reason": health.reason}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     async def model_name(self, requested: str) -> str:
         """The name echoed in responses: the request's, or the served model's."""
@@ -473,12 +484,20 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
 
 class GuardMiddleware:
     """Pure ASGI (so disconnects and streaming pass through untouched): refuses a bad API key
-    on /v1/* and an oversized body before anything is read, and counts every answer."""
+    on /v1/* and an oversized body, and counts every answer.
+
+    The body cap holds while the body streams in, whatever its framing: a `Content-Length`
+    over the cap is refused before anything is read, and any body (chunked ones too) is read
+    here, into at most `max_request_bytes`, and refused with 413 as soon as more arrives,
+    without reading the rest (see gateway/body.py). The app then reads the buffered body.
+    Shortly after a large body, the memory it used is handed back to the OS (`MemoryReleaser`).
+    """
 
     def __init__(self, app: ASGIApp, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.app = app
         self.config = config
         self.metrics = metrics
+        self.releaser = MemoryReleaser()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -499,7 +518,22 @@ class GuardMiddleware:
         if refusal is not None:
             await refusal(scope, receive, counting_send)
             return
-        await self.app(scope, receive, counting_send)
+        try:
+            body = await read_body(receive, self.config.max_request_bytes)
+        except ClientGone:
+            return  # nobody to answer
+        except BodyTooLarge:
+            self.releaser.soon()  # what was buffered up to the cap
+            await _too_large(self.config)(scope, receive, counting_send)
+            return
+        large = len(body) >= LARGE_BODY_BYTES
+        replayed = replay(body, receive)
+        del body  # only `replayed` holds it, until the app has read it
+        try:
+            await self.app(scope, replayed, counting_send)
+        finally:
+            if large:
+                self.releaser.soon()
 
 
 def _refuse(config: GatewayConfig, path: str, headers: Headers) -> JSONResponse | None:
@@ -514,7 +548,13 @@ def _refuse(config: GatewayConfig, path: str, headers: Headers) -> JSONResponse 
             ))
     length = headers.get("content-length", "")
     if length.isdigit() and int(length) > config.max_request_bytes:
-        return error_response(GatewayError(
-            413, f"request body over {config.max_request_bytes} bytes", code="body_too_large"
-        ))
+        return _too_large(config)
     return None
+
+
+def _too_large(config: GatewayConfig) -> JSONResponse:
+    """413; the connection is closed after it, so the rest of the body is never read."""
+    return error_response(GatewayError(
+        413, f"request body over {config.max_request_bytes} bytes", code="body_too_large",
+        headers={"connection": "close"},
+    ))

@@ -20,7 +20,8 @@ from pdmesh.v1 import router_pb2, router_pb2_grpc
 
 ROUTER_SERVICE = "pdmesh.v1.Router"
 RETRY_AFTER_KEY = "retry-after-ms"
-"""Trailing metadata the router sets on RESOURCE_EXHAUSTED (see router/admission.py)."""
+"""Trailing metadata the router sets on RESOURCE_EXHAUSTED and UNAVAILABLE (router/admission.py,
+router/orchestrator.py)."""
 
 
 @dataclass
@@ -74,12 +75,22 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> GatewayError:
         retry = _retry_after_s(error)
         return GatewayError(429, details, type="rate_limit_error", code="rate_limit_exceeded",
                             headers={"Retry-After": str(retry)})
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE:  # no instance could take it (or no router): retry
         return GatewayError(503, details or "no backend available", type="service_unavailable",
-                            code="no_backend", headers={"Retry-After": "1"})
+                            code="no_backend",
+                            headers={"Retry-After": str(_retry_after_s(error))})
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayError(504, details or "deadline exceeded", type="timeout")
     return GatewayError(500, f"{code.name}: {details}", type="internal_error")
+
+
+@dataclass(frozen=True)
+class RouterHealth:
+    """What the gateway's /health reports: can the router serve a request now, and why not."""
+
+    serving: bool
+    status: str  # the health service's status name, or UNREACHABLE
+    reason: str = ""
 
 
 class GenerateCall:
@@ -144,17 +155,28 @@ class RouterClient:
             raise error_from_rpc(exc) from None
         return list(response.models)
 
-    async def healthy(self) -> tuple[bool, str]:
-        """(serving?, detail) from the router's standard health service."""
+    async def healthy(self) -> RouterHealth:
+        """The router's standard health for its Router service, which is SERVING only while
+        a request can be routed; when it is not, GetStatus says why."""
         try:
             response = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=ROUTER_SERVICE),
                 timeout=self._control_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            return False, f"router unreachable: {exc.code().name}: {exc.details()}"
-        serving = response.status == health_pb2.HealthCheckResponse.SERVING
-        return serving, health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            return RouterHealth(False, "UNREACHABLE",
+                                f"router unreachable: {exc.code().name}: {exc.details()}")
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        if response.status == health_pb2.HealthCheckResponse.SERVING:
+            return RouterHealth(True, status)
+        try:
+            detail = await self._stub.GetStatus(
+                router_pb2.GetStatusRequest(), timeout=self._control_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            return RouterHealth(False, status, f"router reports {status} (no status: "
+                                               f"{exc.code().name})")
+        return RouterHealth(False, status, detail.serving_detail or f"router reports {status}")
 
     async def close(self) -> None:
         await self._channel.close()

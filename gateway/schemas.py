@@ -24,6 +24,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 128
 """Choices per prompt; a guard against one request fanning out without bound."""
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""vLLM's range for `seed` (a signed 64-bit integer, the proto's int64)."""
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -43,7 +46,7 @@ class SamplingFields(StrictModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

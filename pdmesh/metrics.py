@@ -20,6 +20,7 @@ See docs/OBSERVABILITY.md for the full list.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -115,6 +116,13 @@ def kv_transfer_metrics(registry: CollectorRegistry | None = None) -> KVTransfer
 
 
 # -- engine services (prefill, decode, colocated) --------------------------------------------------
+def failure_outcome(exc: BaseException) -> str:
+    """The `outcome` label of a request that ended by an exception: a caller that went away
+    (client disconnect, router cancel: the handler task is cancelled or the response stream
+    closed) is "cancelled", not a fault of this service; anything else is "error"."""
+    return "cancelled" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "error"
+
+
 @dataclass(frozen=True)
 class EngineMetrics:
     """Per-request observations of one engine service; every metric has a `role` label."""
@@ -227,7 +235,8 @@ class EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       s.prefix_hit_tokens)
         if s.index_up is not None:
-            yield gauge("index_up", "1 while registered in the Redis prefix index, else 0",
+            yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
+                        "answers, 0 while unregistered or Redis is unreachable",
                         1.0 if s.index_up else 0.0)
 
 
@@ -247,6 +256,7 @@ class RouterMetrics:
     admission_rejections: Counter
     index_lookups: Counter
     index_lookup_duration: Histogram
+    reroutes: Counter
 
 
 def _build_router(r: CollectorRegistry) -> RouterMetrics:
@@ -288,6 +298,11 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
         index_lookup_duration=Histogram(
             metric_name("router_index_lookup_duration_seconds"),
             "Duration of prefix index (Redis) lookups", buckets=TRANSFER_BUCKETS_S, registry=r),
+        reroutes=Counter(
+            metric_name("router_reroutes"),
+            "Prefill or Decode calls sent to another instance because the first could not be "
+            "reached, by role and reason (unreachable, connection_lost, shutting_down)",
+            ["role", "reason"], registry=r),
     )
 
 

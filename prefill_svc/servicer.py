@@ -24,10 +24,11 @@ import grpc
 from pdmesh.decode_svc.convert import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
 from pdmesh.decode_svc.engine_service import EngineService
 from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.transfer import KVSender, KVTransferError, ReleaseReason
-from pdmesh.metrics import EngineMetrics, engine_metrics
+from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
     SpanKind,
@@ -113,9 +114,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         ) as span:
             try:
                 response = await self._prefill(request, context, received, span)
-            except BaseException:
+            except BaseException as exc:
                 self.metrics.request_finished(
-                    outcome="error", prompt_tokens=len(request.prompt_token_ids),
+                    outcome=failure_outcome(exc), prompt_tokens=len(request.prompt_token_ids),
                     generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received,
                     queue_s=None,
                 )
@@ -186,6 +187,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVCacheFullError as exc:  # an export holds only its prompt: not expected
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         published = False

@@ -1,9 +1,11 @@
 """Admission control: refuse early, clearly, and with a hint, instead of queueing forever.
 
-Two kinds of refusal, mapped by the server onto the router.proto error taxonomy:
+Three kinds of refusal, mapped by the server onto the router.proto error taxonomy:
 
 * `InvalidRequest` → INVALID_ARGUMENT, the message names the offending field (TGI's 422);
-* `OverCapacity` → RESOURCE_EXHAUSTED with a retry hint in the trailing metadata (TGI's 429).
+* `OverCapacity` → RESOURCE_EXHAUSTED with a retry hint in the trailing metadata (TGI's 429);
+* `ExceedsKVCapacity` → RESOURCE_EXHAUSTED without a hint: the request's samples could never be
+  held at once in a decode instance's KV pool (`check_kv_capacity`), so retrying cannot help.
 
 Limits are per router: concurrent requests, tokens in flight (prompt + max output, the KV the
 request may need), and how many requests may wait for a slot and for how long. Waiters are
@@ -19,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdmesh.engine.kv_cache_manager import request_kv_blocks
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.v1 import common_pb2
 
@@ -44,6 +47,10 @@ class OverCapacity(RuntimeError):
         self.retry_after_s = retry_after_s
         self.reason = reason
         super().__init__(message)
+
+
+class ExceedsKVCapacity(RuntimeError):
+    """More KV than a decode instance holds in all; only a smaller request can succeed."""
 
 
 class DeadlineExpired(TimeoutError):
@@ -258,6 +265,22 @@ def validate_prompt(
 def budget_tokens(num_prompt_tokens: int, max_tokens: int, n: int) -> int:
     """Tokens a request may occupy in KV: the prompt once plus every sequence's output."""
     return num_prompt_tokens + max_tokens * max(1, n)
+
+
+def check_kv_capacity(
+    num_prompt_tokens: int, max_tokens: int, n: int, *, block_size: int, capacity_tokens: int
+) -> None:
+    """Refuse a request whose `n` samples, each run to `max_tokens`, could never be held at once
+    in a KV pool of `capacity_tokens` (prompt blocks shared, as the engine forks them). The
+    decode engine checks the same rule again; refusing here spares the prefill."""
+    need = request_kv_blocks(num_prompt_tokens, max_tokens, n, block_size)
+    total = capacity_tokens // block_size
+    if need > total:
+        raise ExceedsKVCapacity(
+            f"request needs {need} KV blocks of {block_size} tokens for n={n} x (prompt "
+            f"{num_prompt_tokens} + max_tokens {max_tokens}), prompt blocks shared, but a "
+            f"decode instance holds {total} blocks in all; lower n or max_tokens"
+        )
 
 
 def retry_after_ms(seconds: float) -> str:

@@ -31,6 +31,10 @@ class RouterConfig:
     tokenizer: str | None = field(
         default=None, metadata=_help("model dir/alias to load the tokenizer from; default: model")
     )
+    tokenizer_pool_size: int = field(
+        default=2,
+        metadata=_help("threads tokenizing prompts (one is kept for short prompts when >= 2)"),
+    )
     redis_url: str | None = field(
         default=None, metadata=_help("cluster index and registry; unset = static addresses only")
     )
@@ -112,6 +116,10 @@ class RouterConfig:
         for name in ("poll_interval_s", "rpc_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if not 1 <= self.tokenizer_pool_size <= 64:
+            raise ValueError(
+                f"--tokenizer-pool-size must be in [1, 64], got {self.tokenizer_pool_size}"
+            )
         if self.failure_threshold < 1:
             raise ValueError(f"--failure-threshold must be >= 1, got {self.failure_threshold}")
         if self.log_level not in LOG_LEVELS:

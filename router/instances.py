@@ -7,14 +7,21 @@ instance id changes when a process restarts behind the same address) and GetLoad
 
 An instance leaves routing when it
 
-* fails `failure_threshold` polls in a row, or a request on it fails (`mark_failed`);
+* fails `failure_threshold` polls in a row, or a request on it fails (`mark_failed`); a poll
+  refused as UNAVAILABLE (process gone or stopping) counts as the whole threshold at once;
+* reports NOT_SERVING on its health service ("" = the whole server: it is shutting down);
 * drops out of the registry (its heartbeats stopped) — static instances stay, but still have to
   answer polls;
 * serves another model or hashes blocks with another scheme than the rest of the cluster
   (their prefix hits would silently be 0 %).
 
 It comes back as soon as a poll succeeds again. When Redis is unreachable the last known
-membership is kept and routing falls back to load only; `index_available` says so.
+membership is kept and routing falls back to load only; `index_available` says so. When Redis
+comes back (possibly empty, after a restart), instances missing from it keep their place for
+`rejoin_grace_s`: they re-register on their own once their back-off lets them retry.
+
+`servability()` says whether a request can be routed at all right now; the router's health
+service reports it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.engine.block_hash import HashScheme
 from pdmesh.grpc_common import TLSConfig, open_channel
@@ -153,6 +161,17 @@ class PoolSettings:
     rpc_timeout_s: float = 2.0
     tls: TLSConfig = field(default_factory=TLSConfig)
     max_message_bytes: int = 64 * 2**20
+    # After a registry outage, how long instances missing from the registry stay: engines
+    # retry Redis with a back-off of up to ~5 s, then heartbeat, before they re-register.
+    rejoin_grace_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class Servability:
+    """Whether the router can route a request now, and why not."""
+
+    serving: bool
+    detail: str = ""
 
 
 class InstancePool:
@@ -172,6 +191,7 @@ class InstancePool:
         self._block_size: int | None = None
         self.scheme: HashScheme | None = None
         self.index_detail = "no --redis-url: routing on load only" if registry is None else ""
+        self._rejoin_until = 0.0  # monotonic; see PoolSettings.rejoin_grace_s
         self._task: asyncio.Task[None] | None = None
         self.polled = asyncio.Event()  # set after every completed poll round
         for role, address in static:
@@ -198,6 +218,37 @@ class InstancePool:
     def max_model_len(self) -> int | None:
         lens = [i.info.max_model_len for i in self._instances.values() if i.healthy and i.info]
         return min(lens) if lens else None
+
+    def kv_capacity_tokens(self) -> int | None:
+        """The smallest KV pool among live decode instances (as `max_model_len`, the least)."""
+        caps = [i.info.kv_capacity_tokens for i in self.routable("decode")
+                if i.info and i.info.kv_capacity_tokens]
+        return min(caps) if caps else None
+
+    def servability(self, local_prefill_threshold: int) -> Servability:
+        """Can a request be routed now? It needs a live decode-capable instance and, unless
+        decode prefills every prompt itself (fewer uncached tokens than
+        `local_prefill_threshold`, which no prompt reaches when the threshold is at least the
+        model length), a live prefill-capable one; a colocated instance is both. This is what
+        the orchestrator refuses on (`no live ... instance to route to`), checked ahead."""
+        decode = [i for i in self.routable("decode") if i.instance_id]
+        if not decode:
+            return Servability(False, "no live decode instance" + self._why_not("decode"))
+        if any(i.instance_id for i in self.routable("prefill")):
+            return Servability(True)
+        max_len = self.max_model_len() or 0
+        if local_prefill_threshold >= max_len:
+            return Servability(True)  # every prompt is prefilled on its decode instance
+        local = (f"only prompts with fewer than {local_prefill_threshold} uncached tokens "
+                 "can be served (prefilled on decode)" if local_prefill_threshold
+                 else "local prefill is off (--local-prefill-threshold 0)")
+        return Servability(False, f"no live prefill instance{self._why_not('prefill')}; "
+                                  f"{local}")
+
+    def _why_not(self, role: str) -> str:
+        down = [f"{i.address}: {i.detail}" for i in self._instances.values()
+                if i.serves(role) and not i.healthy]
+        return f" ({'; '.join(sorted(down))})" if down else " (none known)"
 
     # -- changes -----------------------------------------------------------------------------
     def _add(self, address: str, role: str, *, static: bool) -> Instance:
@@ -263,6 +314,7 @@ class InstancePool:
             return
         if self.index_detail:
             logger.info("cluster index available again")
+            self._rejoin_until = time.monotonic() + self.settings.rejoin_grace_s
         self.index_detail = ""
         self._merge_registry(live)
 
@@ -281,6 +333,8 @@ class InstancePool:
                         self._fingerprint in (None, reg.scheme_fingerprint)
                     ):
                         self.scheme = scheme
+        if time.monotonic() < self._rejoin_until:
+            return  # Redis just came back (maybe empty): give instances time to re-register
         for address, instance in list(self._instances.items()):
             if instance.registered and address not in seen:
                 instance.registered = False
@@ -308,13 +362,23 @@ class InstancePool:
                 if reported == "colocated" and instance.role != reported:
                     logger.info("instance is colocated address=%s", instance.address)
                     instance.role = reported
+            serving = await _health_serving(instance, timeout)
         except grpc.aio.AioRpcError as exc:
+            # Refused or unreachable: the process is gone or stopping, and requests sent there
+            # would fail too. A slow answer (DEADLINE_EXCEEDED) may just be a busy instance.
+            refused = exc.code() == grpc.StatusCode.UNAVAILABLE
             instance.failures += 1
-            if instance.failures >= self.settings.failure_threshold:
+            if refused or instance.failures >= self.settings.failure_threshold:
                 self.mark_failed(instance, f"polls failing: {exc.code().name} {exc.details()}")
             return
         instance.apply_poll(load, sent_at)
         instance.failures = 0
+        if not serving:
+            if instance.healthy:
+                logger.warning("instance NOT_SERVING (shutting down) address=%s id=%s",
+                               instance.address, instance.instance_id)
+            instance.healthy, instance.detail = False, "health NOT_SERVING (shutting down)"
+            return
         problem = self._incompatibility(instance.info)
         if problem:
             if instance.healthy or instance.detail != problem:
@@ -341,3 +405,17 @@ class InstancePool:
                 f"{self._block_size}): its prefix hits would never match"
             )
         return ""
+
+
+async def _health_serving(instance: Instance, timeout_s: float) -> bool:
+    """The instance's whole-server health ("") is SERVING. An engine turns it NOT_SERVING
+    first thing on SIGTERM, before it deregisters and stops accepting calls. A server without
+    the health service is judged by its GetLoad answers alone."""
+    try:
+        response = await health_pb2_grpc.HealthStub(instance.channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+            return True
+        raise
+    return response.status == health_pb2.HealthCheckResponse.SERVING

@@ -13,6 +13,10 @@ in the ready line (`metrics=http://...`, `Child.metrics_url`) and `pdmesh serve`
 all. The OTEL_* variables of this process (or of `env`) reach every child unchanged, so one
 `OTEL_EXPORTER_OTLP_ENDPOINT` traces the whole mesh.
 
+KV segments that a prefill child leaves in shared memory when it dies without cleaning up
+(SIGKILL) are removed when `pdmesh serve` notices the exit, on stop, and (segments of any dead
+process) on start; they are owned by the pid of the child that created them.
+
 `LocalMesh` is also the test harness: tests start, inspect and kill its children.
 """
 
@@ -32,6 +36,7 @@ from types import TracebackType
 
 from pdmesh.grpc_common import parse_config
 from pdmesh.kvstore.redis_server import RedisServer
+from pdmesh.kvstore.transfer.backends.shm import sweep_stale
 from pdmesh.router.routing.base import POLICY_NAMES
 
 logger = logging.getLogger(__name__)
@@ -117,6 +122,7 @@ class Child:
         self.address: str | None = None
         self.ready_line = ""
         self.fields: dict[str, str] = {}  # the ready line's key=value fields
+        self.lines: list[str] = []  # what it printed up to and including the ready line
         threading.Thread(target=self._pump, name=f"stdout-{name}", daemon=True).start()
 
     @property
@@ -144,6 +150,7 @@ class Child:
                 code = self.proc.wait()
                 raise ChildFailed(f"{self.name} exited with code {code} before it was ready")
             logger.debug("%s: %s", self.name, line)
+            self.lines.append(line)
             parts = line.split()
             if len(parts) >= 2 and parts[0] == "ready":
                 self.address, self.ready_line = parts[1], line
@@ -212,6 +219,9 @@ class LocalMesh:
 
     def start(self) -> str:
         c = self.config
+        removed = sweep_stale()
+        if removed:
+            logger.info("removed %d KV segments of dead processes", removed)
         try:
             if not self.redis_url:
                 self.redis = RedisServer().start()
@@ -284,6 +294,11 @@ class LocalMesh:
         assert self.router is not None and self.router.address is not None
         return self.router.address
 
+    def sweep_shm(self) -> int:
+        """Remove the shared-memory KV segments of children that have exited."""
+        exited = [c.pid for c in [*self.prefill, *self.decode] if not c.running()]
+        return sweep_stale(pids=exited) if exited else 0
+
     def stop(self) -> None:
         """Gateway and router first, then engines (all signalled at once), then Redis."""
         for front in (self.gateway, self.router):
@@ -295,6 +310,7 @@ class LocalMesh:
                 child.proc.terminate()
         for child in engines:
             child.terminate()
+        self.sweep_shm()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -332,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"router listening on {address} (redis {mesh.redis_url}, {engines})", flush=True)
     if mesh.gateway_url:
         print(f"OpenAI API on {mesh.gateway_url}", flush=True)
+    for name, url in mesh.metrics_urls().items():
+        print(f"metrics {name} {url}", flush=True)
     gateway = f" gateway={mesh.gateway_url}" if mesh.gateway_url else ""
     print(f"ready {address}{gateway}", flush=True)
     exit_code = 0
@@ -347,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     reported.add(child.name)
                     print(f"pdmesh serve: {child.name} exited with code {child.proc.poll()}; "
                           "the router routes around it", file=sys.stderr)
+                    mesh.sweep_shm()
     finally:
         mesh.stop()
     return exit_code

@@ -7,17 +7,26 @@ with the same policy, Prefill runs there, its first tokens go to the client at o
 Decode continues with the KV handle; the decode instance pulls the KV straight from the
 prefill instance.
 
-Failure mapping (router.proto): before any output, a gRPC status (the instance's status where
-it is meaningful to the client, UNAVAILABLE naming the instance otherwise); after output
-started, unfinished sequences end with FINISH_REASON_ERROR and the stream still ends with a
-GenerateResult. A failing instance leaves routing at once. A cancelled client call cancels
-the Decode stream and releases the prefill side's KV, so every block comes back.
+Failure mapping (router.proto): before any output was sent to the client, a gRPC status (the
+instance's status where it is meaningful to the client, UNAVAILABLE naming the instance and
+carrying a retry hint otherwise); after output was sent, unfinished sequences end with
+FINISH_REASON_ERROR and the stream still ends with a GenerateResult. With stream=false nothing
+is sent before the end, so every failure is a status. A failing instance leaves routing at
+once. A cancelled client call cancels the Decode stream and releases the prefill side's KV,
+so every block comes back.
+
+Re-routing: a Prefill or Decode call that could not reach its instance (gRPC's own
+UNAVAILABLE: connection refused or lost, server shutting down) before that instance answered
+anything is sent to another instance of the role, each instance at most once, within the
+request's deadline. A re-routed Decode keeps the KV handle (the blocks stay leased on the
+prefill side) and the prefill's first tokens: the decode instance never repeats them, so the
+client sees no duplicate. An instance's own refusals (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+a failed KV pull, ...) are never retried elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -55,6 +64,19 @@ _INSTANCE_FAULTS = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.DATA_LOSS,
 }
+# gRPC's own wording when a call never reached a live server or the server went away before
+# answering; our servicers word their UNAVAILABLE aborts differently ("KV transfer ...").
+_UNREACHED_DETAILS = (
+    ("failed to connect", "unreachable"),
+    ("connection refused", "unreachable"),
+    ("cancelling all calls", "shutting_down"),  # grpc server stop(): in-flight calls cut
+    ("goaway", "shutting_down"),
+    ("socket closed", "connection_lost"),
+    ("connection reset", "connection_lost"),
+    ("broken pipe", "connection_lost"),
+)
+UNAVAILABLE_RETRY_AFTER_S = 1.0
+"""The retry hint sent with UNAVAILABLE: about a poll interval, when membership is known anew."""
 # Statuses an instance may return that mean the same to the client.
 _PASS_THROUGH = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -65,11 +87,37 @@ _PASS_THROUGH = {
 
 
 class RouteError(Exception):
-    """A request that fails before any output: the server turns it into a gRPC status."""
+    """A request that fails before any output: the server turns it into a gRPC status.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `retry_after_s` (default for UNAVAILABLE) goes back as the retry hint trailing metadata."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
         self.code = code
+        if retry_after_s is None and code == grpc.StatusCode.UNAVAILABLE:
+            retry_after_s = UNAVAILABLE_RETRY_AFTER_S
+        self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+def unreached_reason(exc: grpc.aio.AioRpcError) -> str | None:
+    """Why a call failed without reaching a working instance ("unreachable",
+    "connection_lost", "shutting_down"), or None when the instance itself answered with an
+    error. Only these failures are safe to send to another instance."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = (exc.details() or "").lower()
+    return next((reason for marker, reason in _UNREACHED_DETAILS if marker in details), None)
+
+
+class _Unreached(Exception):
+    """A call that never reached a working instance: re-route it, or fail with `error`."""
+
+    def __init__(self, error: RouteError, reason: str) -> None:
+        self.error = error
+        self.reason = reason
+        super().__init__(str(error))
 
 
 @dataclass
@@ -152,13 +200,6 @@ class Assembler:
         ]
 
 
-@dataclass
-class _Plan:
-    decode: Instance
-    prefill: Instance | None  # None: the decode instance prefills locally
-    reason: str
-
-
 @dataclass(frozen=True)
 class _Lookup:
     """What the prefix index said about a prompt."""
@@ -166,6 +207,15 @@ class _Lookup:
     cached: dict[str, int]  # leading prompt blocks held, by instance id
     consulted: bool  # a policy wanted the index and one is configured
     ok: bool  # ... and it answered
+
+
+@dataclass
+class _Plan:
+    decode: Instance
+    prefill: Instance | None  # None: the decode instance prefills locally
+    reason: str
+    route: RouteRequest  # kept for re-routing
+    lookup: _Lookup
 
 
 def decision_reason(policy: RoutingPolicy, decision: Decision, num_candidates: int,
@@ -226,8 +276,14 @@ class Orchestrator:
         self.metrics.index_lookup_duration.observe(time.monotonic() - started)
         return _Lookup(cached, consulted=True, ok=True)
 
-    def _choose(self, role: str, route: RouteRequest, lookup: _Lookup) -> Instance:
-        instances = [i for i in self.pool.routable(role) if i.instance_id]
+    def _choose(
+        self, role: str, route: RouteRequest, lookup: _Lookup,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Instance:
+        """The policy's pick among routable instances of `role` (addresses in `exclude` left
+        out); UNAVAILABLE RouteError when there is none."""
+        instances = [i for i in self.pool.routable(role)
+                     if i.instance_id and i.address not in exclude]
         policy = self.policies[role]
         try:
             candidates = [i.candidate(lookup.cached) for i in instances]
@@ -286,11 +342,13 @@ class Orchestrator:
                        route.num_prompt_tokens)
             uncached = route.num_prompt_tokens - held
             if decode.role == "colocated" or uncached < self.local_prefill_threshold:
-                plan = _Plan(decode, None, f"local prefill ({uncached} uncached tokens)")
+                plan = _Plan(decode, None, f"local prefill ({uncached} uncached tokens)",
+                             route, lookup)
             else:
                 prefill = self._choose("prefill", route, lookup)
                 plan = _Plan(decode, prefill,
-                             f"remote prefill ({uncached} uncached tokens on decode)")
+                             f"remote prefill ({uncached} uncached tokens on decode)",
+                             route, lookup)
             placement = "local" if plan.prefill is None else "remote"
             self.metrics.prefill_placements.labels(placement).inc()
             span.set_attribute("pdmesh.route.prefill_placement", placement)
@@ -304,9 +362,13 @@ class Orchestrator:
         block_size = self.pool.block_size or 16
         prompt_blocks = math.ceil(len(req.prompt_token_ids) / block_size)
         kv_blocks = math.ceil((len(req.prompt_token_ids) + req.max_tokens * req.n) / block_size)
-        run = _Run(self, req, plan, send)
-        with _inflight(plan.decode, kv_blocks), _inflight(plan.prefill, prompt_blocks):
-            await run.execute()
+        slots = {"decode": _Slot(plan.decode, kv_blocks),
+                 "prefill": _Slot(plan.prefill, prompt_blocks)}
+        try:
+            await _Run(self, req, plan, send, slots).execute()
+        finally:
+            for slot in slots.values():
+                slot.release()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Fire-and-forget cleanup that must outlive a cancelled request."""
@@ -320,16 +382,26 @@ class Orchestrator:
             await asyncio.wait(set(self._background), timeout=timeout_s)
 
 
-@contextlib.contextmanager
-def _inflight(instance: Instance | None, blocks: int) -> Any:
-    if instance is None:
-        yield
-        return
-    started = instance.request_started(blocks)
-    try:
-        yield
-    finally:
-        instance.request_finished(blocks, started)
+class _Slot:
+    """One request's share of an instance's in-flight count (what routing sees as its load);
+    it moves with the request when the request is re-routed."""
+
+    def __init__(self, instance: Instance | None, blocks: int) -> None:
+        self.blocks = blocks
+        self.instance: Instance | None = None
+        self.started = 0.0
+        self.move(instance)
+
+    def move(self, instance: Instance | None) -> None:
+        self.release()
+        if instance is not None:
+            self.started = instance.request_started(self.blocks)
+        self.instance = instance
+
+    def release(self) -> None:
+        if self.instance is not None:
+            self.instance.request_finished(self.blocks, self.started)
+            self.instance = None
 
 
 def _merge_timing(
@@ -351,11 +423,15 @@ def _merge_timing(
 class _Run:
     """The state of one request while it runs (kept off the shared Orchestrator)."""
 
-    def __init__(self, orch: Orchestrator, req: PreparedRequest, plan: _Plan, send: Send):
+    def __init__(self, orch: Orchestrator, req: PreparedRequest, plan: _Plan, send: Send,
+                 slots: dict[str, _Slot]):
         self.orch = orch
         self.req = req
         self.plan = plan
         self._send = send
+        self._slots = slots
+        self.tried: set[str] = set()  # addresses that failed this request, by either role
+        self.sent = False  # a delta went to the client: failures can no longer be a status
         self.out = Assembler(req.n)
         self.ttft_ms = 0.0
         self.timings: list[common_pb2.Timing] = []
@@ -366,6 +442,7 @@ class _Run:
         if delta.token_ids and not self.ttft_ms:
             self.ttft_ms = (time.monotonic() - self.req.received_at) * 1000
         if self.req.stream:
+            self.sent = True
             await self._send(router_pb2.GenerateResponse(delta=delta))
 
     def _served_by(self) -> router_pb2.ServedBy:
@@ -421,7 +498,7 @@ class _Run:
     async def execute(self) -> None:
         remote: engine_pb2.RemotePrefill | None = None
         if self.plan.prefill is not None:
-            remote = await self._prefill(self.plan.prefill)
+            remote = await self._prefill_rerouting()
             if remote is None:  # every sequence finished on the prefill instance
                 assert self.prefill_resp is not None
                 usage = common_pb2.Usage(
@@ -431,7 +508,64 @@ class _Run:
                 )
                 await self._finish(usage, list(self.prefill_resp.prompt_logprobs))
                 return
-        await self._decode(self.plan.decode, remote)
+        await self._decode_rerouting(remote)
+
+    # -- re-routing --------------------------------------------------------------------------
+    def _reroute(self, role: str, failed: Instance, unreached: _Unreached) -> Instance:
+        """Another instance of `role` for a call `failed` never served; RouteError (the
+        failure, UNAVAILABLE, or DEADLINE_EXCEEDED) when there is none or no time left."""
+        self.tried.add(failed.address)
+        self.req.remaining_s()
+        try:
+            chosen = self.orch._choose(role, self.plan.route, self.plan.lookup,
+                                       exclude=frozenset(self.tried))
+        except RouteError:
+            raise RouteError(
+                grpc.StatusCode.UNAVAILABLE, f"{unreached.error}; no other {role} instance left"
+            ) from None
+        self.orch.metrics.reroutes.labels(role, unreached.reason).inc()
+        trace.get_current_span().add_event("pdmesh.reroute", {
+            "pdmesh.role": role, "pdmesh.reroute.from": failed.address,
+            "pdmesh.reroute.to": chosen.address, "pdmesh.reroute.reason": unreached.reason,
+        })
+        logger.info("re-routed request_id=%s role=%s from=%s to=%s reason=%s",
+                    self.req.request_id, role, failed.address, chosen.address, unreached.reason)
+        self._slots[role].move(chosen)
+        return chosen
+
+    async def _prefill_rerouting(self) -> engine_pb2.RemotePrefill | None:
+        """Prefill, on another prefill instance when the chosen one cannot be reached.
+        Nothing has gone to the client before the Prefill answer, so every retry is clean."""
+        while True:
+            instance = self.plan.prefill
+            assert instance is not None
+            try:
+                return await self._prefill(instance)
+            except _Unreached as unreached:
+                self.plan.prefill = self._reroute("prefill", instance, unreached)
+
+    async def _decode_rerouting(self, remote: engine_pb2.RemotePrefill | None) -> None:
+        """Decode, on another decode instance when the chosen one cannot be reached before it
+        sent anything. The prefill's first tokens may already be with the client: the next
+        instance gets the same RemotePrefill (KV handle and first tokens) and continues after
+        them. Without a remote prefill the next instance prefills locally."""
+        while True:
+            instance = self.plan.decode
+            try:
+                await self._decode(instance, remote)
+                return
+            except _Unreached as unreached:
+                failure = unreached
+            try:
+                self.plan.decode = self._reroute("decode", instance, failure)
+            except RouteError as final:
+                if remote is not None and self.plan.prefill is not None:
+                    self.orch.spawn(self._release_kv(
+                        self.plan.prefill, remote.kv.transfer_id, "no decode instance left"))
+                if not self.sent:
+                    raise
+                await self._fail_after_output(str(final))
+                return
 
     # -- prefill -----------------------------------------------------------------------------
     async def _prefill(self, instance: Instance) -> engine_pb2.RemotePrefill | None:
@@ -451,7 +585,12 @@ class _Run:
             self.orch.spawn(self._abort_prefill(instance, "client cancelled"))
             raise
         except grpc.aio.AioRpcError as exc:
-            raise self._instance_error(instance, "prefill", exc) from None
+            error = self._instance_error(instance, "prefill", exc)
+            reason = unreached_reason(exc)
+            if reason is not None:
+                self.orch.spawn(self._abort_prefill(instance, "re-routed"))
+                raise _Unreached(error, reason) from None
+            raise error from None
         self.prefill_resp = resp
         self.timings.append(resp.timing)
         try:
@@ -479,11 +618,13 @@ class _Run:
             remote_prefill=remote,
         )
         result: engine_pb2.DecodeResult | None = None
+        answered = False  # the instance sent something: the call can no longer be re-routed
         call = instance.decode_stub().Decode(
             message, timeout=req.remaining_s(), metadata=inject_metadata()
         )
         try:
             async for resp in call:
+                answered = True
                 if resp.HasField("delta"):
                     await self._emit(resp.delta)
                 elif resp.HasField("result"):
@@ -493,9 +634,14 @@ class _Run:
             self._cleanup_after_decode(instance, remote, "client cancelled")
             raise
         except grpc.aio.AioRpcError as exc:
-            self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
             error = self._instance_error(instance, "decode", exc)
-            if not self.out.started:
+            reason = unreached_reason(exc)
+            if not answered and reason is not None:
+                # The KV stays leased for the next decode instance; only this one forgets it.
+                self.orch.spawn(self._abort(instance.decode_stub().Abort, instance, "re-routed"))
+                raise _Unreached(error, reason) from None
+            self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
+            if not self.sent:
                 raise error from None
             await self._fail_after_output(str(error))
             return
@@ -506,7 +652,7 @@ class _Run:
         if result is None:
             self._cleanup_after_decode(instance, remote, "decode stream ended without a result")
             message_text = f"decode instance {instance.address} ended without a result"
-            if not self.out.started:
+            if not self.sent:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE, message_text)
             await self._fail_after_output(message_text)
             return

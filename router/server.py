@@ -2,10 +2,17 @@
 
 Generate = admit (validate, tokenize, budget) → route and run (orchestrator) → stream back.
 Tokenize, ListModels and GetStatus answer from the router's own state. The standard health
-service reports "" and "pdmesh.v1.Router" SERVING while the router runs, and
-"pdmesh.router.PrefixIndex" SERVING only while the Redis prefix index is reachable: without it
-the router keeps serving with load-only routing, and says so there, in GetStatus and in the
-`pdmesh:index_up` metric.
+service reports, updated after every instance poll:
+
+* "" SERVING while the router process runs (liveness: restarting it would not bring back
+  instances it cannot reach);
+* "pdmesh.v1.Router" SERVING only while a request can be routed — a live decode-capable
+  instance, and a live prefill-capable one unless decode prefills every prompt itself
+  (`InstancePool.servability`, also `serving`/`serving_detail` in GetStatus). Readiness: the
+  gateway's /health answers 503 while it is NOT_SERVING;
+* "pdmesh.router.PrefixIndex" SERVING only while the Redis prefix index is reachable: without
+  it the router keeps serving with load-only routing, and says so there, in GetStatus and in
+  the `pdmesh:index_up` metric.
 
 Each Generate call is one `pdmesh.router.generate` span (parent: the caller's `traceparent`
 metadata, e.g. the gateway's) with `pdmesh.router.admission` and `pdmesh.router.route`
@@ -15,22 +22,17 @@ children; the prefill and decode calls carry its context on.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
-from pdmesh.engine.llm import apply_chat_template
-from pdmesh.engine.model_store import resolve_model
 from pdmesh.grpc_common import GrpcServer, install_shutdown_signals
 from pdmesh.kvstore.instance_registry import InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
@@ -49,9 +51,11 @@ from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,
     DeadlineExpired,
+    ExceedsKVCapacity,
     InvalidRequest,
     OverCapacity,
     budget_tokens,
+    check_kv_capacity,
     retry_after_ms,
     sampling_from_proto,
     validate_prompt,
@@ -59,6 +63,7 @@ from pdmesh.router.admission import (
 from pdmesh.router.config import RouterConfig, parse_router_config
 from pdmesh.router.instances import InstancePool, PoolSettings
 from pdmesh.router.orchestrator import Orchestrator, PreparedRequest, RouteError
+from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.router.routing import make_policy
 from pdmesh.tracing import (
     SpanKind,
@@ -79,48 +84,6 @@ _ROLES = {
     "decode": engine_pb2.ROLE_DECODE,
     "colocated": engine_pb2.ROLE_COLOCATED,
 }
-
-
-class PromptTokenizer:
-    """The model's tokenizer, run on one dedicated thread (HF tokenizers are not meant to be
-    shared across threads, and tokenizing long prompts must not stall the event loop)."""
-
-    def __init__(self, model: str) -> None:
-        from transformers import AutoTokenizer
-
-        model_dir = resolve_model(model)
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        self.vocab_size = int(config.get("vocab_size") or len(self._tokenizer))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-
-    def _encode(self, request: Any) -> list[int]:
-        kind = request.WhichOneof("prompt" if hasattr(request, "token_ids") else "input")
-        if kind == "text":
-            return list(self._tokenizer(request.text, add_special_tokens=True)["input_ids"])
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise InvalidRequest("chat.messages", "a chat needs at least one message")
-            add = (
-                request.chat.add_generation_prompt
-                if request.chat.HasField("add_generation_prompt")
-                else True
-            )
-            try:
-                return apply_chat_template(self._tokenizer, messages, add)
-            except ValueError as exc:
-                raise InvalidRequest("chat", str(exc)) from None
-        raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
-
-    async def encode(self, request: Any) -> list[int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._encode, request)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -207,11 +170,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 f"{exc}; retry in {exc.retry_after_s:.1f}s",
                 trailing_metadata=((RETRY_AFTER_KEY, retry_after_ms(exc.retry_after_s)),),
             )
+        except ExceedsKVCapacity as exc:
+            rejected.labels("kv_capacity").inc()
+            await _abort(context, status, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except DeadlineExpired as exc:
             rejected.labels("deadline").inc()
             await _abort(context, status, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RouteError as exc:
-            await _abort(context, status, exc.code, str(exc))
+            retry = exc.retry_after_s
+            await _abort(
+                context, status, exc.code, str(exc),
+                trailing_metadata=(() if retry is None
+                                   else ((RETRY_AFTER_KEY, retry_after_ms(retry)),)),
+            )
         finally:
             self._inflight.discard(request_id)
 
@@ -228,14 +199,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         self._check_model(request.model)
         params = sampling_from_proto(request.sampling)
-        ids = await self.tokenizer.encode(request)
-        tokenize_ms = (time.monotonic() - received) * 1000
         max_model_len = self.pool.max_model_len()
+        ids = await self.tokenizer.encode(request, max_model_len)  # refuses provably too long
+        tokenize_ms = (time.monotonic() - received) * 1000
         if max_model_len is None:
             raise RouteError(grpc.StatusCode.UNAVAILABLE, "no live instance serves the model")
         max_tokens = validate_prompt(
             ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=max_model_len
         )
+        kv_capacity = self.pool.kv_capacity_tokens()
+        if kv_capacity is not None and self.pool.block_size:
+            check_kv_capacity(len(ids), max_tokens, params.n,
+                              block_size=self.pool.block_size, capacity_tokens=kv_capacity)
         remaining = context.time_remaining()
         timeout_s = self.config.request_timeout_s if remaining is None else remaining
         prepared = PreparedRequest(
@@ -316,7 +291,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def GetStatus(
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouterStatus:
+        servable = self.pool.servability(self.config.local_prefill_threshold)
         return router_pb2.RouterStatus(
+            serving=servable.serving,
+            serving_detail=servable.detail,
             routing_policy=self.config.routing_policy,
             prefix_index_available=self.pool.index_available,
             prefix_index_detail=self.pool.index_detail,
@@ -359,26 +337,47 @@ async def _abort(
     await context.abort(code, details, trailing_metadata=trailing_metadata)
 
 
-async def _report_index_health(server: GrpcServer, pool: InstancePool) -> None:
-    """Mirror the prefix index's reachability into the health service after every poll."""
-    last: bool | None = None
-    while True:
-        available = pool.index_available
-        if available != last:
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if available
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            await server.health.set(INDEX_HEALTH_NAME, status)
-            if last is not None:
-                logger.warning(
-                    "prefix index %s: %s",
-                    "available" if available else "UNAVAILABLE, routing on load only",
-                    pool.index_detail,
-                )
-            last = available
-        await pool.wait_polled()
+class HealthReporter:
+    """Mirrors the pool's state into the health service: whether a request can be routed
+    (SERVICE_NAME) and whether the prefix index is reachable (INDEX_HEALTH_NAME). "" is left
+    SERVING: it is the process's liveness, not its readiness."""
+
+    def __init__(
+        self, server: GrpcServer, pool: InstancePool, local_prefill_threshold: int
+    ) -> None:
+        self._server = server
+        self._pool = pool
+        self._threshold = local_prefill_threshold
+        self._last: dict[str, bool] = {}
+
+    async def update(self) -> None:
+        servable = self._pool.servability(self._threshold)
+        await self._set(SERVICE_NAME, servable.serving, "router", servable.detail)
+        await self._set(INDEX_HEALTH_NAME, self._pool.index_available, "prefix index",
+                        self._pool.index_detail or "routing on load only")
+
+    async def run(self) -> None:
+        """Update after every completed poll round, until cancelled."""
+        while True:
+            await self._pool.wait_polled()
+            await self.update()
+
+    async def _set(self, name: str, ok: bool, what: str, detail: str) -> None:
+        previous = self._last.get(name)
+        if previous == ok:
+            return
+        self._last[name] = ok
+        await self._server.health.set(
+            name,
+            health_pb2.HealthCheckResponse.SERVING if ok
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        if previous is None:
+            logger.info("%s %s %s", what, "SERVING" if ok else "NOT_SERVING:", detail)
+        elif not ok:
+            logger.warning("%s NOT_SERVING: %s", what, detail)
+        else:
+            logger.info("%s SERVING again", what)
 
 
 async def _first_contact(pool: InstancePool, timeout_s: float) -> None:
@@ -399,7 +398,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     install_shutdown_signals(stop)
     metrics: RouterMetrics = router_metrics()
-    tokenizer = await asyncio.to_thread(PromptTokenizer, config.tokenizer or config.model)
+    tokenizer = await asyncio.to_thread(
+        PromptTokenizer, config.tokenizer or config.model, config.tokenizer_pool_size
+    )
     conn = RedisConnection.from_url(config.redis_url) if config.redis_url else None
     keys = KeySpace(model=config.model)
     static = [("prefill", a) for a in config.prefill] + [("decode", a) for a in config.decode]
@@ -451,7 +452,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     process_registry().register(collector)
     pool.start()
     address = await server.start()
-    health_task = asyncio.create_task(_report_index_health(server, pool))
+    health = HealthReporter(server, pool, config.local_prefill_threshold)
+    await health.update()  # start() said SERVING for every name; correct that at once
+    health_task = asyncio.create_task(health.run())
     logger.info("router serving address=%s policy=%s", address, config.routing_policy)
     print(f"ready {address} metrics={endpoint.url if endpoint else ''}", flush=True)
     try:

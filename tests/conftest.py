@@ -31,3 +31,31 @@ def hf_tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After the whole suite (fault tests included): no service process or redis-server of
+    ours still running, and no KV shared-memory segment of a dead process left in /dev/shm."""
+    import psutil
+
+    from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
+    from pdmesh.kvstore.transfer.backends.shm import PREFIX
+
+    before = {n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(PREFIX)}
+    yield
+    me = psutil.Process()
+    orphans = []
+    for child in me.children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "pdmesh" in cmdline or "redis-server" in cmdline:
+            orphans.append(f"{child.pid}: {cmdline[:120]}")
+    leftover = sorted(
+        n for n in os.listdir(DEFAULT_SHM_DIR)
+        if n.startswith(PREFIX) and n not in before and not psutil.pid_exists(int(n.split("-")[3]))
+    )
+    assert not orphans, f"service processes left running after the suite: {orphans}"
+    assert not leftover, f"KV shm segments of dead processes left behind: {leftover}"

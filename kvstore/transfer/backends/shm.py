@@ -21,12 +21,17 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import torch
 
-from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer, run_blocking
+from pdmesh.kvstore.transfer.backends.base import (
+    DEFAULT_SHM_DIR,
+    DataPlaneClient,
+    DataPlaneServer,
+    run_blocking,
+)
 from pdmesh.kvstore.transfer.backends.hostid import pid_namespace
 from pdmesh.kvstore.transfer.checksum import tensor_bytes
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -237,13 +242,24 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def sweep_stale(directory: str) -> int:
-    """Remove segments whose creating process (in our pid namespace) no longer exists."""
+def sweep_stale(directory: str = DEFAULT_SHM_DIR, pids: Collection[int] | None = None) -> int:
+    """Remove segments whose creating process (in our pid namespace) no longer exists.
+
+    `pids` restricts the sweep to segments of those processes: a supervisor such as
+    `pdmesh serve` cleans up after its own children, even ones that were SIGKILLed.
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
     removed = 0
     ns = pid_namespace()
-    for name in os.listdir(directory):
+    for name in names:
         match = _NAME.fullmatch(name)
-        if not match or match.group(1) != ns or _alive(int(match.group(2))):
+        if not match or match.group(1) != ns:
+            continue
+        pid = int(match.group(2))
+        if (pids is not None and pid not in pids) or _alive(pid):
             continue
         _unlink(os.path.join(directory, name))
         removed += 1

@@ -143,17 +143,21 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_engine_pb2.Role, str]] = ..., healthy: _Optional[bool] = ..., detail: _Optional[str] = ..., load: _Optional[_Union[_engine_pb2.EngineLoad, _Mapping]] = ..., num_inflight: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("routing_policy", "prefix_index_available", "prefix_index_detail", "instances", "num_running", "num_queued")
+    __slots__ = ("routing_policy", "prefix_index_available", "prefix_index_detail", "instances", "num_running", "num_queued", "serving", "serving_detail")
     ROUTING_POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_INDEX_DETAIL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    SERVING_DETAIL_FIELD_NUMBER: _ClassVar[int]
     routing_policy: str
     prefix_index_available: bool
     prefix_index_detail: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     num_running: int
     num_queued: int
-    def __init__(self, routing_policy: _Optional[str] = ..., prefix_index_available: _Optional[bool] = ..., prefix_index_detail: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ...) -> None: ...
+    serving: bool
+    serving_detail: str
+    def __init__(self, routing_policy: _Optional[str] = ..., prefix_index_available: _Optional[bool] = ..., prefix_index_detail: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., num_running: _Optional[int] = ..., num_queued: _Optional[int] = ..., serving: _Optional[bool] = ..., serving_detail: _Optional[str] = ...) -> None: ...

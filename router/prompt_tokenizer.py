@@ -1,0 +1,135 @@
+"""The router's prompt tokenizer: a small thread pool, a lane kept for short prompts, and a
+refusal of provably too-long prompts before any tokenizing.
+
+HF fast tokenizers encode in Rust with the GIL released, so the event loop and the other
+workers keep going while one long prompt is tokenized. Each worker has its own tokenizer copy
+(a Rust tokenizer object takes a mutable borrow for its truncation/padding settings, so sharing
+one across threads can fail with "Already borrowed").
+
+Prompts over LARGE_PROMPT_BYTES may occupy at most `pool_size - 1` workers: with two or more
+workers one is always free for short prompts, so a burst of big prompts delays big prompts and
+never a chat turn. A prompt whose byte length alone proves it cannot fit in `max_model_len`
+is refused first (`PromptBound`); that also caps what one prompt can cost the pool at about
+`bytes_per_token * max_model_len` bytes of tokenizing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdmesh.engine.llm import apply_chat_template
+from pdmesh.engine.model_store import resolve_model
+from pdmesh.router.admission import InvalidRequest
+from pdmesh.router.prompt_bound import NoBound, PromptBound
+
+logger = logging.getLogger(__name__)
+
+LARGE_PROMPT_BYTES = 32 * 1024
+"""Above this a prompt takes a large-prompt lane (tens of milliseconds of tokenizing and up)."""
+
+
+class PromptTokenizer:
+    """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
+
+    def __init__(self, model: str, pool_size: int = 2) -> None:
+        from transformers import AutoTokenizer
+
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        model_dir = resolve_model(model)
+        copies = [AutoTokenizer.from_pretrained(model_dir) for _ in range(pool_size)]
+        config = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(config.get("vocab_size") or len(copies[0]))
+        self.pool_size = pool_size
+        self.bound = _bound_of(copies[0])
+        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for copy in copies:
+            self._idle.put(copy)
+        self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="tokenizer")
+        self._large_lanes = asyncio.Semaphore(max(1, pool_size - 1))
+
+    async def encode(self, request: Any, max_model_len: int | None = None) -> list[int]:
+        """The prompt's token ids. With `max_model_len`, a text or chat prompt that provably
+        leaves no room to generate raises InvalidRequest without being tokenized."""
+        kind = request.WhichOneof("prompt" if hasattr(request, "token_ids") else "input")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "text":
+            text = request.text
+            if max_model_len is not None and self.bound is not None:
+                self.bound.check(text, max_model_len)
+            return await self._run(len(text), self._encode_text, text)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequest("chat.messages", "a chat needs at least one message")
+            add = (
+                request.chat.add_generation_prompt
+                if request.chat.HasField("add_generation_prompt")
+                else True
+            )
+            size = sum(len(m["content"]) for m in messages)
+            return await self._run(size, self._encode_chat, messages, add, max_model_len)
+        raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
+
+    async def _run(self, size: int, work: Any, *args: Any) -> list[int]:
+        loop = asyncio.get_running_loop()
+        if size <= LARGE_PROMPT_BYTES:
+            return await loop.run_in_executor(self._executor, self._with_tokenizer, work, *args)
+        async with self._large_lanes:
+            return await loop.run_in_executor(self._executor, self._with_tokenizer, work, *args)
+
+    def _with_tokenizer(self, work: Any, *args: Any) -> list[int]:
+        tokenizer = self._idle.get_nowait()  # never empty: one copy per worker thread
+        try:
+            return work(tokenizer, *args)
+        finally:
+            self._idle.put(tokenizer)
+
+    @staticmethod
+    def _encode_text(tokenizer: Any, text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _encode_chat(
+        self, tokenizer: Any, messages: list[dict[str, str]], add: bool,
+        max_model_len: int | None,
+    ) -> list[int]:
+        if max_model_len is not None and self.bound is not None:
+            # The bound applies to the rendered text (a template may leave content out).
+            # Rendering is cheap next to tokenizing; a template error is reported below.
+            try:
+                rendered = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add, tokenize=False
+                )
+            except Exception:  # apply_chat_template below names the problem
+                rendered = None
+            if isinstance(rendered, str):
+                self.bound.check(rendered, max_model_len, field="messages")
+        try:
+            return apply_chat_template(tokenizer, messages, add)
+        except ValueError as exc:
+            raise InvalidRequest("messages", str(exc)) from None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _bound_of(tokenizer: Any) -> PromptBound | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        logger.warning("prompt length fast-reject off: %s is not a fast tokenizer",
+                       type(tokenizer).__name__)
+        return None
+    try:
+        bound = PromptBound.of(backend)
+    except NoBound as exc:
+        logger.warning("prompt length fast-reject off: %s", exc)
+        return None
+    logger.info("prompt length fast-reject on: at most %d bytes per token",
+                bound.bytes_per_token)
+    return bound
