@@ -194,6 +194,28 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+# -- refusals another instance can take ----------------------------------------------------------
+REFUSED_KEY = "pdmesh-refused"
+"""Trailing metadata an engine servicer sets when it refuses a call *before doing any work for
+it* (draining, KV pull failed on the sender's side, ...): the router may send the request to
+another instance. Its value is the reason, a metric label. Without it the router only retries
+gRPC's own transport failures; an instance's other errors are answers, not retryable."""
+
+
+async def refuse(context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
+    """Abort with UNAVAILABLE marked as refused-before-work (raises, like `context.abort`)."""
+    context.set_trailing_metadata(((REFUSED_KEY, reason),))
+    await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def refused_reason(error: grpc.aio.AioRpcError) -> str | None:
+    """The reason of a call refused with `refuse()`, or None."""
+    for key, value in error.trailing_metadata() or ():
+        if key == REFUSED_KEY:
+            return str(value)
+    return None
+
+
 def install_shutdown_signals(stop: asyncio.Event) -> None:
     """SIGINT/SIGTERM set `stop` (once); the service's main coroutine drains on it."""
     loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ import grpc
 from opentelemetry import trace
 
 from pdmesh.engine.block_hash import hash_token_blocks
+from pdmesh.grpc_common import refused_reason
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable
 from pdmesh.metrics import RouterMetrics, router_metrics
@@ -103,10 +104,14 @@ class RouteError(Exception):
 
 def unreached_reason(exc: grpc.aio.AioRpcError) -> str | None:
     """Why a call failed without reaching a working instance ("unreachable",
-    "connection_lost", "shutting_down"), or None when the instance itself answered with an
-    error. Only these failures are safe to send to another instance."""
+    "connection_lost", "shutting_down", or the reason of an instance's `refuse()`), or None
+    when the instance itself answered with an error. Only these failures are safe to send to
+    another instance."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
+    refused = refused_reason(exc)
+    if refused is not None:
+        return refused
     details = (exc.details() or "").lower()
     return next((reason for marker, reason in _UNREACHED_DETAILS if marker in details), None)
 
