@@ -73,17 +73,12 @@ def main():
             ("gemm", m.down_proj),
         ):
             mod.forward = timed(name, mod.forward)
-        layer.input_layernorm.forward = timed("norm", layer.input_layernorm.forward)
-        layer.post_attention_layernorm.forward = timed(
-            "norm", layer.post_attention_layernorm.forward
-        )
+    ops = model.ops
+    for name, label in (("rms_norm", "norm"), ("add_rms_norm", "norm"), ("rope_", "rope"),
+                        ("silu_and_mul", "act")):
+        setattr(ops, name, timed(label, getattr(ops, name)))
     if model.rope is not None:
-        model.rope.forward = timed("rope", model.rope.forward)
-        if hasattr(model.rope, "lookup"):
-            from pdmesh.engine.models.llama import RotaryEmbedding
-
-            model.rope.lookup = timed("rope", model.rope.lookup)
-            RotaryEmbedding.rotate = staticmethod(timed("rope", RotaryEmbedding.rotate))
+        model.rope.lookup = timed("rope", model.rope.lookup)
     backend = eng.runner.backend
     backend.forward = timed("attention", backend.forward)
     model.lm_head.forward = timed("lm_head", model.lm_head.forward)

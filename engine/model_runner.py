@@ -17,6 +17,7 @@ from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from pdmesh.kernels.layer_ops import select_layer_ops
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ModelRunner:
     ) -> None:
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
+        model.ops = select_layer_ops(device)
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv_manager

@@ -3,7 +3,8 @@
 Our own forward, not transformers': tokens of many sequences are flattened into one `[T]`
 batch (no padding), projections run as single GEMMs over all tokens, and attention goes
 through a pluggable paged-attention backend. Q/K/V and gate/up are fused at load time so a
-layer costs four GEMMs.
+layer costs four GEMMs; everything between them goes through the fused layer ops
+(kernels/layer_ops.py: add+RMSNorm, in-place RoPE, SiLU-and-mul), Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -88,44 +90,24 @@ def rope_inv_freq(hf: object, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_positions`, indexed per token.
+    """cos/sin tables `[max_positions, D/2]` (NeoX / rotate-half layout), indexed per token.
 
-    A step looks its positions up once (`lookup`) and every layer reuses the result
-    (`rotate`): the lookup used to run once per layer, ~2 % of a decode step.
+    A step looks its positions up once (`lookup`) and every layer reuses the result: the
+    lookup used to run once per layer, ~2 % of a decode step.
     """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
         super().__init__()
-        pos = torch.arange(max_positions, dtype=torch.float)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, D]` of the step's positions."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
-
-    @staticmethod
-    def rotate(
-        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q, k, self.lookup(positions, q.dtype))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """cos and sin `[T, D/2]` of the step's positions, in the model's dtype."""
+        return (self.cos.index_select(0, positions).to(dtype),
+                self.sin.index_select(0, positions).to(dtype))
 
 
 class PackedLinear(nn.Module):
@@ -173,16 +155,12 @@ def pack_linears(model: LlamaForCausalLM) -> None:
 
 
 class RMSNorm(nn.Module):
+    """The weight and epsilon of one norm; the model applies it through its `LayerOps`."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
 
 
 class Attention(nn.Module):
@@ -208,13 +186,14 @@ class Attention(nn.Module):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        ops: LayerOps,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.rotate(q, k, cos_sin)
+        ops.rope_(q, k, *cos_sin)  # in place, inside the QKV output
         out = backend.forward(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -222,13 +201,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -250,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = rope
+        self.ops: LayerOps = TorchLayerOps()  # the model runner picks the device's best
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -264,13 +242,23 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         assert self.rope is not None, "the loader sets the model's RoPE tables"
-        h = self.embed_tokens(input_ids)
-        cos_sin = self.rope.lookup(positions, h.dtype)
+        residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
+        cos_sin = self.rope.lookup(positions, residual.dtype)
+        out: torch.Tensor | None = None  # the last block's output, not yet added
         for i, layer in enumerate(self.layers):
-            attn_in = layer.input_layernorm(h)
-            h.add_(layer.self_attn(attn_in, cos_sin, kv_cache[i], meta, backend))
-            h.add_(layer.mlp(layer.post_attention_layernorm(h)))
-        return self.norm(h)
+            x = self._add_norm(out, residual, layer.input_layernorm)
+            out = layer.self_attn(x, cos_sin, kv_cache[i], meta, backend, self.ops)
+            x = self._add_norm(out, residual, layer.post_attention_layernorm)
+            out = layer.mlp(x, self.ops)
+        return self._add_norm(out, residual, self.norm)
+
+    def _add_norm(
+        self, out: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm
+    ) -> torch.Tensor:
+        """Add the previous block's output to the residual stream, then normalise it."""
+        if out is None:
+            return self.ops.rms_norm(residual, norm.weight, norm.eps)
+        return self.ops.add_rms_norm(out, residual, norm.weight, norm.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,7 @@
 """The Triton paged-attention kernels against the torch reference, on CPU.
 
-The kernels run in Triton's interpreter, which needs TRITON_INTERPRET=1 before triton itself
-is imported (its own library functions are decorated then). So the cases run in one child
-process started with that flag (this file, run as a script), which reports each case's
-outcome as JSON; each pytest test asserts one case. Nothing leaks into this process.
+The kernels run in Triton's interpreter, in one child process (tests/triton_interpreter.py):
+this file, run as a script, reports each case's outcome; each pytest test asserts one case.
 
 The interpreter is slow, so shapes are small but cover what the kernels branch on: head size
 64/128, GQA ratio 1/3/8, block size 16/32, lengths that are not multiples of the block size,
@@ -15,8 +13,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -26,6 +22,7 @@ import torch
 
 from pdmesh.kernels import torch_ref
 from pdmesh.kernels.backend import AttentionMetadata, TorchAttentionBackend
+from tests.triton_interpreter import outcomes_of, run_cases
 
 MODULE = "pdmesh.kernels.triton_attention"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -267,35 +264,16 @@ def _backend_mixed_step(tk: ModuleType) -> None:
 # -- the two halves: the child process runs the cases, pytest asserts their outcomes ---------
 
 
-def run_cases() -> dict[str, str | None]:
-    """In the interpreter process: every case's failure message, or None when it passed."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+def run_all() -> dict[str, str | None]:
     tk = importlib.import_module(MODULE)
     assert tk.interpreting()
-    outcome: dict[str, str | None] = {}
-    for name, fn in CASES.items():
-        try:
-            fn(tk)
-            outcome[name] = None
-        except Exception as exc:  # reported to the parent, which fails that test
-            outcome[name] = f"{type(exc).__name__}: {exc}"
-    return outcome
+    return run_cases(CASES, tk)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str | None]:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return outcomes_of(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -326,4 +304,4 @@ def test_compiled_kernels_on_cuda():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_cases()))
+    print(json.dumps(run_all()))

@@ -1,0 +1,139 @@
+"""The elementwise ops of one decoder layer, fused: RMSNorm (alone and with the residual add),
+RoPE applied in place to q and k, and SiLU-and-mul.
+
+On a GPU each of these is one kernel instead of the 3-6 that eager torch issues (RMSNorm alone
+was five: cast, pow, mean, rsqrt, mul), which matters because a decode step is host-bound by
+its launch count. On CPU the gain is small (matmuls dominate), so the CPU path only picks the
+fastest plain torch form of each op, measured in bench/layer_ops.py.
+
+Three implementations of one small interface:
+
+| name     | where | what |
+|----------|-------|------|
+| `torch`  | any   | the reference: the textbook formulas, as transformers computes them |
+| `cpu`    | CPU   | `F.rms_norm` (one fused ATen kernel) and in-place RoPE on half-views |
+| `triton` | CUDA (CPU with TRITON_INTERPRET=1, for tests) | our kernels, triton_layer_ops.py |
+
+`add_rms_norm(x, residual, ...)` is the residual stream's step: `residual += x`, then the
+normalised residual is returned. Written that way, a layer reads `h` once per norm and the
+float32 result is bit-identical to "add, then norm" (the reference order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+LAYER_OPS_NAMES = ("torch", "cpu", "triton")
+
+
+class LayerOps(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of `x` `[T, H]`, computed in float32."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """`residual += x` (in place), then return RMSNorm(residual)."""
+        ...
+
+    def rope_(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` in place (NeoX / rotate-half layout);
+        cos and sin are `[T, D/2]`, one row per token. q and k may be strided views."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of `gate_up` = `[T, 2I]` (gate first), as `[T, I]`."""
+        ...
+
+
+class TorchLayerOps:
+    """The reference formulas (what transformers' Llama computes)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def rope_(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        for t in (q, k):
+            half = t.shape[-1] // 2
+            a, b = t[..., :half], t[..., half:]
+            c, s = cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype)
+            rotated = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+            t.copy_(rotated)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuLayerOps(TorchLayerOps):
+    """The fastest plain-torch form of each op on CPU (bench/layer_ops.py)."""
+
+    name = "cpu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:  # F.rms_norm would normalise in the input's precision
+            return super().rms_norm(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def rope_(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        for t in (q, k):
+            half = t.shape[-1] // 2
+            a, b = t[..., :half], t[..., half:]
+            c, s = cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype)
+            new_a = a * c - b * s
+            b.mul_(c).addcmul_(a, s)
+            a.copy_(new_a)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def select_layer_ops(device: torch.device | str, requested: str | None = None) -> LayerOps:
+    """`requested` by name, or the best for `device`: triton on CUDA, cpu on CPU, else torch."""
+    device = torch.device(device)
+    if requested is None:
+        if device.type == "cuda" and _triton_usable(device):
+            requested = "triton"
+        else:
+            requested = "cpu" if device.type == "cpu" else "torch"
+    if requested not in LAYER_OPS_NAMES:
+        raise ValueError(f"layer ops must be one of {', '.join(LAYER_OPS_NAMES)}, "
+                         f"got {requested!r}")
+    if requested == "triton":
+        if not _triton_usable(device):
+            raise ValueError("triton layer ops need triton and a CUDA device")
+        from pdmesh.kernels.triton_layer_ops import TritonLayerOps
+
+        return TritonLayerOps()
+    return CpuLayerOps() if requested == "cpu" else TorchLayerOps()
