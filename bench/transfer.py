@@ -6,7 +6,11 @@ checksum verification and ack included), on the SmolLM2-135M KV layout: 30 layer
 3 KV heads, head_dim 64, block size 16, float32 (720 KiB per block). The local limit is
 `dst.copy_(src)` and `src.clone()` of the same bytes in this process.
 
-    .venv/bin/python bench/transfer.py [--blocks 8,64,512] [--budget-s 3]
+The tcp backend is measured with and without mutual TLS (`--tls both`, rows `tcp` and
+`tcp+tls`; certificates made for the run), so the cost of encrypting the KV data plane is
+known.
+
+    .venv/bin/python bench/transfer.py [--blocks 8,64,512] [--budget-s 3] [--tls off|on|both]
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
+from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.transfer import (
     KVHandle,
     KVReceiver,
@@ -41,11 +48,14 @@ def kv_shape(blocks: int) -> tuple[int, ...]:
     return (LAYERS, 2, blocks, BLOCK, HEADS, HEAD_DIM)
 
 
-def sender_main(conn: Connection, backends: tuple[str, ...], shm_dir: str) -> None:
+def sender_main(
+    conn: Connection, backends: tuple[str, ...], shm_dir: str, tls: TLSConfig | None
+) -> None:
     """Child process: publish KV on request, answer with the handle."""
 
     async def run() -> None:
-        sender = KVSender(KVSenderConfig(backends=backends, shm_dir=shm_dir), lambda r, w: None)
+        sender = KVSender(KVSenderConfig(backends=backends, shm_dir=shm_dir), lambda r, w: None,
+                          tls=tls)
         await sender.start()
         loop = asyncio.get_running_loop()
         requests: asyncio.Queue[tuple | None] = asyncio.Queue()
@@ -95,12 +105,13 @@ def bench_local(blocks: int, reps: int, budget_s: float) -> dict[str, float]:
 
 
 def bench_backend(
-    conn: Connection, backend: str, blocks: int, reps: int, budget_s: float, shm_dir: str
+    conn: Connection, backend: str, blocks: int, reps: int, budget_s: float, shm_dir: str,
+    tls: TLSConfig | None = None,
 ) -> float:
     counter = iter(range(1_000_000))
 
     async def run() -> float:
-        async with KVReceiver(KVReceiverConfig(shm_dir=shm_dir)) as receiver:
+        async with KVReceiver(KVReceiverConfig(shm_dir=shm_dir), tls=tls) as receiver:
             out = torch.empty(kv_shape(blocks))
             times: list[float] = []
             stop = time.monotonic() + budget_s
@@ -118,6 +129,33 @@ def bench_backend(
     return asyncio.run(run())
 
 
+@contextmanager
+def sender_process(
+    backends: tuple[str, ...], shm_dir: str, tls: TLSConfig | None
+) -> Iterator[Connection]:
+    """A sender child serving `backends`; yields the pipe that asks it to publish."""
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=sender_main, args=(child, backends, shm_dir, tls), daemon=True
+    )
+    proc.start()
+    try:
+        yield parent
+    finally:
+        parent.send(None)
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def bench_certificates(directory: str) -> TLSConfig:
+    """A CA and one service certificate (both ends use it), as the test suite makes them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+    from tests.certs import make_test_certs
+
+    return make_test_certs(Path(directory)).tls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="8,64,512")
@@ -125,35 +163,38 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=3.0, help="per table cell")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--tls", choices=("off", "on", "both"), default="both",
+                        help="tcp without TLS, with mutual TLS (row tcp+tls), or both")
     args = parser.parse_args()
     blocks_list = [int(b) for b in args.blocks.split(",")]
     backends = tuple(args.backends.split(","))
+    if args.tls == "on":
+        backends = tuple(b for b in backends if b != "tcp")
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     rows: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="pdmesh-bench-", dir="/dev/shm") as shm_dir:
-        parent, child = mp.get_context("spawn").Pipe()
-        proc = mp.get_context("spawn").Process(
-            target=sender_main, args=(child, backends, shm_dir), daemon=True
-        )
-        proc.start()
-        try:
-            for blocks in blocks_list:
-                nbytes = torch.empty(kv_shape(blocks)).nbytes
-                local = bench_local(blocks, args.reps, args.budget_s)
-                for name, seconds in local.items():
-                    rows.append({"path": f"local {name}", "blocks": blocks, "bytes": nbytes,
-                                 "seconds": seconds})
-                for backend in backends:
-                    seconds = bench_backend(parent, backend, blocks, args.reps, args.budget_s,
-                                            shm_dir)
-                    rows.append({"path": backend, "blocks": blocks, "bytes": nbytes,
-                                 "seconds": seconds, "vs_copy": local["copy_"] / seconds})
-        finally:
-            parent.send(None)
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    with tempfile.TemporaryDirectory(prefix="pdmesh-bench-", dir="/dev/shm") as shm_dir, \
+            tempfile.TemporaryDirectory(prefix="pdmesh-bench-certs-") as cert_dir:
+        # (row name, backend, TLS): every backend plain, then tcp under mutual TLS.
+        runs: list[tuple[str, str, TLSConfig | None]] = [(b, b, None) for b in backends]
+        if args.tls != "off" and "tcp" in available_backends():
+            runs.append(("tcp+tls", "tcp", bench_certificates(cert_dir)))
+        local = {blocks: bench_local(blocks, args.reps, args.budget_s) for blocks in blocks_list}
+        for blocks, timings in local.items():
+            for name, seconds in timings.items():
+                rows.append({"path": f"local {name}", "blocks": blocks,
+                             "bytes": torch.empty(kv_shape(blocks)).nbytes, "seconds": seconds})
+        for tls in {id(t): t for _, _, t in runs}.values():
+            served = tuple(b for _, b, t in runs if t is tls)
+            with sender_process(served, shm_dir, tls) as conn:
+                for row_name, backend, _ in (r for r in runs if r[2] is tls):
+                    for blocks in blocks_list:
+                        nbytes = torch.empty(kv_shape(blocks)).nbytes
+                        seconds = bench_backend(conn, backend, blocks, args.reps,
+                                                args.budget_s, shm_dir, tls)
+                        rows.append({"path": row_name, "blocks": blocks, "bytes": nbytes,
+                                     "seconds": seconds,
+                                     "vs_copy": local[blocks]["copy_"] / seconds})
 
     print(f"KV transfer, SmolLM2-135M layout ({LAYERS} layers x 2 x {BLOCK} tokens x {HEADS} "
           f"heads x {HEAD_DIM} dims, float32), torch {torch.__version__}, "

@@ -1,128 +1,17 @@
-"""Configuration of the engine services: one dataclass per role, validated at start-up.
-
-`EngineServiceConfig` holds what every engine process needs (model, KV budget, addresses,
-Redis, TLS, transfer backend); `PrefillConfig` (prefill_svc/config.py) and `DecodeConfig` add
-their role's knobs. Values come from defaults < PDMESH_<FIELD> env vars < CLI flags
-(`pdmesh.grpc_common.parse_config`); every error names the flag.
-"""
+"""Configuration of the decode service (shared fields: `EngineServiceConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdmesh.engine.config import EngineConfig
-from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from pdmesh.kvstore.transfer.handle import BACKEND_NAMES
+from pdmesh.engine_svc.config import EngineServiceConfig
 
-KV_BACKENDS = ("auto", *BACKEND_NAMES)
-LOG_LEVELS = ("debug", "info", "warning", "error")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
-
-
-@dataclass
-class EngineServiceConfig:
-    model: str = field(default="smollm2", metadata=_help("model alias, HF id or local path"))
-    served_model_name: str = field(default="", metadata=_help("name in the registry; "
-                                                              "empty = --model"))
-    host: str = field(default="127.0.0.1", metadata=_help("gRPC bind address"))
-    port: int = field(default=0, metadata=_help("gRPC port; 0 picks a free one"))
-    advertise_host: str = field(default="", metadata=_help("address others dial; "
-                                                           "empty = --host"))
-    redis_url: str = field(default="", metadata=_help("redis://host:port/db of the cluster "
-                                                      "index; empty = run without Redis"))
-    heartbeat_ttl_s: float = field(default=10.0, metadata=_help("registration TTL (seconds)"))
-    kv_backend: str = field(default="auto", metadata=_help("KV transfer data plane: "
-                                                           "auto|shm|tcp|ucxx|torch_dist"))
-    kv_port: int = field(default=0, metadata=_help("KV transfer control port (prefill side)"))
-    tls_cert: str | None = field(default=None, metadata=_help("PEM certificate; enables TLS"))
-    tls_key: str | None = field(default=None, metadata=_help("PEM private key"))
-    tls_ca: str | None = field(default=None, metadata=_help("PEM CA; enables mutual TLS"))
-    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES,
-                                   metadata=_help("gRPC message size limit"))
-    kv_cache_memory: str = field(default="1GiB", metadata=_help("KV cache budget, e.g. 2GiB "
-                                                                "or 0.2 (fraction)"))
-    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
-    max_num_seqs: int = field(default=256, metadata=_help("max sequences per batch"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget per step"))
-    max_model_len: int | None = field(default=None, metadata=_help("context limit (tokens)"))
-    device: str = field(default="auto", metadata=_help("auto|cpu|cuda[:N]"))
-    dtype: str = field(default="auto", metadata=_help("auto|float32|bfloat16|float16"))
-    attention_backend: str = field(
-        default="auto", metadata=_help("auto|flash-attn|triton|cpu|torch (auto picks by device)")
-    )
-    seed: int = field(default=0, metadata=_help("engine seed (unseeded requests)"))
-    hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
-    hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
-    log_level: str = field(default="warning", metadata=_help("debug|info|warning|error"))
-    # 0 by default: several engines often share a host (the URL is in the ready line and the
-    # log); deployments set a fixed port (PDMESH_METRICS_PORT) for their scrape config.
-    metrics_port: int = field(default=0, metadata=_help("Prometheus /metrics port; 0 picks "
-                                                        "a free one, -1 turns it off"))
-    metrics_host: str = field(default="", metadata=_help("/metrics bind address; "
-                                                         "empty = --host"))
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be in [-1, 65535], got {self.metrics_port}")
-        if not 0 <= self.kv_port <= 65535:
-            raise ValueError(f"--kv-port must be in [0, 65535], got {self.kv_port}")
-        if self.kv_backend not in KV_BACKENDS:
-            raise ValueError(f"--kv-backend must be one of {KV_BACKENDS}, got "
-                             f"{self.kv_backend!r}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must start with redis://, rediss:// or unix://, got "
-                             f"{self.redis_url!r}")
-        if self.heartbeat_ttl_s <= 0:
-            raise ValueError(f"--heartbeat-ttl-s must be > 0, got {self.heartbeat_ttl_s}")
-        if self.max_message_bytes < 1 << 16:
-            raise ValueError(f"--max-message-bytes must be >= 65536, got "
-                             f"{self.max_message_bytes}")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        self.tls.validate(server=True)
-        self.engine_config()  # EngineConfig validates the engine's own fields
-
-    @property
-    def tls(self) -> TLSConfig:
-        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca)
-
-    @property
-    def metrics_bind_host(self) -> str:
-        return self.metrics_host or self.host
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-    @property
-    def public_host(self) -> str:
-        return self.advertise_host or self.host
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            kv_cache_memory=self.kv_cache_memory,
-            dtype=self.dtype,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            seed=self.seed,
-            hash_algorithm=self.hash_algorithm,
-            hash_root_seed=self.hash_root_seed,
-        )
-
-    def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
-        """The data planes to offer/accept: the configured one, or `preferred` for auto."""
-        return preferred if self.kv_backend == "auto" else (self.kv_backend,)
 
 
 @dataclass
@@ -132,6 +21,9 @@ class DecodeConfig(EngineServiceConfig):
     kv_fetch_timeout_s: float = field(default=30.0, metadata=_help("deadline to pull one "
                                                                    "request's KV"))
     lease_s: float = field(default=30.0, metadata=_help("colocated: KV lease for decode pulls"))
+    kv_load_failure_policy: Literal["recompute", "fail"] = field(
+        default="recompute", metadata=_help("when a KV pull fails: recompute (prefill the "
+                                            "prompt here, keep the first tokens) or fail"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,3 +33,6 @@ class DecodeConfig(EngineServiceConfig):
             raise ValueError(f"--kv-fetch-timeout-s must be > 0, got {self.kv_fetch_timeout_s}")
         if self.lease_s <= 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"--kv-load-failure-policy must be one of "
+                             f"{KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}")

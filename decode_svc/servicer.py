@@ -1,9 +1,18 @@
 """The Decode gRPC service: continue a request after a remote prefill, or run it whole.
 
 With `remote_prefill` the KV is pulled straight from the prefill instance (`KVReceiver`,
-checksum-verified and acknowledged) before the request enters the engine; a failed pull is a
-clear UNAVAILABLE status and nothing is decoded. Without it the prompt is prefilled here
-(conditional disaggregation: the router decided the prompt is mostly cached on this instance).
+checksum-verified and acknowledged) before the request enters the engine. When the pull fails
+(prefill gone or stopped, lease expired, checksum mismatch, timeout) the fault is the prefill
+instance's: with `--kv-load-failure-policy recompute` (default) this instance prefills the
+prompt itself and continues after the prefill's first tokens, which the client already has
+(`AsyncEngine.resume`: same tokens, greedy or seeded), and says so in
+`DecodeResult.kv_load_fallback` so the router charges the prefill instance; with `fail` the
+call is refused (`refuse(..., "kv_load_failed")`) before anything is decoded. Without
+`remote_prefill` the prompt is prefilled here (conditional disaggregation: the router decided
+the prompt is mostly cached on this instance).
+With `resume` (decode migration: the request's stream broke on another decode instance) the
+prompt and each sequence's tokens so far are prefilled here and decoding continues exactly
+after them (`AsyncEngine.resume`).
 Deltas never repeat the prefill's first tokens; the last message is one DecodeResult.
 A cancelled call aborts the request, which frees its blocks. A request that can never fit this
 instance's KV pool is refused with RESOURCE_EXHAUSTED before its KV is pulled; one that fits
@@ -22,18 +31,21 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdmesh.decode_svc.convert import (
+from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.llm_engine import KVCacheFullError
+from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine_svc.codec import (
     DeltaBuilder,
     logprob_from_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
-from pdmesh.decode_svc.engine_service import EngineService
-from pdmesh.engine.async_engine import EngineError
-from pdmesh.engine.llm_engine import KVCacheFullError
-from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
-from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine_svc.service import EngineService
+from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
 from pdmesh.kvstore.transfer import KVHandle, KVHandleError, KVReceiver, KVTransferError
+from pdmesh.kvstore.transfer.capability import TransferCapability
+from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
@@ -62,17 +74,23 @@ class _Observed:
     outcome: str = "error"
     finish_reasons: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
+    kv_load_fallback: str = ""  # the KV pull failed for this reason; the prompt was recomputed
+    last_delta_at: float | None = None  # for the inter-token latency
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     def __init__(
         self, service: EngineService, receiver: KVReceiver, *, kv_fetch_timeout_s: float = 30.0,
-        metrics: EngineMetrics | None = None,
+        kv_load_failure_policy: str = "recompute", metrics: EngineMetrics | None = None,
     ) -> None:
+        if kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy: expected recompute or fail, got "
+                             f"{kv_load_failure_policy!r}")
         self.service = service
         self.engine = service.engine
         self.receiver = receiver
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.metrics = metrics or engine_metrics(service.role)
 
     async def Decode(
@@ -84,7 +102,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             "pdmesh.decode", context=extract_metadata(context), kind=SpanKind.SERVER,
             attributes={"pdmesh.request_id": request.request_id,
                         "pdmesh.instance_id": self.service.instance_id,
-                        "pdmesh.decode.remote_prefill": request.HasField("remote_prefill")},
+                        "pdmesh.decode.remote_prefill": request.HasField("remote_prefill"),
+                        "pdmesh.decode.resumed": bool(request.resume)},
         )
         seen = _Observed(span, prompt_tokens=len(request.prompt_token_ids))
         try:
@@ -136,6 +155,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         builder = DeltaBuilder(params)
         timing = common_pb2.Timing()
         remote = request.remote_prefill if request.HasField("remote_prefill") else None
+        if remote is not None and request.resume:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "resume: a resumed request has no remote_prefill")
         if remote is not None and not remote.HasField("kv"):
             # Every sequence finished on the prefill instance: only the summary is left.
             seen.outcome = "finished_on_prefill"
@@ -147,7 +169,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if remote is not None:
             outputs = await self._import(request, params, remote, builder, context, timing,
-                                         seen.span)
+                                         seen)
+        elif request.resume:
+            outputs = await self._resume(request, params, builder, context)
         else:
             outputs = self.engine.generate(
                 rid, {"prompt_token_ids": prompt}, params,
@@ -169,6 +193,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                             timing.ttft_ms = (time.monotonic() - received) * 1e3
                             seen.ttft_s = timing.ttft_ms / 1e3
                         seen.streamed_tokens += len(delta.token_ids)
+                        now = time.monotonic()
+                        if seen.last_delta_at is not None:
+                            self.metrics.inter_token(now - seen.last_delta_at)
+                        seen.last_delta_at = now
                         yield engine_pb2.DecodeResponse(delta=delta)
             finished = True
             if last is not None:
@@ -183,7 +211,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         finally:
             if not finished:
                 self.engine.abort_nowait(rid)  # cancelled or failed: free its blocks now
-        yield self._result(prompt, params, remote, last, received, timing)
+        yield self._result(prompt, params, remote, last, received, timing,
+                           kv_load_fallback=seen.kv_load_fallback)
 
     async def _import(
         self,
@@ -193,9 +222,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         builder: DeltaBuilder,
         context: grpc.aio.ServicerContext,
         timing: common_pb2.Timing,
-        span: Span,
+        seen: _Observed,
     ) -> AsyncIterator[RequestOutput]:
         rid, prompt = request.request_id, list(request.prompt_token_ids)
+        span = seen.span
         try:
             handle = KVHandle.from_proto(remote.kv)
         except KVHandleError as exc:
@@ -223,14 +253,18 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         started = time.monotonic()
         try:
             kv = await self.receiver.fetch(
-                handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span)
+                handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span),
+                capability=(TransferCapability.from_proto(remote.capability)
+                            if remote.HasField("capability") else None),  # the router's grant
             )
         except KVTransferError as exc:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"KV transfer from {handle.sender_address} failed "
-                f"({type(exc).__name__}): {exc}",
-            )
+            reason = kv_failure_reason(exc)
+            message = (f"KV transfer from {handle.sender_address} failed "
+                       f"({type(exc).__name__}): {exc}")
+            if self.kv_load_failure_policy == "fail":
+                await refuse(context, KV_LOAD_FAILED, message)
+            return self._recompute(request, params, first_ids, first_logprobs, reason,
+                                   message, seen)
         timing.kv_transfer_ms = (time.monotonic() - started) * 1e3
         self.service.counters.add_received(kv.numel() * kv.element_size())
         if span.is_recording():
@@ -244,6 +278,56 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             num_cached_tokens=remote.cached_prompt_tokens,
         )
 
+    def _recompute(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        first_ids: list[int],
+        first_logprobs: list[TokenLogprobs | None] | None,
+        reason: str,
+        message: str,
+        seen: _Observed,
+    ) -> AsyncIterator[RequestOutput]:
+        """The KV pull failed: prefill the prompt here and continue after the prefill's first
+        tokens (already with the client), as the request would have continued."""
+        rid = request.request_id
+        seen.kv_load_fallback = reason
+        self.metrics.kv_load_fallback(reason)
+        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
+                       rid, reason, message)
+        if seen.span.is_recording():
+            seen.span.add_event("pdmesh.kv_load_fallback",
+                                {"pdmesh.kv.failure_reason": reason, "message": message})
+        return self.engine.resume(
+            rid, list(request.prompt_token_ids), [[t] for t in first_ids], params,
+            output_logprobs=[[lp] for lp in first_logprobs] if first_logprobs else None,
+            priority=request.priority, cache_salt=request.cache_salt or None,
+        )
+
+    async def _resume(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        builder: DeltaBuilder,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[RequestOutput]:
+        """Decode migration (DecodeRequest.resume): continue the sequences another instance
+        was decoding. The engine prefills prompt + each sequence's tokens here and continues
+        after them; the builder starts from what the client already has, so nothing repeats."""
+        resumed = sorted(request.resume, key=lambda r: r.index)
+        if [r.index for r in resumed] != list(range(params.n)):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resume: expected one entry for each of {params.n} sequences",
+            )
+        for r in resumed:
+            builder.seed(r.index, len(r.token_ids), r.text, done=r.finished)
+        return self.engine.resume(
+            request.request_id, list(request.prompt_token_ids),
+            [list(r.token_ids) for r in resumed], params,
+            priority=request.priority, cache_salt=request.cache_salt or None,
+        )
+
     def _result(
         self,
         prompt: list[int],
@@ -252,17 +336,24 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         last: RequestOutput | None,
         received: float,
         timing: common_pb2.Timing,
+        *,
+        kv_load_fallback: str = "",
     ) -> engine_pb2.DecodeResponse:
-        result = engine_pb2.DecodeResult(instance_id=self.service.instance_id)
+        result = engine_pb2.DecodeResult(instance_id=self.service.instance_id,
+                                         kv_load_fallback=kv_load_fallback)
         result.usage.prompt_tokens = len(prompt)
         if last is not None:
             result.usage.completion_tokens = sum(len(c.token_ids) for c in last.outputs)
         elif remote is not None:
             result.usage.completion_tokens = sum(len(d.token_ids) for d in remote.first)
-        if remote is not None:
+        if remote is not None and not kv_load_fallback:
             result.usage.cached_prompt_tokens = remote.cached_prompt_tokens
+        elif remote is not None:  # recomputed here: this instance's own prefix-cache hit
+            if last is not None:
+                result.usage.cached_prompt_tokens = min(last.num_cached_tokens, len(prompt))
         elif last is not None:
-            result.usage.cached_prompt_tokens = last.num_cached_tokens
+            # min(): a resumed request's prefix hits may reach into its given output tokens.
+            result.usage.cached_prompt_tokens = min(last.num_cached_tokens, len(prompt))
             if params.prompt_logprobs is not None:
                 result.prompt_logprobs.extend(
                     prompt_logprobs_to_proto(last.prompt_logprobs, prompt, params.prompt_logprobs)

@@ -213,6 +213,31 @@ class AsyncEngine:
         async for out in self._stream(request_id, add):
             yield out
 
+    async def resume(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        output_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose first output tokens (per sample) were produced elsewhere,
+        recomputing its KV here (`LLMEngine.add_resumed_request`). Outputs carry the given
+        tokens too; `KVCacheFullError` and validation errors surface from the first iteration,
+        before any output."""
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_resumed_request(
+                request_id, prompt_token_ids, output_token_ids, params,
+                output_logprobs=output_logprobs, priority=priority, cache_salt=cache_salt,
+            )
+
+        async for out in self._stream(request_id, add):
+            yield out
+
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free all its blocks; False if unknown."""
         return await self.call(lambda e: self._abort_in_thread(e, request_id))

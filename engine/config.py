@@ -57,6 +57,13 @@ class EngineConfig:
     seed: int = 0
     hash_algorithm: str = "sha256"
     hash_root_seed: str = "pdmesh"
+    # CUDA only (vLLM's --gpu-memory-utilization): the fraction of the GPU's memory this
+    # engine may fill, weights and everything already in use included; the KV cache gets the
+    # rest. Replaces kv_cache_memory when set.
+    gpu_memory_utilization: float | None = None
+    # Offline `LLM` only: where default sampling comes from (auto | vllm | a directory), see
+    # engine/generation_config.py. Engines behind a router never read it: the router resolves.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -75,6 +82,26 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        from pdmesh.engine.generation_config import check_source
+
+        check_source(self.generation_config)
+
+    def kv_budget(self, free: int, total: int, cuda: bool) -> int:
+        """KV cache bytes, given the device's `free` and `total` memory once the weights are
+        loaded: gpu_memory_utilization x total minus what is in use (CUDA, when set), else
+        kv_cache_memory (bytes, or a fraction of `free`)."""
+        if cuda and self.gpu_memory_utilization is not None:
+            budget = int(self.gpu_memory_utilization * total) - (total - free)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization: {self.gpu_memory_utilization} of "
+                    f"{total / 2**30:.1f} GiB leaves nothing for the KV cache; "
+                    f"{(total - free) / 2**30:.1f} GiB are in use already")
+            return budget
+        return parse_memory(self.kv_cache_memory, free)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.generation_config import default_sampling_params, load_generation_defaults
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
@@ -20,7 +21,9 @@ class LLM:
     """Batch generation on one engine.
 
     Keyword arguments are `EngineConfig` fields (model, block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching, ...).
+    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching,
+    generation_config, ...). Calls that pass no SamplingParams sample with the model's
+    generation config (`get_default_sampling_params`), as vLLM's `LLM` does.
     """
 
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
@@ -28,12 +31,20 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(config)
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, self.engine.model_dir)
         self._ids = itertools.count()
         print(f"pdmesh: {self.engine.capacity_summary}", file=sys.stderr)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the model's generation config (vLLM's precedence: what a call
+        passes replaces these entirely; these replace the plain SamplingParams defaults)."""
+        return default_sampling_params(self.generation_defaults)
 
     def generate(
         self,
@@ -48,7 +59,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

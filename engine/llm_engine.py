@@ -18,10 +18,11 @@ import psutil
 import torch
 
 from pdmesh.engine.block_hash import HashScheme
-from pdmesh.engine.config import EngineConfig, parse_memory
+from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.detokenizer import IncrementalDetokenizer
 from pdmesh.engine.kv_cache_manager import KVCacheManager, request_kv_blocks
 from pdmesh.engine.kv_events import KVEvent
+from pdmesh.engine.memory import lazy_zeros
 from pdmesh.engine.model_loader import load_model
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.model_store import resolve_model
@@ -43,6 +44,7 @@ from pdmesh.engine.sampler import (
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler, SchedulerConfig
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.engine.stopping import check_stop
 from pdmesh.kernels.backend import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ class LLMEngine:
         )
         num_blocks = self._num_kv_blocks()
         mc = self.model_config
-        self.kv_cache = torch.zeros(
+        self.kv_cache = lazy_zeros(  # host pages committed as blocks are first used
             (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
             dtype=self.dtype,
             device=self.device,
@@ -156,10 +158,10 @@ class LLMEngine:
             mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
         )
         if self.device.type == "cuda":
-            available = torch.cuda.mem_get_info(self.device)[0]
+            available, total = torch.cuda.mem_get_info(self.device)
         else:
-            available = psutil.virtual_memory().available
-        budget = parse_memory(self.config.kv_cache_memory, available)
+            available = total = psutil.virtual_memory().available
+        budget = self.config.kv_budget(available, total, cuda=self.device.type == "cuda")
         if budget > available:
             raise ValueError(
                 f"kv_cache_memory: {budget / 2**30:.2f} GiB requested but only "
@@ -399,6 +401,91 @@ class LLMEngine:
         self._pending_outputs.add(request_id)
         return state
 
+    def add_resumed_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        output_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestState:
+        """Continue a request whose first output tokens were produced elsewhere, without its KV.
+
+        Used when a prefill's KV cannot be pulled (the decode instance recomputes) and when a
+        decode stream moves to another instance. `output_token_ids[i]` holds sample i's tokens
+        so far (one list per sample, possibly empty). Each sample restarts from prompt + its
+        tokens and prefills both here (prefix-cache hits make the shared prompt cheap). The
+        given tokens are *output*: max_tokens, min_tokens, penalties and stop checks count
+        them, and a seeded sample's generator skips one draw per given token, so the
+        continuation is exactly what an uninterrupted run samples. Prompt logprobs are not
+        recomputed (the caller already has them). Raises ValueError for bad input and
+        KVCacheFullError for a request that can never fit, before anything is allocated.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        ids = list(prompt_token_ids)
+        self.validate(ids, params)
+        self._validate_resumed(ids, output_token_ids, params, output_logprobs)
+        self.check_kv_capacity(len(ids), params)
+        state = RequestState(request_id, None, ids, params, [])
+        self.requests[request_id] = state
+        try:  # from here on, any failure frees whatever the request holds
+            for i, given in enumerate(output_token_ids):
+                seq = self._new_seq(request_id, i, list(ids), len(ids), params, priority,
+                                    cache_salt)
+                state.seqs.append(seq)
+                if seq.generator is not None and not params.is_greedy:
+                    for _ in given:
+                        skip_one_draw(seq.generator, self.model_config.vocab_size)
+                for j, token_id in enumerate(given):
+                    if seq.status.is_finished:
+                        raise ValueError(
+                            f"output_token_ids: sample {i} goes on after it stopped at "
+                            f"position {j - 1}")
+                    lp = output_logprobs[i][j] if output_logprobs else None
+                    self._append_token(seq, int(token_id), lp)
+                if not seq.status.is_finished:
+                    self.scheduler.add(seq)
+            if any(output_token_ids):
+                state.first_token_time = time.monotonic()
+        except BaseException:
+            self.abort_request(request_id)
+            raise
+        self._pending_outputs.add(request_id)
+        return state
+
+    def _validate_resumed(
+        self,
+        prompt_token_ids: list[int],
+        output_token_ids: list[list[int]],
+        params: SamplingParams,
+        output_logprobs: list[list[TokenLogprobs | None]] | None,
+    ) -> None:
+        if len(output_token_ids) != params.n:
+            raise ValueError(f"output_token_ids: expected one list per sample (n={params.n}), "
+                             f"got {len(output_token_ids)}")
+        vocab = self.model_config.vocab_size
+        for i, given in enumerate(output_token_ids):
+            bad = [t for t in given if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"output_token_ids: sample {i}: token id {bad[0]} is outside "
+                                 f"[0, {vocab})")
+            if params.max_tokens is not None and len(given) > params.max_tokens:
+                raise ValueError(f"output_token_ids: sample {i} has {len(given)} tokens, more "
+                                 f"than max_tokens={params.max_tokens}")
+            if len(prompt_token_ids) + len(given) > self.max_model_len:
+                raise ValueError(f"output_token_ids: sample {i} runs past "
+                                 f"max_model_len={self.max_model_len}")
+            if output_logprobs is not None and len(output_logprobs[i]) != len(given):
+                raise ValueError(f"output_logprobs: sample {i} has {len(output_logprobs[i])} "
+                                 f"entries for {len(given)} tokens")
+        if output_logprobs is not None and len(output_logprobs) != params.n:
+            raise ValueError(f"output_logprobs: expected {params.n} lists, "
+                             f"got {len(output_logprobs)}")
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
@@ -614,22 +701,18 @@ class LLMEngine:
     def _check_stop(
         self, seq: Sequence, token_id: int, stop_str: str | None
     ) -> SequenceStatus | None:
-        p = seq.params
-        n_out = seq.num_output_tokens
-        if n_out > p.min_tokens:  # the sampler bans stops until min_tokens are out
-            if p.stop_token_ids and token_id in p.stop_token_ids:
-                seq.stop_reason = token_id
-                return SequenceStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token_id in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if stop_str is not None:
-                seq.stop_reason = stop_str
-                return SequenceStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+        finish = check_stop(
+            token_id, num_output_tokens=seq.num_output_tokens, num_tokens=seq.num_tokens,
+            params=seq.params, eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len, stop_str=stop_str,
+        )
+        if finish is None:
+            return None
+        reason, stop_reason = finish
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        return (SequenceStatus.FINISHED_STOPPED if reason == "stop"
+                else SequenceStatus.FINISHED_LENGTH)
 
     def _on_preempt(self, seq: Sequence) -> None:
         state = self.requests.get(seq.request_id)

@@ -43,7 +43,10 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name] = fh.get_tensor(name)
+                # A copy, not a view of the file's mapping: one tensor still viewing it (the
+                # embeddings) kept the whole file mapped and resident next to the fused and
+                # packed copies the model really uses (513 MiB of RSS for SmolLM2-135M).
+                tensors[name] = fh.get_tensor(name).clone()
     return tensors
 
 
@@ -86,3 +89,4 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval()
     return model, cfg, hf
+

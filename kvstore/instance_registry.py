@@ -8,6 +8,13 @@ new id, and registering it evicts the old id and everything the index credited t
 Registration also guards the cache contract: an instance whose hash-scheme fingerprint differs
 from the live instances of the same model is refused with `SchemeMismatchError`, because it
 would otherwise serve 0 % prefix hits with a 200 OK.
+
+With a cluster token, a registration carries a signature: an HMAC, keyed with the token, over
+every field that says where and what the instance is (`sign_registration`). Anybody who can
+write to Redis could otherwise announce their own address and receive prompts; the router
+routes only to entries that `registration_problem` accepts. Load figures and heartbeat times
+are not signed (they change every heartbeat and only weigh routing among genuine instances).
+Without a token, entries are unsigned and trusted, as before.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, cast, get_args
 
+from pdmesh.auth import ClusterToken
 from pdmesh.engine.block_hash import HashScheme
 from pdmesh.kvstore import redis_schema
 from pdmesh.kvstore.redis_conn import RedisConnection
@@ -33,6 +41,7 @@ logger = logging.getLogger(__name__)
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = get_args(Role)
 DEFAULT_TTL_S = 10.0
+SIGNATURE_PURPOSE = "pdmesh/instance-registration/v1"
 
 
 def new_instance_id(role: str) -> str:
@@ -66,6 +75,7 @@ class InstanceInfo:
     kv_address: str | None = None  # where its KV blocks are transferred from, if elsewhere
     load: Mapping[str, float] = field(default_factory=dict)
     heartbeat_at: float | None = None
+    signature: str = field(default="", repr=False)  # see sign_registration
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -112,7 +122,14 @@ class InstanceInfo:
             "started_at": repr(self.started_at),
             "load": json.dumps(dict(self.load)),
             "heartbeat_at": repr(self.heartbeat_at if self.heartbeat_at is not None else 0.0),
+            "sig": self.signature,
         }
+
+    def signed_fields(self) -> tuple[str, ...]:
+        """What a signature covers: identity, address and compatibility, not load."""
+        return (self.instance_id, self.role, self.address, self.kv_address or "", self.model,
+                self.scheme_fingerprint, self.scheme_description, str(self.block_size),
+                repr(self.started_at))
 
     @classmethod
     def from_fields(cls, instance_id: str, fields: Mapping[str, str]) -> InstanceInfo:
@@ -134,9 +151,31 @@ class InstanceInfo:
                 kv_address=fields["kv_address"] or None,
                 load=validate_load(load),
                 heartbeat_at=heartbeat_at or None,
+                signature=fields.get("sig", ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed registration for {instance_id}: {exc!r}") from exc
+
+
+def sign_registration(info: InstanceInfo, token: ClusterToken | None) -> InstanceInfo:
+    """`info` with its signature (unchanged without a token)."""
+    if token is None:
+        return info
+    return replace(info, signature=token.sign(SIGNATURE_PURPOSE, *info.signed_fields()))
+
+
+def registration_problem(info: InstanceInfo, token: ClusterToken | None) -> str | None:
+    """None if the router may route to `info`; else "unsigned" or "forged" (a metric label).
+
+    Checked in constant time. Without a token every entry is accepted, as before.
+    """
+    if token is None:
+        return None
+    if not info.signature:
+        return "unsigned"
+    if not token.verify(info.signature, SIGNATURE_PURPOSE, *info.signed_fields()):
+        return "forged"
+    return None
 
 
 def describe_scheme_diff(ours: str, theirs: str) -> str:

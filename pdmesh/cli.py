@@ -1,6 +1,7 @@
 """The `pdmesh` command: one entry point, one sub-command per component.
 
-pdmesh serve            a whole local mesh (redis, router, prefill, decode, gateway)
+pdmesh serve [MODEL]    a whole local mesh (redis, router, prefill, decode, OpenAI API on
+                        --port), flags named as in `vllm serve`
 pdmesh router|prefill|decode ...   one service alone, for deployments
 pdmesh model path smollm2          where a model alias lives on disk (converted once)
 pdmesh generate "prompt"           offline generation with the local engine
@@ -12,12 +13,13 @@ import argparse
 import importlib
 import sys
 
-# Sub-commands implemented by component modules, each exposing `main(argv) -> int`.
+# Sub-commands implemented by component modules: `module` runs `module.main(argv) -> int`,
+# `module:function` runs that function.
 _COMPONENTS = {
     "serve": "pdmesh.router.local_mesh",
     "router": "pdmesh.router.server",
-    "prefill": "pdmesh.prefill_svc.server",
-    "decode": "pdmesh.decode_svc.server",
+    "prefill": "pdmesh.engines:prefill_main",
+    "decode": "pdmesh.engines:decode_main",
     "gateway": "pdmesh.gateway.server",
     "bench": "pdmesh.bench_cli",
     "ask": "pdmesh.client",
@@ -25,10 +27,11 @@ _COMPONENTS = {
 
 
 def _model_cmd(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdmesh model")
+    parser = argparse.ArgumentParser(prog="pdmesh model",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     path = sub.add_parser("path", help="print the HF-format directory of a model alias or path")
-    path.add_argument("model", nargs="?", default="smollm2")
+    path.add_argument("model", nargs="?", default="smollm2", help="alias or directory")
     args = parser.parse_args(argv)
     from pdmesh.engine.model_store import resolve_model
 
@@ -41,17 +44,25 @@ def _model_cmd(argv: list[str]) -> int:
 
 
 def _generate_cmd(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdmesh generate")
+    parser = argparse.ArgumentParser(prog="pdmesh generate",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("prompt", nargs="+")
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--model", default="smollm2", help="alias or directory")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="unset = the model's generation config")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: auto | vllm | a directory")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
     args = parser.parse_args(argv)
-    from pdmesh import LLM, SamplingParams
+    from pdmesh import LLM
+    from pdmesh.engine.generation_config import default_sampling_params
 
-    llm = LLM(args.model)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    llm = LLM(args.model, generation_config=args.generation_config)
+    overrides = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        overrides["temperature"] = args.temperature
+    params = default_sampling_params(llm.generation_defaults, **overrides)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
@@ -66,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = ["model", "generate", *_COMPONENTS]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        print(f"\ncommands: {', '.join(commands)}")
+        print(f"\ncommands: {', '.join(commands)}; pdmesh --version; pdmesh COMMAND --help")
+        return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from pdmesh import __version__
+
+        print(f"pdmesh {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "model":
@@ -74,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "generate":
         return _generate_cmd(rest)
     if cmd in _COMPONENTS:
-        return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
+        module, _, function = _COMPONENTS[cmd].partition(":")
+        return int(getattr(importlib.import_module(module), function or "main")(rest) or 0)
     print(f"pdmesh: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
     return 2
 

@@ -25,15 +25,20 @@ def run_service(
 ) -> int:
     """Run one asyncio service process to completion: logs, tracing, exit code.
 
-    Ctrl-C is a clean exit (0); a start-up error the service reports as OSError/ValueError
-    (a taken port, a bad OTEL_* setting) is one line on stderr and exit code 1.
+    Every pdmesh process (router, gateway, prefill, decode) starts here. The exit code is what
+    `serve()` returns when that is an int (an engine refused by the cluster), else 0. Ctrl-C is
+    a clean exit (0); a start-up error the service reports as OSError/ValueError (a taken
+    port, a bad OTEL_* setting) is one line on stderr and exit code 1.
     """
     from pdmesh.tracing import configure_tracing, shutdown_tracing
 
     configure_logging(log_level)
+    code = 0
     try:
         configure_tracing(f"pdmesh-{component}")
-        asyncio.run(serve())
+        result = asyncio.run(serve())
+        if isinstance(result, int):
+            code = result
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError) as exc:
@@ -41,4 +46,4 @@ def run_service(
         return 1
     finally:
         shutdown_tracing()
-    return 0
+    return code

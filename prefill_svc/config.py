@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdmesh.decode_svc.config import EngineServiceConfig
+from pdmesh.engine_svc.config import EngineServiceConfig
 
 
 @dataclass

@@ -21,13 +21,15 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from pdmesh.decode_svc.convert import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
-from pdmesh.decode_svc.engine_service import EngineService
 from pdmesh.engine.async_engine import EngineError
 from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.stopping import first_token_finish
+from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
+from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.transfer import KVSender, KVTransferError, ReleaseReason
+from pdmesh.kvstore.transfer.handle import log_id
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
@@ -47,27 +49,6 @@ logger = logging.getLogger(__name__)
 class _Published:
     transfer_id: str
     nbytes: int
-
-
-def first_token_finish(
-    token_id: int, num_prompt_tokens: int, params: SamplingParams, eos_token_ids: set[int],
-    max_model_len: int,
-) -> tuple[str, int | None] | None:
-    """(reason, stop token) if a sequence ends at its first token, else None.
-
-    Mirrors the engine's stop rules for one output token. Stop *strings* are left to the
-    decode instance, which finishes such a sequence at once with the right text.
-    """
-    if params.min_tokens == 0:  # as the engine: stops count only past min_tokens
-        if token_id in params.all_stop_token_ids:
-            return "stop", token_id
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return "stop", None
-    if params.max_tokens is not None and params.max_tokens <= 1:
-        return "length", None
-    if num_prompt_tokens + 1 >= max_model_len:
-        return "length", None
-    return None
 
 
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
@@ -148,7 +129,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             "pdmesh.kv.published": response.HasField("kv"),
         })
         if response.HasField("kv"):
-            span.set_attribute("pdmesh.kv.transfer_id", response.kv.transfer_id)
+            span.set_attribute("pdmesh.kv.transfer", log_id(response.kv.transfer_id))
         if queue_s is None or ttft_s is None:
             return
         # The engine's clock: queued from arrival (~ `received`) until first scheduled, then

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pdmesh.engine.kv_cache_manager import request_kv_blocks
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine_svc import codec
 from pdmesh.v1 import common_pb2
 
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -194,42 +195,16 @@ class Admission:
 
 
 def sampling_from_proto(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams from the wire message; InvalidRequest names the bad field.
+    """Engine SamplingParams from the wire message (the one codec's rules); InvalidRequest names
+    the bad field.
 
     `max_tokens` stays None when unset ("up to the context limit"); the caller resolves it
     once the prompt length is known.
     """
-    kwargs = dict(
-        n=proto.n or 1,
-        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-        top_k=proto.top_k,
-        min_p=proto.min_p,
-        repetition_penalty=(
-            proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0
-        ),
-        presence_penalty=proto.presence_penalty,
-        frequency_penalty=proto.frequency_penalty,
-        logit_bias=dict(proto.logit_bias) or None,
-        seed=proto.seed if proto.HasField("seed") else None,
-        stop=list(proto.stop) or None,
-        stop_token_ids=list(proto.stop_token_ids) or None,
-        include_stop_str_in_output=proto.include_stop_str_in_output,
-        ignore_eos=proto.ignore_eos,
-        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
-        min_tokens=proto.min_tokens,
-        logprobs=proto.logprobs if proto.HasField("logprobs") else None,
-        prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
-        skip_special_tokens=(
-            proto.skip_special_tokens if proto.HasField("skip_special_tokens") else True
-        ),
-    )
     try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split(" ", 1)[0].split("[", 1)[0]
-        raise InvalidRequest(f"sampling.{field}", message) from None
+        return codec.sampling_from_proto(proto)
+    except codec.SamplingError as exc:
+        raise InvalidRequest(exc.field, str(exc)) from None
 
 
 def validate_prompt(

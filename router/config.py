@@ -1,6 +1,6 @@
 """Router configuration: one dataclass; CLI flags and PDMESH_<FIELD> env vars map onto it.
 
-`parse_router_config(argv)` fills it (defaults < env < flags, see `grpc_common.parse_config`)
+`parse_router_config(argv)` fills it (defaults < env < flags, see `pdmesh.config.parse_config`)
 and `__post_init__` validates it, so a bad value stops the router at start-up with a message
 naming the flag.
 """
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig, parse_config, split_address
+from pdmesh.auth import ClusterToken, load_cluster_token
+from pdmesh.config import parse_config, split_address
+from pdmesh.engine.generation_config import check_source
+from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits
 from pdmesh.router.routing.base import POLICY_NAMES
 
@@ -26,10 +30,26 @@ class RouterConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
     port: int = field(default=0, metadata=_help("port to listen on; 0 picks a free one"))
     model: str = field(
-        default="smollm2", metadata=_help("served model name (also the registry namespace)")
+        default="smollm2",
+        metadata=_help("model alias or directory; also the served name unless "
+                       "--served-model-name is given"),
+    )
+    served_model_name: str = field(
+        default="", metadata=_help("the name clients ask for and the registry namespace (the "
+                                   "engines' --served-model-name); empty = --model")
     )
     tokenizer: str | None = field(
         default=None, metadata=_help("model dir/alias to load the tokenizer from; default: model")
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={**_help("sampling defaults for fields a request leaves unset: auto (the "
+                          "model's generation_config.json), vllm (none) or a directory"),
+                  "choices": ("auto", "vllm", "PATH")},
+    )
+    chat_template: str | None = field(
+        default=None, metadata=_help("a Jinja chat template (file path or the template "
+                                     "itself) replacing the tokenizer's")
     )
     tokenizer_pool_size: int = field(
         default=2,
@@ -66,6 +86,10 @@ class RouterConfig:
     failure_threshold: int = field(
         default=2, metadata=_help("failed polls before an instance leaves routing")
     )
+    drain_timeout_s: float = field(
+        default=30.0, metadata=_help("on SIGTERM: how long running streams may go on before "
+                                     "they are cut (seconds)")
+    )
     startup_wait_s: float = field(
         default=30.0, metadata=_help("wait this long for a decode instance before serving")
     )
@@ -75,11 +99,23 @@ class RouterConfig:
     request_timeout_s: float = field(
         default=600.0, metadata=_help("deadline of a request whose client set none")
     )
+    migration_limit: int = field(
+        default=3,
+        metadata=_help("times one request's broken decode stream may resume on another decode "
+                       "instance; 0 = never"),
+    )
     tls_cert: str | None = field(default=None, metadata=_help("PEM certificate (server+client)"))
     tls_key: str | None = field(default=None, metadata=_help("PEM private key"))
     tls_ca: str | None = field(
         default=None, metadata=_help("PEM CA: require client certs, verify instances")
     )
+    cluster_token_file: str | None = field(default=None, metadata=_help(
+        "file holding the cluster token (or env PDMESH_CLUSTER_TOKEN): sent on calls to "
+        "engines, required on registry entries, signs KV transfer capabilities"))
+    redis_password_file: str | None = field(default=None, metadata=_help(
+        "file holding the Redis ACL password (or env PDMESH_REDIS_PASSWORD)"))
+    redis_ca: str | None = field(default=None, metadata=_help(
+        "PEM CA verifying a rediss:// server"))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
     log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
     metrics_port: int = field(
@@ -113,6 +149,9 @@ class RouterConfig:
             )
         if self.startup_wait_s < 0:
             raise ValueError(f"--startup-wait-s must be >= 0, got {self.startup_wait_s}")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"--drain-timeout-s must be in [0, 3600], got "
+                             f"{self.drain_timeout_s}")
         for name in ("poll_interval_s", "rpc_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
@@ -120,12 +159,30 @@ class RouterConfig:
             raise ValueError(
                 f"--tokenizer-pool-size must be in [1, 64], got {self.tokenizer_pool_size}"
             )
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.failure_threshold < 1:
             raise ValueError(f"--failure-threshold must be >= 1, got {self.failure_threshold}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        check_source(self.generation_config)
         self.tls.validate(server=True)
+        self.cluster_token  # noqa: B018 - reads and validates the token once, at start-up
         self.admission_limits()  # validates the admission fields
+
+    @cached_property
+    def cluster_token(self) -> ClusterToken | None:
+        return load_cluster_token(self.cluster_token_file)
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: what clients ask for, and the registry namespace."""
+        return self.served_model_name or self.model
+
+    @property
+    def model_source(self) -> str:
+        """Where the tokenizer and generation config are read from."""
+        return self.tokenizer or self.model
 
     @property
     def tls(self) -> TLSConfig:

@@ -15,6 +15,9 @@ An instance leaves routing when it
 * serves another model or hashes blocks with another scheme than the rest of the cluster
   (their prefix hits would silently be 0 %).
 
+With a cluster token, registry entries not signed with it are never contacted at all (a
+warning and `pdmesh:registry_rejected_entries_total`); see docs/SECURITY.md.
+
 It comes back as soon as a poll succeeds again. When Redis is unreachable the last known
 membership is kept and routing falls back to load only; `index_available` says so. When Redis
 comes back (possibly empty, after a restart), instances missing from it keep their place for
@@ -38,9 +41,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdmesh.auth import ClusterToken, auth_metrics
 from pdmesh.engine.block_hash import HashScheme
 from pdmesh.grpc_common import TLSConfig, open_channel
-from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
+from pdmesh.kvstore.instance_registry import (
+    InstanceInfo,
+    InstanceRegistry,
+    registration_problem,
+)
 from pdmesh.kvstore.redis_conn import IndexUnavailable
 from pdmesh.router.routing.base import Candidate, LoadSnapshot
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -161,6 +169,9 @@ class PoolSettings:
     rpc_timeout_s: float = 2.0
     tls: TLSConfig = field(default_factory=TLSConfig)
     max_message_bytes: int = 64 * 2**20
+    # The cluster token: sent on every call to instances, and registry entries must be signed
+    # with it (unsigned or forged ones are never contacted). None = trust the registry.
+    token: ClusterToken | None = None
     # After a registry outage, how long instances missing from the registry stay: engines
     # retry Redis with a back-off of up to ~5 s, then heartbeat, before they re-register.
     rejoin_grace_s: float = 15.0
@@ -192,6 +203,7 @@ class InstancePool:
         self.scheme: HashScheme | None = None
         self.index_detail = "no --redis-url: routing on load only" if registry is None else ""
         self._rejoin_until = 0.0  # monotonic; see PoolSettings.rejoin_grace_s
+        self._rejected: set[str] = set()  # registry entry ids already reported as forged
         self._task: asyncio.Task[None] | None = None
         self.polled = asyncio.Event()  # set after every completed poll round
         for role, address in static:
@@ -225,25 +237,18 @@ class InstancePool:
                 if i.info and i.info.kv_capacity_tokens]
         return min(caps) if caps else None
 
-    def servability(self, local_prefill_threshold: int) -> Servability:
-        """Can a request be routed now? It needs a live decode-capable instance and, unless
-        decode prefills every prompt itself (fewer uncached tokens than
-        `local_prefill_threshold`, which no prompt reaches when the threshold is at least the
-        model length), a live prefill-capable one; a colocated instance is both. This is what
-        the orchestrator refuses on (`no live ... instance to route to`), checked ahead."""
+    def servability(self) -> Servability:
+        """Can a request be routed now? It needs a live decode-capable instance: without a
+        live prefill-capable one the decode instance prefills every prompt itself (degraded,
+        still serving; `detail` says so). This is what the orchestrator refuses on (`no live
+        decode instance to route to`), checked ahead."""
         decode = [i for i in self.routable("decode") if i.instance_id]
         if not decode:
             return Servability(False, "no live decode instance" + self._why_not("decode"))
         if any(i.instance_id for i in self.routable("prefill")):
             return Servability(True)
-        max_len = self.max_model_len() or 0
-        if local_prefill_threshold >= max_len:
-            return Servability(True)  # every prompt is prefilled on its decode instance
-        local = (f"only prompts with fewer than {local_prefill_threshold} uncached tokens "
-                 "can be served (prefilled on decode)" if local_prefill_threshold
-                 else "local prefill is off (--local-prefill-threshold 0)")
-        return Servability(False, f"no live prefill instance{self._why_not('prefill')}; "
-                                  f"{local}")
+        return Servability(True, f"no live prefill instance{self._why_not('prefill')}: "
+                                 "prompts are prefilled on decode instances")
 
     def _why_not(self, role: str) -> str:
         down = [f"{i.address}: {i.detail}" for i in self._instances.values()
@@ -254,7 +259,8 @@ class InstancePool:
     def _add(self, address: str, role: str, *, static: bool) -> Instance:
         instance = self._instances.get(address)
         if instance is None:
-            channel = open_channel(address, self.settings.tls, self.settings.max_message_bytes)
+            channel = open_channel(address, self.settings.tls, self.settings.max_message_bytes,
+                                   self.settings.token)
             instance = Instance(address=address, role=role, channel=channel, static=static)
             self._instances[address] = instance
             logger.info("instance added address=%s role=%s static=%s", address, role, static)
@@ -318,10 +324,23 @@ class InstancePool:
         self.index_detail = ""
         self._merge_registry(live)
 
+    def _authentic(self, reg: InstanceInfo) -> bool:
+        """Whether `reg` is signed with the cluster token. Checked before its address is ever
+        dialled: anybody who can write to Redis could otherwise receive prompts."""
+        problem = registration_problem(reg, self.settings.token)
+        if problem is None:
+            return True
+        if reg.instance_id not in self._rejected:
+            self._rejected.add(reg.instance_id)
+            auth_metrics().registry_rejected.labels(problem).inc()
+            logger.warning("ignoring %s registry entry id=%s address=%s: not signed with the "
+                           "cluster token", problem, reg.instance_id, reg.address)
+        return False
+
     def _merge_registry(self, live: list[InstanceInfo]) -> None:
         seen = set()
         for reg in live:
-            if reg.model != self.settings.model:
+            if reg.model != self.settings.model or not self._authentic(reg):
                 continue
             seen.add(reg.address)
             instance = self._add(reg.address, reg.role, static=False)

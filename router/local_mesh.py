@@ -17,6 +17,10 @@ KV segments that a prefill child leaves in shared memory when it dies without cl
 (SIGKILL) are removed when `pdmesh serve` notices the exit, on stop, and (segments of any dead
 process) on start; they are owned by the pid of the child that created them.
 
+`pdmesh serve` generates a cluster token per run (unless PDMESH_CLUSTER_TOKEN[_FILE] is set)
+and hands it to the children through their environment; `LocalMesh` itself passes on whatever
+environment it is given.
+
 `LocalMesh` is also the test harness: tests start, inspect and kill its children.
 """
 
@@ -33,8 +37,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
-from pdmesh.grpc_common import parse_config
+from pdmesh import __version__
+from pdmesh.auth import TOKEN_ENV, TOKEN_FILE_ENV, ClusterToken
+from pdmesh.config import parse_config
+from pdmesh.engine.generation_config import check_source
 from pdmesh.kvstore.redis_server import RedisServer
 from pdmesh.kvstore.transfer.backends.shm import sweep_stale
 from pdmesh.router.routing.base import POLICY_NAMES
@@ -46,25 +54,59 @@ class ChildFailed(RuntimeError):
     """A child exited or stayed silent before printing its ready line."""
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, choices: Sequence[str] = ()) -> dict[str, Any]:
+    return {"help": text, "choices": tuple(choices)} if choices else {"help": text}
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
 class MeshConfig:
-    model: str = field(default="smollm2", metadata=_help("model alias or path"))
+    """`pdmesh serve`'s flags: vLLM's names and meanings where vLLM has the knob (`--port` is
+    the OpenAI HTTP port, the model is positional), pdmesh's own for the mesh's shape."""
+
+    model: str = field(default="smollm2", metadata=_help(
+        "model alias or HF-format directory (also positional: pdmesh serve MODEL)"))
+    served_model_name: str = field(default="", metadata=_help(
+        "the name clients ask for (/v1/models id); empty = the model argument"))
     num_prefill: int = field(default=1, metadata=_help("prefill processes"))
     num_decode: int = field(default=1, metadata=_help("decode processes"))
     host: str = field(default="127.0.0.1", metadata=_help("address every service binds"))
-    port: int = field(default=0, metadata=_help("router port; 0 picks a free one"))
+    port: int = field(default=8000, metadata=_help(
+        "OpenAI HTTP API port; 0 picks a free one, -1 runs no HTTP gateway"))
+    grpc_port: int = field(default=0, metadata=_help(
+        "router gRPC port (formerly --port); 0 picks a free one"))
+    gateway_port: int | None = field(default=None, metadata=_help(
+        "deprecated alias of --port"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "context limit in tokens; unset = the model's"))
+    max_num_seqs: int = field(default=256, metadata=_help("sequences per engine batch"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help(
+        "tokens per engine step"))
+    dtype: str = field(default="auto", metadata=_help(
+        "weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA", DTYPES))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse the KV of shared prompt prefixes"))
+    seed: int = field(default=0, metadata=_help("engines' seed for unseeded requests"))
+    chat_template: str | None = field(default=None, metadata=_help(
+        "a Jinja chat template (file or text) replacing the model's"))
+    generation_config: str = field(default="auto", metadata=_help(
+        "sampling defaults: auto (the model's generation_config.json), vllm (none) or a "
+        "directory holding a generation_config.json", ("auto", "vllm", "PATH")))
     redis_url: str | None = field(
         default=None, metadata=_help("use this Redis instead of starting one")
     )
-    routing_policy: str = field(default="prefix_aware", metadata=_help("router policy"))
+    routing_policy: str = field(default="prefix_aware",
+                                metadata=_help("router policy", POLICY_NAMES))
     local_prefill_threshold: int = field(
         default=256, metadata=_help("decode prefills locally below this many uncached tokens")
     )
-    kv_cache_memory: str = field(default="512MiB", metadata=_help("KV budget per engine"))
+    kv_cache_memory: str = field(default="512MiB", metadata=_help(
+        "KV budget per engine: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.5"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=_help(
+        "CUDA: fraction of GPU memory per engine, weights included (replaces "
+        "--kv-cache-memory there)"))
     kv_backend: str = field(default="auto", metadata=_help("KV transfer data plane"))
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     tls_cert: str | None = field(default=None, metadata=_help("PEM cert for every hop"))
@@ -75,10 +117,17 @@ class MeshConfig:
         metadata=_help("engines do prefill and decode themselves (no KV moves); "
                        "--num-decode of them, no prefill processes"),
     )
-    gateway_port: int = field(
-        default=8000, metadata=_help("OpenAI REST gateway port; 0 picks a free one, -1 disables")
-    )
-    api_key: str | None = field(default=None, metadata=_help("gateway API key (Bearer)"))
+    api_key: str | None = field(default=None, metadata=_help(
+        "require 'Authorization: Bearer <key>' on /v1/* (better: env PDMESH_API_KEY)"))
+    allowed_origins: tuple[str, ...] = field(default=(), metadata=_help(
+        "CORS: origins browsers may call the HTTP API from, comma-separated or a JSON list; "
+        "* = any; empty = no CORS"))
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata=_help(
+        "CORS: allowed methods"))
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata=_help(
+        "CORS: allowed request headers"))
+    allow_credentials: bool = field(default=False, metadata=_help(
+        "CORS: allow credentials (cookies, auth headers)"))
     startup_timeout_s: float = field(default=180.0, metadata=_help("per-child ready deadline"))
     log_level: str = field(default="warning", metadata=_help("children's log level"))
 
@@ -89,10 +138,28 @@ class MeshConfig:
             raise ValueError(f"--routing-policy must be one of {', '.join(POLICY_NAMES)}")
         if self.colocated:
             self.num_prefill = 0
-        if self.gateway_port < -1:
-            raise ValueError("--gateway-port must be -1 (off), 0 (free port) or a port")
+        if self.gateway_port is not None:
+            self.port = self.gateway_port
+            self.gateway_port = None
+        if not -1 <= self.port <= 65535:
+            raise ValueError("--port must be -1 (no HTTP API), 0 (a free port) or a port")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ValueError("--grpc-port must be 0 (a free port) or a port")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        check_source(self.generation_config)
         if self.startup_timeout_s <= 0:
             raise ValueError("--startup-timeout-s must be > 0")
+
+    @property
+    def http_port(self) -> int:
+        """The OpenAI HTTP port (-1: no gateway). `gateway_port` is folded into `port`."""
+        return self.port
 
     def tls_flags(self) -> list[str]:
         flags: list[str] = []
@@ -210,12 +277,24 @@ class LocalMesh:
 
     def engine_args(self, role: str) -> list[str]:
         c = self.config
-        return [
+        argv = [
             "--model", c.model, "--host", c.host, "--port", "0",
             "--redis-url", self.redis_url, "--kv-cache-memory", c.kv_cache_memory,
             "--kv-backend", c.kv_backend, "--block-size", str(c.block_size),
+            "--max-num-seqs", str(c.max_num_seqs),
+            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--dtype", c.dtype, "--seed", str(c.seed),
             "--log-level", c.log_level, "--metrics-port", "0", *c.tls_flags(),
         ]  # fmt: skip
+        if c.served_model_name:
+            argv += ["--served-model-name", c.served_model_name]
+        if c.max_model_len is not None:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        if not c.enable_prefix_caching:
+            argv += ["--no-enable-prefix-caching"]
+        if c.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return argv
 
     def start(self) -> str:
         c = self.config
@@ -245,7 +324,7 @@ class LocalMesh:
             self.router = Child("router", pdmesh_command("router", *self._router_argv()),
                                 env=self.env)
             address = self.router.wait_ready(c.startup_timeout_s)
-            if c.gateway_port >= 0:
+            if c.http_port >= 0:
                 self.gateway = Child("gateway", pdmesh_command("gateway", *self._gateway_argv()),
                                      env=self.env)
                 self.gateway.wait_ready(c.startup_timeout_s)
@@ -257,11 +336,16 @@ class LocalMesh:
     def _router_argv(self) -> list[str]:
         c = self.config
         argv = [
-            "--model", c.model, "--host", c.host, "--port", str(c.port),
+            "--model", c.model, "--host", c.host, "--port", str(c.grpc_port),
             "--redis-url", self.redis_url, "--routing-policy", c.routing_policy,
             "--local-prefill-threshold", str(c.local_prefill_threshold),
+            "--generation-config", c.generation_config,
             "--log-level", c.log_level, "--metrics-port", "0", *c.tls_flags(),
         ]  # fmt: skip
+        if c.served_model_name:
+            argv += ["--served-model-name", c.served_model_name]
+        if c.chat_template:
+            argv += ["--chat-template", c.chat_template]
         if self.prefill:
             argv += ["--prefill", ",".join(p.address or "" for p in self.prefill)]
         argv += ["--decode", ",".join(d.address or "" for d in self.decode)]
@@ -271,22 +355,33 @@ class LocalMesh:
         c = self.config
         argv = [
             "--router-address", self.router_address, "--host", c.host,
-            "--port", str(c.gateway_port), "--log-level", c.log_level, *c.tls_flags(),
+            "--port", str(c.http_port), "--log-level", c.log_level, *c.tls_flags(),
         ]  # fmt: skip
+        if c.tls_cert and c.tls_key:  # a TLS mesh serves HTTPS too (no client certificates)
+            argv += ["--ssl-certfile", c.tls_cert, "--ssl-keyfile", c.tls_key]
+        if c.allowed_origins:
+            argv += ["--allowed-origins", ",".join(c.allowed_origins),
+                     "--allowed-methods", ",".join(c.allowed_methods),
+                     "--allowed-headers", ",".join(c.allowed_headers),
+                     "--allow-credentials" if c.allow_credentials else "--no-allow-credentials"]
         return argv + (["--api-key", c.api_key] if c.api_key else [])
 
     @property
     def gateway_url(self) -> str | None:
-        """Base URL of the OpenAI API (`http://host:port/v1`), or None without a gateway."""
+        """Base URL of the OpenAI API (`http[s]://host:port/v1`), or None without a gateway."""
         if self.gateway is None or self.gateway.address is None:
             return None
-        return f"http://{self.gateway.address}/v1"
+        return f"{self._http_scheme}://{self.gateway.address}/v1"
+
+    @property
+    def _http_scheme(self) -> str:
+        return self.gateway.fields.get("scheme", "http") if self.gateway else "http"
 
     def metrics_urls(self) -> dict[str, str]:
         """Each child's /metrics URL, by child name (the gateway serves it on its API port)."""
         urls = {c.name: c.metrics_url for c in self.children if c.metrics_url}
         if self.gateway is not None and self.gateway.address:
-            urls[self.gateway.name] = f"http://{self.gateway.address}/metrics"
+            urls[self.gateway.name] = f"{self._http_scheme}://{self.gateway.address}/metrics"
         return urls
 
     @property
@@ -326,16 +421,37 @@ class LocalMesh:
         self.stop()
 
 
+def with_cluster_token(env: dict[str, str]) -> dict[str, str]:
+    """`env` with a fresh cluster token unless one is configured: `pdmesh serve` makes one per
+    run, so its engines only answer the router (docs/SECURITY.md). It travels in the
+    children's environment, never on a command line."""
+    if not (env.get(TOKEN_ENV) or env.get(TOKEN_FILE_ENV)):
+        env[TOKEN_ENV] = ClusterToken.generate().value
+    return env
+
+
+def _positional_model(argv: Sequence[str]) -> list[str]:
+    """`pdmesh serve MODEL [flags]` as vLLM spells it -> `--model MODEL [flags]`."""
+    args = list(argv)
+    if args and not args[0].startswith("-"):
+        return ["--model", args[0], *args[1:]]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(
-        MeshConfig, argv, prog="pdmesh serve",
-        description="start redis, prefill and decode engines and the router as local processes",
+        MeshConfig, _positional_model(sys.argv[1:] if argv is None else argv),
+        prog="pdmesh serve [MODEL]",
+        description=f"pdmesh {__version__}: start redis, prefill and decode engines, the "
+                    "router and the OpenAI HTTP API as local processes. MODEL (or --model) is "
+                    "an alias or an HF-format directory; --port is the HTTP port, as in "
+                    "`vllm serve`, and --grpc-port the router's.",
     )
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.WARNING))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    mesh = LocalMesh(config)
+    mesh = LocalMesh(config, env=with_cluster_token(dict(os.environ)))
     try:
         address = mesh.start()
     except (ChildFailed, OSError) as exc:

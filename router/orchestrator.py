@@ -20,8 +20,35 @@ UNAVAILABLE: connection refused or lost, server shutting down) before that insta
 anything is sent to another instance of the role, each instance at most once, within the
 request's deadline. A re-routed Decode keeps the KV handle (the blocks stay leased on the
 prefill side) and the prefill's first tokens: the decode instance never repeats them, so the
-client sees no duplicate. An instance's own refusals (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
-a failed KV pull, ...) are never retried elsewhere.
+client sees no duplicate. An instance's own answers about the request (INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED, ...) are never retried elsewhere.
+
+Prefill failures: nothing reaches the client before the Prefill answer, so a Prefill that
+fails through its instance's fault (unreachable, UNAVAILABLE, INTERNAL, ...) goes to another
+prefill instance, and when none is left the decode instance prefills the prompt itself; with
+no live prefill instance at all every request is planned with local prefill (degraded, still
+serving). A failed KV pull is the prefill instance's fault, and it is charged there (it leaves
+routing until a poll succeeds), never to the decode instance: the decode instance either
+recomputed the prompt (`DecodeResult.kv_load_fallback`, `--kv-load-failure-policy recompute`)
+or refused with `kv_load_failed` (policy `fail`: UNAVAILABLE before output, an error finish
+after).
+
+Decode migration: a Decode stream that breaks after its instance answered (the process died,
+UNAVAILABLE, INTERNAL, a lost connection, a stream without its result) is resumed on another
+healthy decode instance, at most `migration_limit` times per request and within its deadline.
+The router holds every token and every piece of text it has handed on; the next instance gets
+the original prompt and sampling parameters plus, per output sequence, those tokens and that
+text (`DecodeRequest.resume`). It prefills prompt + tokens itself (prefix-cache friendly) and
+counts the tokens as output (max_tokens, min_tokens, penalties, stop strings); a seeded
+sequence's generator skips one draw per given token (the draws that produced them), so
+sampling continues exactly as an uninterrupted run would. Deltas continue after what the
+client has: one stream, no duplicate, missing or reordered token, no error event. With n > 1
+one migration moves every unfinished sequence, each from its own point with its own child
+seed (finished ones are replayed, never continued). Usage stays the undisturbed run's: the
+original prompt, every token produced, the original prefill's cached-token count (after a
+local prefill, whose count died with its instance, the new instance's prompt hits). Only when
+migration is off, spent, out of time or without a decode instance left does the stream end
+as above (FINISH_REASON_ERROR, or a status when nothing was sent).
 """
 
 from __future__ import annotations
@@ -37,10 +64,12 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from pdmesh.auth import ClusterToken
 from pdmesh.engine.block_hash import hash_token_blocks
-from pdmesh.grpc_common import refused_reason
+from pdmesh.grpc_common import KV_LOAD_FAILED, refused_reason
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable
+from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.metrics import RouterMetrics, router_metrics
 from pdmesh.router.instances import Instance, InstancePool
 from pdmesh.router.routing.base import (
@@ -116,13 +145,38 @@ def unreached_reason(exc: grpc.aio.AioRpcError) -> str | None:
     return next((reason for marker, reason in _UNREACHED_DETAILS if marker in details), None)
 
 
+def _fault_reason(exc: grpc.aio.AioRpcError) -> str | None:
+    """"instance_fault" when the instance answered with a fault of its own (INTERNAL,
+    UNAVAILABLE, ...), not an answer about the request (INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ...); else None."""
+    return "instance_fault" if exc.code() in _INSTANCE_FAULTS else None
+
+
 class _Unreached(Exception):
-    """A call that never reached a working instance: re-route it, or fail with `error`."""
+    """A call that failed before anything of it reached the client and may go to another
+    instance: it never reached a working instance (or, for Prefill, whose answer comes before
+    any output, the instance failed with a fault of its own). Re-route it, or fail with
+    `error`."""
 
     def __init__(self, error: RouteError, reason: str) -> None:
         self.error = error
         self.reason = reason
         super().__init__(str(error))
+
+
+class _Broken(Exception):
+    """A Decode stream that broke through its instance's fault before the request finished
+    (its instance already cleaned up): migrate it, or fail with `error`."""
+
+    def __init__(self, error: RouteError, reason: str) -> None:
+        self.error = error
+        self.reason = reason  # low-cardinality metric label
+        super().__init__(str(error))
+
+
+def broken_reason(exc: grpc.aio.AioRpcError) -> str:
+    """Why a Decode stream broke, as a metric label (connection_lost, unavailable, ...)."""
+    return unreached_reason(exc) or exc.code().name.lower()
 
 
 @dataclass
@@ -248,9 +302,13 @@ class Orchestrator:
         *,
         local_prefill_threshold: int,
         rpc_timeout_s: float,
+        migration_limit: int = 3,
         metrics: RouterMetrics | None = None,
+        token: ClusterToken | None = None,
     ) -> None:
         self.pool = pool
+        self.token = token  # binds each KV handle to the decode instance it is sent to
+        self.migration_limit = migration_limit  # broken decode streams resumed per request
         self.metrics = metrics or router_metrics()
         self.policies = policies  # one per role ("prefill", "decode"): stateful ones stay fair
         self.index = index
@@ -346,14 +404,17 @@ class Orchestrator:
             held = min(lookup.cached.get(decode.instance_id, 0) * block_size,
                        route.num_prompt_tokens)
             uncached = route.num_prompt_tokens - held
+            prefill: Instance | None = None
             if decode.role == "colocated" or uncached < self.local_prefill_threshold:
-                plan = _Plan(decode, None, f"local prefill ({uncached} uncached tokens)",
-                             route, lookup)
+                reason = f"local prefill ({uncached} uncached tokens)"
             else:
-                prefill = self._choose("prefill", route, lookup)
-                plan = _Plan(decode, prefill,
-                             f"remote prefill ({uncached} uncached tokens on decode)",
-                             route, lookup)
+                try:
+                    prefill = self._choose("prefill", route, lookup)
+                    reason = f"remote prefill ({uncached} uncached tokens on decode)"
+                except RouteError:
+                    # Degraded, still serving: the decode instance can prefill any prompt.
+                    reason = "local prefill (no live prefill instance)"
+            plan = _Plan(decode, prefill, reason, route, lookup)
             placement = "local" if plan.prefill is None else "remote"
             self.metrics.prefill_placements.labels(placement).inc()
             span.set_attribute("pdmesh.route.prefill_placement", placement)
@@ -441,6 +502,7 @@ class _Run:
         self.ttft_ms = 0.0
         self.timings: list[common_pb2.Timing] = []
         self.prefill_resp: engine_pb2.PrefillResponse | None = None
+        self.migrations = 0  # times the decode stream moved to another instance
 
     async def _emit(self, delta: common_pb2.SequenceDelta) -> None:
         self.out.add(delta)
@@ -504,7 +566,9 @@ class _Run:
         remote: engine_pb2.RemotePrefill | None = None
         if self.plan.prefill is not None:
             remote = await self._prefill_rerouting()
-            if remote is None:  # every sequence finished on the prefill instance
+            # None with no prefill instance left in the plan: the decode instance prefills.
+            if remote is None and self.plan.prefill is not None:
+                # every sequence finished on the prefill instance
                 assert self.prefill_resp is not None
                 usage = common_pb2.Usage(
                     prompt_tokens=len(self.req.prompt_token_ids),
@@ -539,28 +603,70 @@ class _Run:
         return chosen
 
     async def _prefill_rerouting(self) -> engine_pb2.RemotePrefill | None:
-        """Prefill, on another prefill instance when the chosen one cannot be reached.
-        Nothing has gone to the client before the Prefill answer, so every retry is clean."""
+        """Prefill, on another prefill instance when the chosen one cannot be reached or fails
+        with an instance fault, and on the decode instance itself (local prefill) when no
+        prefill instance is left: then `plan.prefill` becomes None and so does the result.
+        Nothing has gone to the client before the Prefill answer, so every retry is clean; the
+        request's deadline bounds them."""
         while True:
             instance = self.plan.prefill
             assert instance is not None
             try:
                 return await self._prefill(instance)
             except _Unreached as unreached:
-                self.plan.prefill = self._reroute("prefill", instance, unreached)
+                failure = unreached
+            try:
+                self.plan.prefill = self._reroute("prefill", instance, failure)
+            except RouteError as final:
+                if final.code != grpc.StatusCode.UNAVAILABLE:  # deadline exceeded
+                    raise
+                self._prefill_locally(instance, failure)
+                return None
+
+    def _prefill_locally(self, failed: Instance, failure: _Unreached) -> None:
+        """No prefill instance is left for this request: its decode instance prefills."""
+        decode = self.plan.decode
+        self.plan.prefill = None
+        self._slots["prefill"].move(None)
+        self.orch.metrics.reroutes.labels("prefill", failure.reason).inc()
+        trace.get_current_span().add_event("pdmesh.reroute", {
+            "pdmesh.role": "prefill", "pdmesh.reroute.from": failed.address,
+            "pdmesh.reroute.to": decode.address, "pdmesh.reroute.reason": failure.reason,
+            "pdmesh.reroute.local_prefill": True,
+        })
+        logger.info("prefill falls back to the decode instance request_id=%s from=%s to=%s "
+                    "reason=%s", self.req.request_id, failed.address, decode.address,
+                    failure.reason)
 
     async def _decode_rerouting(self, remote: engine_pb2.RemotePrefill | None) -> None:
         """Decode, on another decode instance when the chosen one cannot be reached before it
         sent anything. The prefill's first tokens may already be with the client: the next
         instance gets the same RemotePrefill (KV handle and first tokens) and continues after
-        them. Without a remote prefill the next instance prefills locally."""
+        them. Without a remote prefill the next instance prefills locally. A stream that
+        breaks later migrates (`_migrate`): the next instance resumes every sequence after
+        what the router already holds."""
+        resume: list[engine_pb2.ResumedSequence] = []
         while True:
             instance = self.plan.decode
             try:
-                await self._decode(instance, remote)
+                await self._decode(instance, remote, resume)
                 return
             except _Unreached as unreached:
                 failure = unreached
+            except _Broken as broken:
+                if all(s.finish is not None for s in self.out.sequences):
+                    await self._finish(self._usage(None), self._prompt_logprobs(None))
+                    return  # only the final result was lost
+                chosen = self._migrate(instance, broken)
+                if chosen is None:
+                    if not self.sent:
+                        raise broken.error from None
+                    await self._fail_after_output(str(broken.error))
+                    return
+                self.plan.decode = chosen
+                remote = None  # its KV was released; the next instance prefills itself
+                resume = self._resume_state() if self.out.started else []
+                continue
             try:
                 self.plan.decode = self._reroute("decode", instance, failure)
             except RouteError as final:
@@ -571,6 +677,64 @@ class _Run:
                     raise
                 await self._fail_after_output(str(final))
                 return
+
+    def _migrate(self, failed: Instance, broken: _Broken) -> Instance | None:
+        """Another decode instance to resume a broken stream on; None when migration is off or
+        spent, the deadline has passed, or no other decode instance is left."""
+        self.tried.add(failed.address)
+        if self.migrations >= self.orch.migration_limit:
+            logger.info("not migrating request_id=%s: migration limit %d reached (%s)",
+                        self.req.request_id, self.orch.migration_limit, broken.reason)
+            return None
+        if self.req.deadline <= time.monotonic():
+            return None
+        try:
+            chosen = self.orch._choose("decode", self.plan.route, self.plan.lookup,
+                                       exclude=frozenset(self.tried))
+        except RouteError:
+            logger.info("not migrating request_id=%s: no other decode instance left",
+                        self.req.request_id)
+            return None
+        self.migrations += 1
+        produced = self.out.completion_tokens
+        self.orch.metrics.migrations.labels(broken.reason).inc()
+        trace.get_current_span().add_event("pdmesh.migration", {
+            "pdmesh.migration.from": failed.address, "pdmesh.migration.to": chosen.address,
+            "pdmesh.migration.reason": broken.reason, "pdmesh.migration.attempt": self.migrations,
+            "pdmesh.migration.tokens_so_far": produced,
+        })
+        logger.info("migrated request_id=%s from=%s to=%s reason=%s tokens_so_far=%d",
+                    self.req.request_id, failed.address, chosen.address, broken.reason, produced)
+        self._slots["decode"].move(chosen)
+        return chosen
+
+    def _resume_state(self) -> list[engine_pb2.ResumedSequence]:
+        """Everything the router holds of each sequence: what the next instance continues."""
+        return [
+            engine_pb2.ResumedSequence(index=index, token_ids=seq.token_ids,
+                                       text="".join(seq.text), finished=seq.finish is not None)
+            for index, seq in enumerate(self.out.sequences)
+        ]
+
+    def _usage(self, result: engine_pb2.DecodeResult | None) -> common_pb2.Usage:
+        """The request's usage after a migration, as an undisturbed run reports it: the
+        original prompt, every token produced, the original prefill's cached tokens."""
+        if self.prefill_resp is not None:
+            cached = self.prefill_resp.cached_prompt_tokens
+        else:
+            cached = result.usage.cached_prompt_tokens if result is not None else 0
+        return common_pb2.Usage(
+            prompt_tokens=len(self.req.prompt_token_ids),
+            completion_tokens=self.out.completion_tokens,
+            cached_prompt_tokens=cached,
+        )
+
+    def _prompt_logprobs(
+        self, result: engine_pb2.DecodeResult | None
+    ) -> list[common_pb2.TokenLogprob]:
+        if self.prefill_resp is not None:
+            return list(self.prefill_resp.prompt_logprobs)
+        return list(result.prompt_logprobs) if result is not None else []
 
     # -- prefill -----------------------------------------------------------------------------
     async def _prefill(self, instance: Instance) -> engine_pb2.RemotePrefill | None:
@@ -591,8 +755,8 @@ class _Run:
             raise
         except grpc.aio.AioRpcError as exc:
             error = self._instance_error(instance, "prefill", exc)
-            reason = unreached_reason(exc)
-            if reason is not None:
+            reason = unreached_reason(exc) or _fault_reason(exc)
+            if reason is not None:  # nothing went to the client yet: another instance may
                 self.orch.spawn(self._abort_prefill(instance, "re-routed"))
                 raise _Unreached(error, reason) from None
             raise error from None
@@ -612,7 +776,25 @@ class _Run:
         )
 
     # -- decode ------------------------------------------------------------------------------
-    async def _decode(self, instance: Instance, remote: engine_pb2.RemotePrefill | None) -> None:
+    def _granted(self, remote: engine_pb2.RemotePrefill | None,
+                 instance: Instance) -> engine_pb2.RemotePrefill | None:
+        """`remote` with a capability for `instance` alone (with a cluster token): the sender
+        serves the KV only to its holder (kvstore/transfer/capability.py)."""
+        token = self.orch.token
+        if remote is None or token is None:
+            return remote
+        granted = engine_pb2.RemotePrefill()
+        granted.CopyFrom(remote)
+        granted.capability.CopyFrom(TransferCapability.mint(
+            token, remote.kv.transfer_id, instance.instance_id).to_proto())
+        return granted
+
+    async def _decode(
+        self, instance: Instance, remote: engine_pb2.RemotePrefill | None,
+        resume: list[engine_pb2.ResumedSequence],
+    ) -> None:
+        """One Decode call, streamed through. Raises _Unreached (re-route it) or _Broken
+        (migrate it) for an instance's failure; fails the request for any other."""
         req = self.req
         message = engine_pb2.DecodeRequest(
             request_id=req.request_id,
@@ -620,7 +802,8 @@ class _Run:
             sampling=req.sampling,
             cache_salt=req.cache_salt,
             priority=req.priority,
-            remote_prefill=remote,
+            remote_prefill=self._granted(remote, instance),
+            resume=resume,
         )
         result: engine_pb2.DecodeResult | None = None
         answered = False  # the instance sent something: the call can no longer be re-routed
@@ -639,6 +822,13 @@ class _Run:
             self._cleanup_after_decode(instance, remote, "client cancelled")
             raise
         except grpc.aio.AioRpcError as exc:
+            if refused_reason(exc) == KV_LOAD_FAILED:  # the prefill instance's fault
+                error = self._kv_load_failed(exc)
+                self._cleanup_after_decode(instance, remote, "KV load failed")
+                if not self.sent:
+                    raise error from None
+                await self._fail_after_output(str(error))
+                return
             error = self._instance_error(instance, "decode", exc)
             reason = unreached_reason(exc)
             if not answered and reason is not None:
@@ -646,6 +836,8 @@ class _Run:
                 self.orch.spawn(self._abort(instance.decode_stub().Abort, instance, "re-routed"))
                 raise _Unreached(error, reason) from None
             self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
+            if exc.code() in _INSTANCE_FAULTS:
+                raise _Broken(error, broken_reason(exc)) from None
             if not self.sent:
                 raise error from None
             await self._fail_after_output(str(error))
@@ -657,17 +849,15 @@ class _Run:
         if result is None:
             self._cleanup_after_decode(instance, remote, "decode stream ended without a result")
             message_text = f"decode instance {instance.address} ended without a result"
-            if not self.sent:
-                raise RouteError(grpc.StatusCode.UNAVAILABLE, message_text)
-            await self._fail_after_output(message_text)
-            return
+            raise _Broken(RouteError(grpc.StatusCode.UNAVAILABLE, message_text), "no_result")
         self.timings.append(result.timing)
-        prompt_logprobs = (
-            list(self.prefill_resp.prompt_logprobs)
-            if self.prefill_resp is not None
-            else list(result.prompt_logprobs)
-        )
-        await self._finish(result.usage, prompt_logprobs)
+        if result.kv_load_fallback:  # recomputed on decode: still the prefill's fault
+            self._charge_kv_load_failure(result.kv_load_fallback)
+            if remote is not None and self.plan.prefill is not None:  # never pulled: free it
+                self.orch.spawn(self._release_kv(self.plan.prefill, remote.kv.transfer_id,
+                                                 "KV load failed; recomputed on decode"))
+        usage = self._usage(result) if self.migrations else result.usage
+        await self._finish(usage, self._prompt_logprobs(result))
 
     async def _fail_after_output(self, message: str) -> None:
         for delta in self.out.fail_unfinished(message):
@@ -694,6 +884,25 @@ class _Run:
         if code in _PASS_THROUGH:
             return RouteError(code, message)
         return RouteError(grpc.StatusCode.UNAVAILABLE, message)
+
+    def _kv_load_failed(self, exc: grpc.aio.AioRpcError) -> RouteError:
+        """A decode instance refused the request because it could not pull its KV
+        (`--kv-load-failure-policy fail`): the prefill instance is charged, the decode
+        instance stays routable."""
+        self._charge_kv_load_failure(exc.details() or "KV load failed")
+        return RouteError(grpc.StatusCode.UNAVAILABLE,
+                          f"decode instance could not load the KV cache: {exc.details()}")
+
+    def _charge_kv_load_failure(self, reason: str) -> None:
+        """The KV the prefill instance published could not be pulled: its fault, so it leaves
+        routing until a poll succeeds (a dead or stopped one stays out)."""
+        prefill = self.plan.prefill
+        if prefill is None:
+            return
+        self.orch.pool.mark_failed(prefill, f"KV pull from it failed: {reason}")
+        trace.get_current_span().add_event("pdmesh.kv_load_failed", {
+            "pdmesh.prefill.address": prefill.address, "pdmesh.kv.failure_reason": reason,
+        })
 
     def _cleanup_after_decode(
         self, decode: Instance, remote: engine_pb2.RemotePrefill | None, reason: str

@@ -19,7 +19,9 @@ import asyncio
 import json
 import logging
 import queue
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from pdmesh.engine.llm import apply_chat_template
@@ -36,13 +38,17 @@ LARGE_PROMPT_BYTES = 32 * 1024
 class PromptTokenizer:
     """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
 
-    def __init__(self, model: str, pool_size: int = 2) -> None:
+    def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         model_dir = resolve_model(model)
         copies = [AutoTokenizer.from_pretrained(model_dir) for _ in range(pool_size)]
+        template = load_chat_template(chat_template)
+        if template is not None:
+            for copy in copies:
+                copy.chat_template = template
         config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(config.get("vocab_size") or len(copies[0]))
         self.pool_size = pool_size
@@ -63,7 +69,11 @@ class PromptTokenizer:
             text = request.text
             if max_model_len is not None and self.bound is not None:
                 self.bound.check(text, max_model_len)
-            return await self._run(len(text), self._encode_text, text)
+            special = True  # Generate always adds them; Tokenize may say otherwise
+            if ("add_special_tokens" in request.DESCRIPTOR.fields_by_name
+                    and request.HasField("add_special_tokens")):
+                special = request.add_special_tokens
+            return await self._run(len(text), self._encode_text, text, special)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
@@ -92,8 +102,21 @@ class PromptTokenizer:
             self._idle.put(tokenizer)
 
     @staticmethod
-    def _encode_text(tokenizer: Any, text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    def _encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def decode(self, token_ids: Sequence[int]) -> tuple[str, list[str]]:
+        """(the ids decoded together, each id's token string); InvalidRequest names a bad id."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("token_ids", f"token id {bad} is outside [0, {self.vocab_size})")
+        ids = list(token_ids)
+        return await self._run(len(ids) * 4, self._decode, ids)  # type: ignore[return-value]
+
+    @staticmethod
+    def _decode(tokenizer: Any, ids: list[int]) -> tuple[str, list[str]]:
+        strs = tokenizer.convert_ids_to_tokens(ids)
+        return tokenizer.decode(ids), [s if s is not None else "" for s in strs]
 
     def _encode_chat(
         self, tokenizer: Any, messages: list[dict[str, str]], add: bool,
@@ -117,6 +140,19 @@ class PromptTokenizer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the argument itself when it is a template
+    (vLLM accepts both); None when not given. A missing file is a ValueError naming it."""
+    if template is None or not template.strip():
+        return None
+    if "{" in template:  # Jinja syntax: the template itself
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--chat-template: {template!r} is neither a file nor a template")
+    return path.read_text()
 
 
 def _bound_of(tokenizer: Any) -> PromptBound | None:

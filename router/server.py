@@ -7,7 +7,7 @@ service reports, updated after every instance poll:
 * "" SERVING while the router process runs (liveness: restarting it would not bring back
   instances it cannot reach);
 * "pdmesh.v1.Router" SERVING only while a request can be routed — a live decode-capable
-  instance, and a live prefill-capable one unless decode prefills every prompt itself
+  instance (without a live prefill-capable one, decode prefills every prompt itself)
   (`InstancePool.servability`, also `serving`/`serving_detail` in GetStatus). Readiness: the
   gateway's /health answers 503 while it is NOT_SERVING;
 * "pdmesh.router.PrefixIndex" SERVING only while the Redis prefix index is reachable: without
@@ -33,7 +33,18 @@ import grpc
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
-from pdmesh.grpc_common import GrpcServer, install_shutdown_signals
+from pdmesh.engine.generation_config import (
+    GenerationDefaults,
+    apply_to_proto,
+    load_generation_defaults,
+)
+from pdmesh.engine.model_store import resolve_model
+from pdmesh.grpc_common import (
+    DRAINING,
+    REFUSED_KEY,
+    GrpcServer,
+    install_shutdown_signals,
+)
 from pdmesh.kvstore.instance_registry import InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import RedisConnection
@@ -62,7 +73,12 @@ from pdmesh.router.admission import (
 )
 from pdmesh.router.config import RouterConfig, parse_router_config
 from pdmesh.router.instances import InstancePool, PoolSettings
-from pdmesh.router.orchestrator import Orchestrator, PreparedRequest, RouteError
+from pdmesh.router.orchestrator import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    Orchestrator,
+    PreparedRequest,
+    RouteError,
+)
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.router.routing import make_policy
 from pdmesh.tracing import (
@@ -93,8 +109,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         tokenizer: PromptTokenizer,
         pool: InstancePool,
         orchestrator: Orchestrator,
+        defaults: GenerationDefaults | None = None,
     ) -> None:
         self.config = config
+        # Sampling defaults for what a request leaves unset (engine/generation_config.py).
+        self.defaults = defaults or GenerationDefaults()
         self.tokenizer = tokenizer
         self.pool = pool
         self.orchestrator = orchestrator
@@ -198,7 +217,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 "request_id", f"must be printable and at most {MAX_REQUEST_ID_BYTES} bytes"
             )
         self._check_model(request.model)
-        params = sampling_from_proto(request.sampling)
+        sampling = apply_to_proto(request.sampling, self.defaults)  # request > server default
+        params = sampling_from_proto(sampling)
         max_model_len = self.pool.max_model_len()
         ids = await self.tokenizer.encode(request, max_model_len)  # refuses provably too long
         tokenize_ms = (time.monotonic() - received) * 1000
@@ -207,6 +227,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         max_tokens = validate_prompt(
             ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=max_model_len
         )
+        sampling.max_tokens = max_tokens  # engines get the budget admission counted, not "unset"
         kv_capacity = self.pool.kv_capacity_tokens()
         if kv_capacity is not None and self.pool.block_size:
             check_kv_capacity(len(ids), max_tokens, params.n,
@@ -216,7 +237,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         prepared = PreparedRequest(
             request_id=request_id,
             prompt_token_ids=ids,
-            sampling=request.sampling,
+            sampling=sampling,
             n=params.n,
             max_tokens=max_tokens,
             cache_salt=request.cache_salt,
@@ -230,7 +251,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if span.is_recording():
             span.set_attributes(
                 gen_ai_request_attributes(
-                    self.config.model, params, input_tokens=len(ids), max_tokens=max_tokens
+                    self.config.model_name, params, input_tokens=len(ids), max_tokens=max_tokens
                 )
             )
             span.set_attribute("pdmesh.tokenize_ms", tokenize_ms)
@@ -254,10 +275,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await self.orchestrator.run(prepared, context.write)
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.config.model:
+        if model and model != self.config.model_name:
             raise RouteError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; served: {self.config.model!r}",
+                f"model {model!r} is not served here; served: {self.config.model_name!r}",
             )
 
     # -- the small RPCs ----------------------------------------------------------------------
@@ -275,6 +296,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             token_ids=ids, max_model_len=self.pool.max_model_len() or 0
         )
 
+    async def Detokenize(
+        self, request: router_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.DetokenizeResponse:
+        try:
+            self._check_model(request.model)
+            text, strs = await self.tokenizer.decode(request.token_ids)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouteError as exc:
+            await context.abort(exc.code, str(exc))
+        return router_pb2.DetokenizeResponse(text=text, token_strs=strs)
+
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
@@ -282,7 +315,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if not live:
             return router_pb2.ListModelsResponse()
         model = router_pb2.ModelInfo(
-            id=self.config.model,
+            id=self.config.model_name,
             max_model_len=self.pool.max_model_len() or 0,
             num_instances=len(live),
         )
@@ -291,7 +324,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def GetStatus(
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouterStatus:
-        servable = self.pool.servability(self.config.local_prefill_threshold)
+        servable = self.pool.servability()
         return router_pb2.RouterStatus(
             serving=servable.serving,
             serving_detail=servable.detail,
@@ -342,16 +375,13 @@ class HealthReporter:
     (SERVICE_NAME) and whether the prefix index is reachable (INDEX_HEALTH_NAME). "" is left
     SERVING: it is the process's liveness, not its readiness."""
 
-    def __init__(
-        self, server: GrpcServer, pool: InstancePool, local_prefill_threshold: int
-    ) -> None:
+    def __init__(self, server: GrpcServer, pool: InstancePool) -> None:
         self._server = server
         self._pool = pool
-        self._threshold = local_prefill_threshold
         self._last: dict[str, bool] = {}
 
     async def update(self) -> None:
-        servable = self._pool.servability(self._threshold)
+        servable = self._pool.servability()
         await self._set(SERVICE_NAME, servable.serving, "router", servable.detail)
         await self._set(INDEX_HEALTH_NAME, self._pool.index_available, "prefix index",
                         self._pool.index_detail or "routing on load only")
@@ -399,19 +429,24 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     install_shutdown_signals(stop)
     metrics: RouterMetrics = router_metrics()
     tokenizer = await asyncio.to_thread(
-        PromptTokenizer, config.tokenizer or config.model, config.tokenizer_pool_size
+        PromptTokenizer, config.model_source, config.tokenizer_pool_size, config.chat_template
     )
-    conn = RedisConnection.from_url(config.redis_url) if config.redis_url else None
-    keys = KeySpace(model=config.model)
+    defaults = load_generation_defaults(config.generation_config,
+                                        resolve_model(config.model_source))
+    conn = RedisConnection.from_url(
+        config.redis_url, password_file=config.redis_password_file, ca_file=config.redis_ca,
+    ) if config.redis_url else None
+    keys = KeySpace(model=config.model_name)
     static = [("prefill", a) for a in config.prefill] + [("decode", a) for a in config.decode]
     pool = InstancePool(
         PoolSettings(
-            model=config.model,
+            model=config.model_name,
             poll_interval_s=config.poll_interval_s,
             failure_threshold=config.failure_threshold,
             rpc_timeout_s=config.rpc_timeout_s,
             tls=config.tls,
             max_message_bytes=config.max_message_bytes,
+            token=config.cluster_token,
         ),
         static=static,
         registry=InstanceRegistry(conn, keys) if conn else None,
@@ -425,9 +460,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         PrefixIndex(conn, keys) if conn else None,
         local_prefill_threshold=config.local_prefill_threshold,
         rpc_timeout_s=config.rpc_timeout_s,
+        migration_limit=config.migration_limit,
         metrics=metrics,
+        token=config.cluster_token,
     )
-    service = RouterService(config, tokenizer, pool, orchestrator)
+    service = RouterService(config, tokenizer, pool, orchestrator, defaults)
     collector = RouterCollector(
         lambda: RouterState(
             running=service.admission.running,
@@ -443,16 +480,19 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         port=config.port,
         tls=config.tls,
         max_message_bytes=config.max_message_bytes,
+        drain_methods=[f"/{SERVICE_NAME}/Generate"],
+        refusal=_refuse_draining,
     )
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     await _first_contact(pool, timeout_s=config.startup_wait_s)
     endpoint = None
     if config.metrics_port >= 0:  # before serving: a taken port must fail the start-up
-        endpoint = start_metrics_server(config.metrics_host or config.host, config.metrics_port)
+        endpoint = start_metrics_server(config.metrics_host or config.host, config.metrics_port,
+                                        certfile=config.tls_cert, keyfile=config.tls_key)
     process_registry().register(collector)
     pool.start()
     address = await server.start()
-    health = HealthReporter(server, pool, config.local_prefill_threshold)
+    health = HealthReporter(server, pool)
     await health.update()  # start() said SERVING for every name; correct that at once
     health_task = asyncio.create_task(health.run())
     logger.info("router serving address=%s policy=%s", address, config.routing_policy)
@@ -460,17 +500,34 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     try:
         await stop.wait()
     finally:
+        health_task.cancel()  # it must not report SERVING again while draining
+        if stop.is_set():
+            # Drain: NOT_SERVING, refuse new Generate calls, let the running streams finish.
+            logger.info("router draining calls=%d timeout_s=%g", server.gate.inflight,
+                        config.drain_timeout_s)
+            left = await server.drain(config.drain_timeout_s)
+            (logger.warning if left else logger.info)("router drained; cutting calls=%d", left)
         logger.info("router shutting down")
         process_registry().unregister(collector)
         if endpoint is not None:
             endpoint.close()
-        health_task.cancel()
-        await server.stop(grace_s=1.0)  # cancels in-flight calls: their cleanup frees KV
+        await server.stop(grace_s=1.0)  # cancels what is left: their cleanup frees KV
         await orchestrator.drain()
         await pool.stop()
         tokenizer.close()
         if conn is not None:
             await conn.aclose()
+
+
+async def _refuse_draining(context: grpc.aio.ServicerContext) -> None:
+    """A Generate arriving while this router drains: UNAVAILABLE with a retry hint, marked
+    refused-before-work, so a client (or the gateway) may send it to another router."""
+    context.set_trailing_metadata((
+        (REFUSED_KEY, DRAINING),
+        (RETRY_AFTER_KEY, retry_after_ms(UNAVAILABLE_RETRY_AFTER_S)),
+    ))
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        "router is draining before shutdown; retry in a moment")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

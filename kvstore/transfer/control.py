@@ -4,6 +4,11 @@ The control plane only decides and records (start, ack, fail, extend, cancel); b
 on a data plane. Errors cross as gRPC status codes with the transfer state in the trailing
 metadata key `pdmesh-kv-state`, and come out on the receiver as the same
 `KVTransferError` subclasses the sender raised.
+
+Who may start a transfer: with a cluster token, only the holder of the router's capability
+for it (`capability.py`); for shm, only a receiver that proves it shares the shm directory
+(`DataPlaneServer.refusal`). Both are checked before the transfer starts, so a refused caller
+leaves it PENDING for the rightful receiver. Logs name transfers by `log_id` only.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdmesh.auth import ClusterToken
 from pdmesh.kvstore.transfer.backends.base import DataPlaneServer
+from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
     KVHandleError,
     KVSenderUnavailable,
     KVTransferCancelled,
+    KVTransferDenied,
     KVTransferError,
     KVTransferExpired,
     KVTransferFailed,
@@ -29,7 +37,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferRejected,
     KVTransferTimeout,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.lease import LeaseTable
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 from pdmesh.v1 import kv_transfer_pb2 as pb
@@ -56,15 +64,21 @@ def _ms(seconds: float) -> int:
 
 def _trace(traceparent: str, what: str, transfer_id: str) -> None:
     if traceparent and _TRACEPARENT.fullmatch(traceparent):
-        logger.debug("%s %s traceparent=%s", what, transfer_id, traceparent)
+        logger.debug("%s %s traceparent=%s", what, log_id(transfer_id), traceparent)
 
 
 class KVTransferService(pb_grpc.KVTransferServicer):
     """Sender side of the control channel, serving one `LeaseTable`."""
 
-    def __init__(self, table: LeaseTable, servers: Mapping[str, DataPlaneServer]) -> None:
+    def __init__(
+        self,
+        table: LeaseTable,
+        servers: Mapping[str, DataPlaneServer],
+        token: ClusterToken | None = None,
+    ) -> None:
         self._table = table
         self._servers = servers
+        self._token = token
         self.closing = False
 
     async def StartTransfer(
@@ -75,6 +89,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             server = self._servers.get(request.backend)
             if server is None:
                 raise KVTransferRejected(f"backend {request.backend!r} is not served here")
+            self._admit(request, server)
             grant = self._table.start(
                 request.transfer_id, request.request_id, request.backend, request.lease_ms / 1000
             )
@@ -97,6 +112,18 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             )
 
         return await self._guard(context, request.transfer_id, run)
+
+    def _admit(self, request: pb.StartTransferRequest, server: DataPlaneServer) -> None:
+        """Refuse (KVTransferDenied) a caller the router did not send, or an shm reader on
+        another host; nothing about the transfer changes."""
+        if self._token is not None:
+            capability = TransferCapability.from_proto(request.capability)
+            problem = capability.check(self._token, request.transfer_id)
+            if problem is not None:
+                raise KVTransferDenied(problem)
+        problem = server.refusal(request.transfer_id, request.receiver_host_key)
+        if problem is not None:
+            raise KVTransferDenied(problem)
 
     async def CompleteTransfer(
         self, request: pb.CompleteTransferRequest, context: grpc.aio.ServicerContext
@@ -154,6 +181,8 @@ class KVTransferService(pb_grpc.KVTransferServicer):
 def _status_for(exc: KVTransferError) -> grpc.StatusCode:
     if isinstance(exc, KVTransferNotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, KVTransferDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
     if exc.state is not None:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, KVTransferRejected | KVHandleError):
@@ -177,18 +206,20 @@ class ControlClient:
         self,
         handle: KVHandle,
         backend: str,
-        host_key: str,
+        host_proof: str,
         lease_s: float,
         deadline: Deadline,
         traceparent: str = "",
+        capability: TransferCapability | None = None,
     ) -> StartReply:
         request = pb.StartTransferRequest(
             transfer_id=handle.transfer_id,
             request_id=handle.request_id,
             backend=backend,
-            receiver_host_key=host_key,
+            receiver_host_key=host_proof,
             lease_ms=_ms(lease_s),
             traceparent=traceparent,
+            capability=capability.to_proto() if capability is not None else None,
         )
         reply = await self._call(self._stub.StartTransfer, request, handle, deadline)
         return StartReply(dict(reply.params), reply.lease_remaining_ms / 1000)
@@ -273,6 +304,8 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, handle: KVHandle) -> KVTransferErr
         error_type = _ERRORS_BY_STATE.get(state_name, KVTransferRejected)
     elif code == grpc.StatusCode.INVALID_ARGUMENT:
         error_type = KVTransferRejected
+    elif code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        error_type = KVTransferDenied
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         error_type = KVTransferTimeout
     elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):

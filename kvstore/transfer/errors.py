@@ -55,6 +55,11 @@ class KVTransferRejected(KVTransferError):
     """The sender refused the call (request id mismatch, wrong state, unsupported backend)."""
 
 
+class KVTransferDenied(KVTransferRejected):
+    """The sender will not serve this caller: no valid transfer capability (the router bound
+    the transfer to another instance), or shm without proof of sharing the host."""
+
+
 class KVTransferFailed(KVTransferError):
     """The transfer was marked failed (e.g. the receiver reported corrupt bytes)."""
 

@@ -7,6 +7,7 @@ field, so a garbled handle fails loudly before any connection is made.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,15 @@ class KVHandle:
             if isinstance(exc, KVHandleError):
                 raise
             raise KVHandleError(f"malformed handle: {exc}") from None
+
+
+def log_id(transfer_id: str) -> str:
+    """What logs, error messages and traces may say about a transfer: a short one-way tag.
+
+    The transfer id itself is a bearer secret (with the request id it starts a pull), so it
+    never leaves the handle; both sides derive the same tag, which is enough to correlate.
+    """
+    return "kv-" + hashlib.blake2b(transfer_id.encode(), digest_size=6).hexdigest()
 
 
 def check_request_id(request_id: str) -> None:

@@ -32,7 +32,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferNotFound,
     KVTransferRejected,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.state import TERMINAL_STATE_FOR, ReleaseReason, TransferState
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class LeaseTable:
         entry = _Entry(handle, kv, header, self._clock() + self._cap(lease_s))
         with self._lock:
             if handle.transfer_id in self._live or handle.transfer_id in self._gone:
-                raise KVTransferRejected(f"duplicate transfer id {handle.transfer_id}")
+                raise KVTransferRejected(f"duplicate transfer {log_id(handle.transfer_id)}")
             self._live[handle.transfer_id] = entry
 
     def extend(self, transfer_id: str, request_id: str | None, seconds: float) -> float:
@@ -267,10 +267,11 @@ class LeaseTable:
     def _get(self, transfer_id: str, request_id: str | None) -> _Entry:
         entry = self._live.get(transfer_id) or self._gone.get(transfer_id)
         if entry is None:
-            raise KVTransferNotFound(f"unknown transfer {transfer_id}", transfer_id=transfer_id)
+            raise KVTransferNotFound(f"unknown transfer {log_id(transfer_id)}",
+                                     transfer_id=transfer_id)
         if request_id is not None and request_id != entry.handle.request_id:
             raise KVTransferRejected(
-                f"request id {request_id!r} does not own transfer {transfer_id}",
+                f"request id {request_id!r} does not own transfer {log_id(transfer_id)}",
                 transfer_id=transfer_id, request_id=request_id,
             )
         return entry
@@ -279,7 +280,8 @@ class LeaseTable:
         entry.state = TERMINAL_STATE_FOR[reason]
         entry.reason = reason
         entry.detail = detail
-        logger.debug("transfer %s -> %s (%s)", entry.handle.transfer_id, entry.state.name, detail)
+        logger.debug("transfer %s -> %s (%s)", log_id(entry.handle.transfer_id),
+                     entry.state.name, detail)
         aborts = list(entry.aborts.values())
         entry.aborts.clear()
         return aborts + self._release(entry)
@@ -314,7 +316,8 @@ def _state_error(entry: _Entry) -> KVTransferError:
     tid, rid = entry.handle.transfer_id, entry.handle.request_id
     detail = f" ({entry.detail})" if entry.detail else ""
     error_type, text = _STATE_ERRORS.get(entry.state, (KVTransferRejected, entry.state.name))
-    error = error_type(f"transfer {tid} {text}{detail}", transfer_id=tid, request_id=rid)
+    error = error_type(f"transfer {log_id(tid)} {text}{detail}", transfer_id=tid,
+                       request_id=rid)
     error.state = entry.state
     return error
 

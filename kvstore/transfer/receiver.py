@@ -12,6 +12,12 @@ subclass raised by the deadline; the caller falls back to recompute or fails the
 Observability: each fetch is one `pdmesh.kv_transfer` span (kind CLIENT; parent: the
 `traceparent` given, else the current span) whose context travels to the sender in the control
 messages, and one observation in the `pdmesh:kv_transfer*` metrics (direction="received").
+Spans and logs name a transfer by its `log_id`, never its id.
+
+Security (docs/SECURITY.md): `tls` puts the control channel and the tcp data plane under TLS
+and keeps this receiver off data planes without it; `token` adds the cluster token to every
+control call; `fetch(capability=...)` presents the router's capability for the transfer.
+shm is chosen only when we can prove to the sender that we read its shm directory.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import Coroutine
@@ -30,14 +35,19 @@ from typing import Any
 import grpc
 import torch
 
+from pdmesh.auth import ClusterToken, client_interceptors
+from pdmesh.grpc_common import TLSConfig
+from pdmesh.grpc_common import channel_credentials as tls_channel_credentials
 from pdmesh.kvstore.transfer.backends import (
+    TLS_SAFE_BACKENDS,
     DataPlaneClient,
     DataPlaneConfig,
     make_client,
     unavailable_reason,
 )
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
-from pdmesh.kvstore.transfer.backends.hostid import host_key
+from pdmesh.kvstore.transfer.backends.hostid import host_proof
+from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.checksum import tensor_checksum
 from pdmesh.kvstore.transfer.control import ControlClient, channel_options
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -49,7 +59,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferExpired,
     KVTransferTimeout,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.state import TransferState
 from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
 from pdmesh.tracing import (
@@ -105,31 +115,45 @@ class KVReceiver:
         config: KVReceiverConfig | None = None,
         *,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        tls: TLSConfig | None = None,
+        token: ClusterToken | None = None,
         metrics: KVTransferMetrics | None = None,
     ) -> None:
+        """`tls`: PEM files for the control channel (unless `channel_credentials` is given)
+        and the tcp data plane. `token`: the cluster token, sent on every control call."""
         self.config = config or KVReceiverConfig()
         self._metrics = metrics or kv_transfer_metrics()
+        self._preferences = self.config.backends
+        if tls is not None and tls.enabled:
+            if channel_credentials is None:
+                channel_credentials = tls_channel_credentials(tls)
+            self._preferences = tuple(b for b in self._preferences if b in TLS_SAFE_BACKENDS)
+            if not self._preferences:
+                raise ValueError(f"KV backends {self.config.backends} have no TLS; with TLS "
+                                 f"configured use {' or '.join(TLS_SAFE_BACKENDS)}")
         self._credentials = channel_credentials
-        self._host_key = host_key(os.path.realpath(self.config.shm_dir))
-        self._plane = DataPlaneConfig(shm_dir=self.config.shm_dir, grace_s=self.config.grace_s)
+        self._interceptors = client_interceptors(token)
+        self._plane = DataPlaneConfig(shm_dir=self.config.shm_dir, grace_s=self.config.grace_s,
+                                      tls=tls)
         self._executor = ThreadPoolExecutor(self.config.max_workers, "kv-recv")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._clients: dict[str, DataPlaneClient] = {}
         self._notices: set[asyncio.Task[Any]] = set()
 
     def choose_backend(self, handle: KVHandle) -> str:
-        """shm when both sides share a shm directory, else our first preference offered."""
+        """shm when we can prove we share the sender's shm directory, else our first
+        preference offered."""
         offered = set(handle.backends)
-        for name in self.config.backends:
+        for name in self._preferences:
             if name not in offered:
                 continue
-            if name == "shm" and handle.host_key != self._host_key:
+            if name == "shm" and self._host_proof(handle) is None:
                 continue
             if unavailable_reason(name) is None:
                 return name
         raise KVBackendUnavailable(
             f"no usable backend: sender offers {handle.backends}, receiver accepts "
-            f"{self.config.backends}", transfer_id=handle.transfer_id,
+            f"{self._preferences}", transfer_id=handle.transfer_id,
         )
 
     async def fetch(
@@ -140,12 +164,14 @@ class KVReceiver:
         out: torch.Tensor | None = None,
         backend: str | None = None,
         traceparent: str = "",
+        capability: TransferCapability | None = None,
     ) -> torch.Tensor:
         """Pull, verify and ack the KV of `handle`; `deadline` is a Deadline or seconds.
 
         `out`, if given, must be a contiguous tensor of the handle's layout; it is filled in
         place (and is garbage if this raises). `traceparent` parents this transfer's span
-        (default: the current span).
+        (default: the current span). `capability`: the router's grant of this transfer to us,
+        required by senders of a mesh with a cluster token (`KVTransferDenied` without it).
         """
         started = time.monotonic()
         name = backend or ""
@@ -155,7 +181,7 @@ class KVReceiver:
             kind=SpanKind.CLIENT,
             attributes={
                 "pdmesh.kv.side": "receiver",
-                "pdmesh.kv.transfer_id": handle.transfer_id,
+                "pdmesh.kv.transfer": log_id(handle.transfer_id),
                 "pdmesh.request_id": handle.request_id,
                 "pdmesh.kv.sender_address": handle.sender_address,
                 "pdmesh.kv.num_blocks": handle.layout.num_blocks,
@@ -166,7 +192,7 @@ class KVReceiver:
             name = backend or self.choose_backend(handle)
             span.set_attribute("pdmesh.kv.backend", name)
             dst = await self._fetch(
-                handle, Deadline.coerce(deadline), out, name, span_traceparent(span)
+                handle, Deadline.coerce(deadline), out, name, span_traceparent(span), capability
             )
         except BaseException as exc:
             outcome = failure_outcome(exc)
@@ -191,6 +217,7 @@ class KVReceiver:
         out: torch.Tensor | None,
         name: str,
         traceparent: str,
+        capability: TransferCapability | None = None,
     ) -> torch.Tensor:
         if name not in handle.backends:
             raise KVBackendUnavailable(f"sender does not offer backend {name!r}")
@@ -200,9 +227,10 @@ class KVReceiver:
         control = self._control(handle.sender_address)
         started = False
         try:
+            proof = (self._host_proof(handle) or "") if name == "shm" else ""
             reply = await control.start(
-                handle, name, self._host_key, deadline.remaining() + self.config.lease_margin_s,
-                deadline, traceparent,
+                handle, name, proof, deadline.remaining() + self.config.lease_margin_s,
+                deadline, traceparent, capability,
             )
             started = True
             await self._receive_watched(client, control, handle, reply.params, dst, deadline)
@@ -320,13 +348,15 @@ class KVReceiver:
         try:
             state = await control.complete(handle, False, str(exc), notice)
         except KVTransferError as notify_exc:
-            logger.debug("failure notice for %s failed: %s", handle.transfer_id, notify_exc)
+            logger.debug("failure notice for %s failed: %s", log_id(handle.transfer_id),
+                         notify_exc)
             return exc
         precise = _PRECISE_BY_STATE.get(state)
         if precise is None:
             return exc
         error = precise(
-            f"transfer {handle.transfer_id} was {state.name.lower()} by the sender ({exc})",
+            f"transfer {log_id(handle.transfer_id)} was {state.name.lower()} by the sender "
+            f"({exc})",
             transfer_id=handle.transfer_id, request_id=handle.request_id,
         )
         error.state = state
@@ -346,6 +376,9 @@ class KVReceiver:
         self._notices.add(task)
         task.add_done_callback(self._notices.discard)
 
+    def _host_proof(self, handle: KVHandle) -> str | None:
+        return host_proof(self.config.shm_dir, handle.host_key, handle.transfer_id)
+
     def _client(self, name: str) -> DataPlaneClient:
         if name not in self._clients:
             self._clients[name] = make_client(name, self._plane, self._executor)
@@ -356,8 +389,10 @@ class KVReceiver:
         if channel is None:
             options = channel_options(self.config.max_message_bytes)
             if self._credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
+                channel = grpc.aio.insecure_channel(address, options=options,
+                                                    interceptors=self._interceptors)
             else:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options,
+                                                  interceptors=self._interceptors)
             self._channels[address] = channel
         return ControlClient(channel)

@@ -12,7 +12,12 @@ thread can call them while the control plane runs on the sender's event loop.
 
 Observability: each pull is one `pdmesh.kv_transfer` span (kind SERVER) from StartTransfer to
 release, parented on the receiver's span through the control message's `traceparent`, and
-one observation in the `pdmesh:kv_transfer*` metrics (direction="sent").
+one observation in the `pdmesh:kv_transfer*` metrics (direction="sent"). Spans carry the
+transfer's `log_id`, never its id (a bearer secret).
+
+Security (docs/SECURITY.md): `tls` puts the control channel and the tcp data plane under TLS
+(mutual with a CA) and refuses data planes without TLS (ucxx, torch_dist); `token` requires
+the cluster token on the control channel and a router-signed capability in StartTransfer.
 """
 
 from __future__ import annotations
@@ -29,14 +34,22 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from pdmesh.kvstore.transfer.backends import DataPlaneConfig, DataPlaneServer, make_server
+from pdmesh import grpc_common
+from pdmesh.auth import ClusterToken, server_interceptors
+from pdmesh.grpc_common import TLSConfig
+from pdmesh.kvstore.transfer.backends import (
+    TLS_SAFE_BACKENDS,
+    DataPlaneConfig,
+    DataPlaneServer,
+    make_server,
+)
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
 from pdmesh.kvstore.transfer.backends.hostid import host_key
 from pdmesh.kvstore.transfer.backends.tcp import format_host
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, tensor_checksum
 from pdmesh.kvstore.transfer.control import KVTransferService, channel_options
 from pdmesh.kvstore.transfer.errors import KVTransferError
-from pdmesh.kvstore.transfer.handle import KVHandle, check_request_id
+from pdmesh.kvstore.transfer.handle import KVHandle, check_request_id, log_id
 from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable, ReleaseCallback
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
@@ -80,15 +93,13 @@ class _ObservedService(KVTransferService):
     """The control service, telling the sender when a pull starts (for its span and timing)."""
 
     def __init__(self, sender: KVSender, table: LeaseTable,
-                 servers: dict[str, DataPlaneServer]) -> None:
-        super().__init__(table, servers)
+                 servers: dict[str, DataPlaneServer], token: ClusterToken | None) -> None:
+        super().__init__(table, servers, token)
         self._sender = sender
 
-    async def StartTransfer(
-        self, request: pb.StartTransferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StartTransferReply:
+    def _admit(self, request: pb.StartTransferRequest, server: DataPlaneServer) -> None:
+        super()._admit(request, server)  # a refused caller starts no span and no timing
         self._sender._pull_started(request)
-        return await super().StartTransfer(request, context)
 
 
 class KVSender:
@@ -98,13 +109,25 @@ class KVSender:
         on_release: ReleaseCallback,
         *,
         server_credentials: grpc.ServerCredentials | None = None,
+        tls: TLSConfig | None = None,
+        token: ClusterToken | None = None,
         metrics: KVTransferMetrics | None = None,
     ) -> None:
+        """`tls`: PEM files for the control channel (unless `server_credentials` is given)
+        and the tcp data plane. `token`: require the cluster token and capabilities."""
         if not config.backends:
             raise ValueError("a KV sender needs at least one backend")
+        if tls is not None and tls.enabled:
+            plain = [b for b in config.backends if b not in TLS_SAFE_BACKENDS]
+            if plain:
+                raise ValueError(f"KV backends {plain} have no TLS; with TLS configured use "
+                                 f"{' or '.join(TLS_SAFE_BACKENDS)}")
+            if server_credentials is None:
+                server_credentials = grpc_common.server_credentials(tls)
         self.config = config
         self.sender_id = uuid.uuid4().hex
         self._credentials = server_credentials
+        self._token = token
         self._on_release = on_release
         self._metrics = metrics or kv_transfer_metrics()
         self._served: dict[str, _Served] = {}  # by request id; guarded by _served_lock
@@ -118,6 +141,7 @@ class KVSender:
             shm_pool_bytes=config.shm_pool_bytes,
             max_streams=config.max_streams,
             io_timeout_s=config.io_timeout_s,
+            tls=tls,
         )
         self._host_key = host_key(os.path.realpath(config.shm_dir))
         self._servers: dict[str, DataPlaneServer] = {}
@@ -142,8 +166,14 @@ class KVSender:
             server = make_server(name, self._table, self._plane)
             await server.start()
             self._servers[name] = server
-        self._service = _ObservedService(self, self._table, self._servers)
-        self._grpc = grpc.aio.server(options=channel_options(self.config.max_message_bytes))
+        challenge = getattr(self._servers.get("shm"), "challenge", None)
+        if challenge is not None:
+            self._host_key = challenge.key  # receivers prove they can read its nonce
+        self._service = _ObservedService(self, self._table, self._servers, self._token)
+        self._grpc = grpc.aio.server(
+            options=channel_options(self.config.max_message_bytes),
+            interceptors=server_interceptors(self._token),
+        )
         pb_grpc.add_KVTransferServicer_to_server(self._service, self._grpc)
         bind = f"{format_host(self.config.host)}:{self.config.port}"
         if self._credentials is None:
@@ -239,7 +269,7 @@ class KVSender:
                 attributes={
                     "pdmesh.kv.side": "sender",
                     "pdmesh.kv.backend": request.backend,
-                    "pdmesh.kv.transfer_id": request.transfer_id,
+                    "pdmesh.kv.transfer": log_id(request.transfer_id),
                     "pdmesh.request_id": request.request_id,
                     "pdmesh.kv.bytes": served.nbytes,
                 },

@@ -8,9 +8,11 @@ tests run in file order and each leaves the mesh as the next one expects:
    degraded index health, while requests are still served.
 2. Redis returns on the same port, empty: every instance registers again and republishes the
    blocks it holds, so `index_up` is 1 again and prefix routing has its data back.
-3. The only prefill instance dies: requests cannot be served (local prefill is off), so the
-   router's health for pdmesh.v1.Router is NOT_SERVING and the gateway's /health answers 503
-   saying why; a new prefill instance joining through the registry makes both healthy again.
+3. The only prefill instance dies: the mesh keeps serving, every prompt prefilled on the decode
+   instance (issue 10), and health stays SERVING / 200 (saying it is degraded). Then the only
+   decode instance dies too: nothing can be served, so the router's health for
+   pdmesh.v1.Router is NOT_SERVING and the gateway's /health answers 503 saying why; a new
+   decode instance joining through the registry makes both healthy again.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.engine.block_hash import HashScheme, hash_token_blocks
-from pdmesh.grpc_common import PRESENCE_HEALTH_NAME
+from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME
 from pdmesh.kvstore.instance_registry import InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
-from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -239,11 +241,28 @@ def test_redis_back_empty_instances_reregister_and_republish(
                         "pdmesh:router_index_lookups_total", outcome="ok") > lookups_ok
 
 
-def test_health_goes_503_when_no_prefill_instance_is_left(mesh: Mesh) -> None:
+def test_without_prefill_decode_prefills_and_503_only_without_decode(mesh: Mesh) -> None:
     assert httpx.get(f"{mesh.gateway}/health", timeout=10).status_code == 200
     assert mesh.status().serving
-    prefill = mesh.local.prefill[0]
-    prefill.kill()
+    mesh.local.prefill[0].kill()
+
+    # The only prefill instance is gone: degraded, still serving (decode prefills).
+    wait_for(lambda: not next(i for i in mesh.status().instances
+                              if i.role == engine_pb2.ROLE_PREFILL).healthy,
+             "the dead prefill out of routing", timeout_s=15)
+    assert httpx.get(f"{mesh.gateway}/health", timeout=10).status_code == 200
+    assert mesh.router_health("pdmesh.v1.Router") == SERVING
+    status = mesh.status()
+    assert status.serving and "no live prefill instance" in status.serving_detail
+    result = mesh.generate()
+    assert result.usage.completion_tokens == 4
+    assert result.served_by.prefill_instance_id == result.served_by.decode_instance_id
+    completion = httpx.post(f"{mesh.gateway}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert completion.status_code == 200, completion.text
+
+    # No decode-capable instance either: now nothing can be served.
+    mesh.local.decode[0].kill()
 
     def gateway_unhealthy() -> httpx.Response | None:
         resp = httpx.get(f"{mesh.gateway}/health", timeout=10)
@@ -252,11 +271,11 @@ def test_health_goes_503_when_no_prefill_instance_is_left(mesh: Mesh) -> None:
     resp = wait_for(gateway_unhealthy, "gateway /health 503", timeout_s=15)
     body = resp.json()
     assert body["status"] == "unavailable"
-    assert "prefill" in body["reason"], body
+    assert "decode" in body["reason"], body
     assert mesh.router_health("pdmesh.v1.Router") == NOT_SERVING
     assert mesh.router_health("") == SERVING  # the process is fine: liveness must not fail
     status = mesh.status()
-    assert not status.serving and "prefill" in status.serving_detail
+    assert not status.serving and "decode" in status.serving_detail
     # What health says is what requests get.
     with pytest.raises(grpc.RpcError) as info:
         mesh.generate()
@@ -265,8 +284,8 @@ def test_health_goes_503_when_no_prefill_instance_is_left(mesh: Mesh) -> None:
         "model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert completion.status_code == 503
 
-    # A new prefill instance joins through the registry: serving again.
-    fresh = Child("prefill-new", pdmesh_command("prefill", *mesh.local.engine_args("prefill")))
+    # A new decode instance joins through the registry: serving again, still without prefill.
+    fresh = Child("decode-new", pdmesh_command("decode", *mesh.local.engine_args("decode")))
     try:
         fresh.wait_ready(timeout_s=180)
         wait_for(lambda: httpx.get(f"{mesh.gateway}/health", timeout=10).status_code == 200,

@@ -16,6 +16,7 @@ from typing import TypeVar
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
 from pdmesh.router.local_mesh import Child, pdmesh_command
@@ -58,15 +59,13 @@ def segments_of(pid: int) -> list[str]:
 
 
 def counter(text: str, name: str, **labels: str) -> float:
-    """The value of one Prometheus sample (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        metric, _, raw_labels = sample.partition("{")
-        got = ",".join(sorted(raw_labels.rstrip("}").split(","))) if raw_labels else ""
-        if metric == name and got == want:
-            return float(value)
-    return 0.0
+    """The sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 @pytest.fixture(scope="module")

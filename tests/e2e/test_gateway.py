@@ -8,6 +8,7 @@ Answers are checked against `pdmesh.LLM` greedy output on the same weights.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from pdmesh.auth import METADATA_KEY, TOKEN_ENV
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.config import GatewayConfig
@@ -32,6 +34,10 @@ MAX_TOKENS = 12
 PROMPTS = ["The three primary colors are", "Paris is the capital of"]
 CHAT = [{"role": "user", "content": "Name a fruit."}]
 KV_MEMORY = "96MiB"
+CLUSTER_TOKEN = "gateway-test-cluster-token"
+"""Given to `pdmesh serve` (which otherwise makes one per run) so this module's own router and
+direct engine calls can authenticate to its engines."""
+ENV = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN}
 
 
 def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
@@ -62,7 +68,8 @@ class Mesh:
             stub_cls = (engine_pb2_grpc.PrefillStub if inst.role == engine_pb2.ROLE_PREFILL
                         else engine_pb2_grpc.DecodeStub)
             with grpc.insecure_channel(inst.address) as channel:
-                out.append(stub_cls(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5))
+                out.append(stub_cls(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5,
+                                                     metadata=((METADATA_KEY, CLUSTER_TOKEN),)))
         return out
 
 
@@ -71,7 +78,7 @@ def mesh() -> Iterator[Mesh]:
     """`pdmesh serve` with its gateway, as a user starts it (free ports, an API key)."""
     serve = Child("serve", pdmesh_command(
         "serve", "--num-prefill", "1", "--num-decode", "1", "--kv-cache-memory", KV_MEMORY,
-        "--local-prefill-threshold", "0", "--gateway-port", "0", "--api-key", API_KEY))
+        "--local-prefill-threshold", "0", "--gateway-port", "0", "--api-key", API_KEY), env=ENV)
     try:
         router = serve.wait_ready(timeout_s=240)
         url = next(p for p in serve.ready_line.split() if p.startswith("gateway="))
@@ -331,12 +338,13 @@ def test_overload_is_429_with_retry_after(mesh: Mesh) -> None:
     addresses = [a for inst in mesh.instances() for a in (roles[inst.role], inst.address)]
     router = Child("router-limited", pdmesh_command(
         "router", "--port", "0", "--max-concurrent-requests", "1", "--max-queued-requests", "0",
-        "--local-prefill-threshold", "0", *addresses))
+        "--local-prefill-threshold", "0", *addresses), env=ENV)
     gateway: Child | None = None
     try:
         address = router.wait_ready(timeout_s=60)
         gateway = Child("gateway-limited", pdmesh_command(
-            "gateway", "--router-address", address, "--port", "0", "--api-key", API_KEY))
+            "gateway", "--router-address", address, "--port", "0", "--api-key", API_KEY),
+            env=ENV)
         base = f"http://{gateway.wait_ready(timeout_s=60)}"
         body = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as http, _stream_lines(

@@ -18,7 +18,7 @@ import pytest
 
 from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
-from pdmesh.grpc_common import Backoff, ClusterPresence
+from pdmesh.engine_svc.presence import Backoff, ClusterPresence
 from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection

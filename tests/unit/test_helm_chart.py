@@ -29,9 +29,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdmesh.decode_svc.config import DecodeConfig, EngineServiceConfig
+from pdmesh.config import parse_config
+from pdmesh.decode_svc.config import DecodeConfig
+from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
-from pdmesh.grpc_common import parse_config
 from pdmesh.prefill_svc.config import PrefillConfig
 from pdmesh.router.config import RouterConfig, parse_router_config
 
@@ -531,6 +532,42 @@ def test_services_select_their_pods_and_engine_services_are_headless(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [
+        ("default", ()),
+        ("model-pvc-colocated", ()),
+        ("default", ("--set", "decode.drainTimeoutSeconds=120",
+                     "--set", "decode.preStopSleepSeconds=0",
+                     "--set", "router.drainTimeoutSeconds=5")),
+    ],
+)
+def test_grace_period_covers_prestop_and_drain(render, variant: str, extra: tuple[str, ...]
+                                               ) -> None:
+    """The kubelet never SIGKILLs a drain: each pod's grace is its preStop sleep + the drain
+    timeout its processes read (PDMESH_DRAIN_TIMEOUT_S) + a margin, and every container of the
+    pod (the gateway sidecar too) drains for that long."""
+    manifests = render(variant, *extra)
+    values = load_values(variant)
+    for i in range(0, len(extra), 2):
+        path, value = extra[i + 1].split("=")
+        component, key = path.split(".")
+        values[component][key] = int(value)
+    for component in ("router", "prefill", "decode"):
+        v = values[component]
+        pod = workload(manifests, component)["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == (
+            v["preStopSleepSeconds"] + v["drainTimeoutSeconds"] + 15), component
+        for name, c in containers(workload(manifests, component)).items():
+            assert float(resolved_env(c)["PDMESH_DRAIN_TIMEOUT_S"]) == v["drainTimeoutSeconds"]
+            pre_stop = c.get("lifecycle", {}).get("preStop")
+            if v["preStopSleepSeconds"]:
+                assert pre_stop == {"sleep": {"seconds": v["preStopSleepSeconds"]}}, name
+            else:
+                assert pre_stop is None, name
+
+
+@pytest.mark.slow
 def test_replica_counts(render) -> None:
     manifests = render("replicas-2x3")
     counts = {
@@ -631,6 +668,11 @@ def test_autoscaling_takes_over_replicas_and_servicemonitor_renders(render) -> N
     monitor = next(iter(monitors.values()))
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     check_service_monitor(monitor, manifests)
+    dashboards = by_kind(manifests, "ConfigMap")
+    dashboard = dashboards[f"{RELEASE}-pdmesh-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's label
+    assert json.loads(dashboard["data"]["pdmesh.json"]) == json.loads(
+        (CHART / "dashboards" / "pdmesh.json").read_text())
 
 
 @pytest.mark.slow

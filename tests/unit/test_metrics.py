@@ -40,20 +40,21 @@ def state(**overrides: object) -> EngineState:
 
 def test_every_metric_of_every_service_has_the_prefix_and_its_values() -> None:
     r = CollectorRegistry()
-    engine = engine_metrics("decode", r)
+    engine = engine_metrics("decode", r, model_name="smol")
     kv = kv_transfer_metrics(r)
     router = router_metrics(r)
-    r.register(EngineCollector("decode", state))
+    r.register(EngineCollector("decode", state, model_name="smol"))
     r.register(RouterCollector(lambda: RouterState(
         running=1, queued=0, inflight_tokens=50,
         instances=[("decode", True), ("prefill", False)], index_up=False)))
     engine.request_finished(outcome="stop", prompt_tokens=10, generation_tokens=5, ttft_s=0.1,
                             e2e_s=0.5, queue_s=0.01)
+    engine.inter_token(0.02)
     kv.observe("received", "shm", 4096, 0.002, "ok")
     kv.observe("received", "tcp", 0, 0.0, "timeout")
     router.routing_decisions.labels("prefix_aware", "decode", "cached_prefix").inc()
     got = samples(r)
-    role = frozenset({("role", "decode")})
+    role = frozenset({("model_name", "smol"), ("role", "decode")})
     assert got[("pdmesh:prefix_cache_hits_total", role)] == 64
     assert got[("pdmesh:prefix_cache_queries_total", role)] == 100
     assert got[("pdmesh:kv_cache_usage_ratio", role)] == 0.25
@@ -62,6 +63,7 @@ def test_every_metric_of_every_service_has_the_prefix_and_its_values() -> None:
     assert got[("pdmesh:index_up", frozenset())] == 0
     assert got[("pdmesh:time_per_output_token_seconds_sum", role)] == pytest.approx(0.1)
     assert got[("pdmesh:generation_tokens_total", role)] == 5
+    assert got[("pdmesh:inter_token_latency_seconds_count", role)] == 1
     sent = frozenset({("direction", "received"), ("backend", "shm")})
     assert got[("pdmesh:kv_transfer_bytes_total", sent)] == 4096
     assert got[("pdmesh:kv_transfer_failures_total",
@@ -89,13 +91,16 @@ def test_no_redis_means_no_index_gauge() -> None:
 
 def test_the_endpoint_serves_the_registry_and_refuses_a_taken_port() -> None:
     r = CollectorRegistry()
-    engine_metrics("prefill", r).requests.labels("prefill", "exported").inc()
+    engine_metrics("prefill", r, model_name="smol").request_finished(
+        outcome="exported", prompt_tokens=3, generation_tokens=1, ttft_s=0.1, e2e_s=0.1,
+        queue_s=None)
     endpoint = start_metrics_server("127.0.0.1", 0, r)
     try:
         assert endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
         with urllib.request.urlopen(endpoint.url, timeout=5) as resp:
             body = resp.read().decode()
-        assert 'pdmesh:requests_total{outcome="exported",role="prefill"} 1.0' in body
+        assert ('pdmesh:requests_total{model_name="smol",outcome="exported",role="prefill"} 1.0'
+                in body)
         with pytest.raises(OSError, match="--metrics-port"):
             start_metrics_server("127.0.0.1", endpoint.port, r)
     finally:

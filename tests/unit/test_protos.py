@@ -400,7 +400,8 @@ def test_engine_info_and_load_round_trip() -> None:
         (
             router_pb2,
             "Router",
-            {"Generate": True, "Tokenize": False, "ListModels": False, "GetStatus": False},
+            {"Generate": True, "Tokenize": False, "Detokenize": False, "ListModels": False,
+             "GetStatus": False},
         ),
         (
             engine_pb2,

@@ -1,8 +1,9 @@
 """InstancePool.servability: can the router route a request now? (issue 12, item 5)
 
 The router's health for pdmesh.v1.Router and the gateway's /health follow this, so it must say
-"no" exactly when the orchestrator would refuse every request needing a missing role, and "yes"
-whenever one live instance combination can serve.
+"no" exactly when the orchestrator would refuse every request (no live decode-capable
+instance), and "yes" whenever one can serve, prefilling on decode when no prefill instance is
+live (issue 10).
 """
 
 from __future__ import annotations
@@ -37,35 +38,34 @@ async def pool_of(*instances: tuple[str, bool]) -> InstancePool:
 
 async def test_needs_a_live_decode_instance() -> None:
     pool = await pool_of(("prefill", True), ("decode", False))
-    servable = pool.servability(local_prefill_threshold=256)
+    servable = pool.servability()
     assert not servable.serving
     assert "no live decode instance" in servable.detail
     assert "polls failing" in servable.detail  # says which instance and why
     await pool.stop()
 
 
-async def test_needs_a_live_prefill_instance_unless_decode_prefills_everything() -> None:
+async def test_without_a_live_prefill_instance_decode_prefills_and_serves() -> None:
+    """Degraded, not down: the orchestrator plans every request with local prefill."""
     pool = await pool_of(("prefill", False), ("decode", True))
-    off = pool.servability(local_prefill_threshold=0)
-    assert not off.serving and "no live prefill instance" in off.detail
-    assert "local prefill is off" in off.detail
-    # Short prompts are still prefilled on decode, long ones are refused: not serving.
-    some = pool.servability(local_prefill_threshold=256)
-    assert not some.serving and "fewer than 256 uncached tokens" in some.detail
-    # Every prompt is shorter than the model length: decode prefills all of them.
-    assert pool.servability(local_prefill_threshold=MAX_LEN).serving
+    servable = pool.servability()
+    assert servable.serving
+    assert "no live prefill instance" in servable.detail
+    assert "prefilled on decode" in servable.detail
+    assert "polls failing" in servable.detail
     await pool.stop()
 
 
 async def test_live_pair_or_colocated_instance_serves() -> None:
     pair = await pool_of(("prefill", True), ("decode", True))
-    assert pair.servability(local_prefill_threshold=0).serving
-    assert pair.servability(local_prefill_threshold=0).detail == ""
+    assert pair.servability().serving
+    assert pair.servability().detail == ""
     await pair.stop()
     # A colocated instance prefills for any decode instance and decodes itself.
     mixed = await pool_of(("decode", True), ("colocated", True), ("prefill", False))
-    assert mixed.servability(local_prefill_threshold=0).serving
+    assert mixed.servability().serving
+    assert mixed.servability().detail == ""
     await mixed.stop()
     nothing = await pool_of()
-    assert not nothing.servability(local_prefill_threshold=0).serving
+    assert not nothing.servability().serving
     await nothing.stop()

@@ -51,7 +51,7 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      terminationGracePeriodSeconds: {{ include "pdmesh.terminationGracePeriodSeconds" $v }}
       {{- with (include "pdmesh.modelInitContainer" .) }}
       initContainers:
         {{- . | trim | nindent 8 }}
@@ -107,7 +107,12 @@ spec:
               value: {{ ternary "cuda" $v.device (gt $gpu 0) | quote }}
             - name: PDMESH_DTYPE
               value: {{ $root.Values.engine.dtype | quote }}
+            - name: PDMESH_ENABLE_PREFIX_CACHING
+              value: {{ $root.Values.engine.enablePrefixCaching | quote }}
+            - name: PDMESH_SEED
+              value: {{ $root.Values.engine.seed | quote }}
             {{- include "pdmesh.metricsEnv" (dict "root" $root "port" $v.metricsPort) | nindent 12 }}
+            {{- include "pdmesh.drainEnv" $v | nindent 12 }}
             {{- include "pdmesh.otelEnv" (dict "root" $root "service" .component) | trim | nindent 12 }}
             {{- with $v.env }}
             {{- include "pdmesh.extraEnv" . | trim | nindent 12 }}
@@ -125,6 +130,9 @@ spec:
             {{- . | trim | nindent 12 }}
             {{- end }}
           {{- include "pdmesh.grpcProbes" (dict "root" $root "port" $v.port) | trim | nindent 10 }}
+          {{- with (include "pdmesh.preStop" $v) }}
+          {{- . | trim | nindent 10 }}
+          {{- end }}
           volumeMounts:
             {{- include "pdmesh.modelMounts" $root | nindent 12 }}
           resources:

@@ -17,6 +17,10 @@ from pdmesh.kvstore.transfer.backends.base import (
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable
 from pdmesh.kvstore.transfer.lease import LeaseTable
 
+TLS_SAFE_BACKENDS = ("shm", "tcp")
+"""Data planes allowed on a TLS mesh: shm never leaves the host, tcp speaks TLS. ucxx and
+torch_dist have no TLS here, so a sender with TLS refuses them and a receiver skips them."""
+
 _MODULES = {
     "shm": "pdmesh.kvstore.transfer.backends.shm",
     "tcp": "pdmesh.kvstore.transfer.backends.tcp",
@@ -59,6 +63,7 @@ def make_client(
 
 
 __all__ = [
+    "TLS_SAFE_BACKENDS",
     "DataPlaneClient",
     "DataPlaneConfig",
     "DataPlaneServer",

@@ -30,6 +30,7 @@ from typing import ClassVar, TypeVar
 
 import torch
 
+from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVTransferTimeout
 from pdmesh.kvstore.transfer.handle import KVHandle
@@ -51,6 +52,7 @@ class DataPlaneConfig:
     io_timeout_s: float = 30.0         # bound on any single blocking socket step
     grace_s: float = 2.0               # how long an aborted worker may take to stop
     shm_pool_bytes: int = 1 << 30      # free shm segments kept for reuse
+    tls: TLSConfig | None = None       # socket data planes: TLS (mutual with a CA) when set
 
 
 class DataPlaneServer(abc.ABC):
@@ -64,6 +66,14 @@ class DataPlaneServer(abc.ABC):
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bind listeners; called once from the sender's event loop."""
+
+    def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:
+        """Why this data plane will not serve the caller of StartTransfer, or None to serve.
+
+        Checked before the transfer starts, so a refused caller consumes nothing. `shm` uses
+        it to demand proof that the receiver shares its shm directory.
+        """
+        return None
 
     @abc.abstractmethod
     async def prepare(self, grant: Grant) -> dict[str, str]:

@@ -1,15 +1,31 @@
-"""Identity of "the same host" for shared memory.
+"""Identity of "the same host" for shared memory, and the proof a receiver gives of it.
 
 Two processes can share a segment only if they see the same shm directory: same kernel
 (boot id) and the same mounted filesystem (device and inode of the directory). Containers on
 one host with private /dev/shm mounts therefore get different keys and fall back to tcp.
+
+The key alone is only a claim: anybody can copy it. So a sender that serves shm also keeps a
+*nonce file* (random bytes, mode 0600) in its shm directory and names it in the handle's host
+key; a receiver proves that it reads the same directory by sending HMAC(nonce, transfer id),
+which only a process that can open that file can compute (`HostChallenge.verify`,
+`host_proof`). The file follows the shm segment naming, so the sweeps that remove segments of
+dead processes remove it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import os
+import re
+import secrets
 import socket
+import uuid
 from functools import cache
+
+NONCE_BYTES = 32
+_NONCE_NAME = re.compile(r"pdmesh-kv-\d+-\d+-[0-9a-f]{32}")
 
 
 @cache
@@ -33,3 +49,51 @@ def pid_namespace() -> str:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         return "0"
+
+
+def _proof(nonce: bytes, transfer_id: str) -> str:
+    return hmac.new(nonce, transfer_id.encode(), hashlib.sha256).hexdigest()
+
+
+class HostChallenge:
+    """The sender's nonce file; `key` goes into every handle it publishes."""
+
+    def __init__(self, shm_dir: str) -> None:
+        self._dir = os.path.realpath(shm_dir)
+        name = f"pdmesh-kv-{pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex}"
+        self._path = os.path.join(self._dir, name)
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, self._nonce)
+        finally:
+            os.close(fd)
+        self.key = f"{host_key(self._dir)}/{name}"
+
+    def verify(self, transfer_id: str, proof: str) -> bool:
+        """Constant-time check of a receiver's `host_proof` for `transfer_id`."""
+        expected = _proof(self._nonce, transfer_id).encode()
+        return hmac.compare_digest(expected, proof.encode("ascii", "replace"))
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+
+
+def host_proof(shm_dir: str, sender_key: str, transfer_id: str) -> str | None:
+    """The proof that we read the sender's shm directory, or None if we cannot."""
+    base, _, name = sender_key.rpartition("/")
+    directory = os.path.realpath(shm_dir)
+    if base != host_key(directory) or not _NONCE_NAME.fullmatch(name):
+        return None  # another host or another shm mount: do not even look
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        nonce = os.read(fd, NONCE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(nonce) != NONCE_BYTES:
+        return None
+    return _proof(nonce, transfer_id)

@@ -10,6 +10,9 @@ Released segments go back to a bounded pool: writing into fresh tmpfs pages cost
 (and zeroing) per 4 KiB, which made cold segments slower than TCP. Reuse is safe because a
 receiver checks the header's transfer id before copying and the checksum after. At start
 the sender removes segment files left by dead processes of its own pid namespace.
+
+Only a receiver that proves it reads this shm directory is served (`hostid.HostChallenge`):
+a remote caller could not read a segment anyway, but must not make us write one either.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pdmesh.kvstore.transfer.backends.base import (
     DataPlaneServer,
     run_blocking,
 )
-from pdmesh.kvstore.transfer.backends.hostid import pid_namespace
+from pdmesh.kvstore.transfer.backends.hostid import HostChallenge, pid_namespace
 from pdmesh.kvstore.transfer.checksum import tensor_bytes
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -42,7 +45,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferTimeout,
     KVWireError,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.lease import Grant
 from pdmesh.kvstore.transfer.wire import (
     MAX_HEADER_BYTES,
@@ -128,6 +131,12 @@ class Server(DataPlaneServer):
         if removed:
             logger.info("removed %d stale KV segments from %s", removed, directory)
         self._pool = _SegmentPool(directory, self.config.shm_pool_bytes)
+        self.challenge = HostChallenge(directory)
+
+    def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:
+        if self.challenge.verify(transfer_id, receiver_proof):
+            return None
+        return "shm is served only to receivers that prove they share this host's shm directory"
 
     async def prepare(self, grant: Grant) -> dict[str, str]:
         aborted = threading.Event()
@@ -137,12 +146,13 @@ class Server(DataPlaneServer):
             deadline=Deadline.after(self.config.io_timeout_s),
             grace_s=self.config.grace_s,
             executor=None,
-            what=f"shm write of {grant.transfer_id}",
+            what=f"shm write of {log_id(grant.transfer_id)}",
         )
         return {"path": path}
 
     async def close(self) -> None:
         self._pool.close()
+        self.challenge.close()
 
     def _write(self, grant: Grant, aborted: threading.Event) -> str:
         with self.table.reading(grant.transfer_id, grant.token, abort=aborted.set) as src:
@@ -176,7 +186,7 @@ class Client(DataPlaneClient):
             deadline=deadline,
             grace_s=self.config.grace_s,
             executor=self.executor,
-            what=f"shm read of {handle.transfer_id}",
+            what=f"shm read of {log_id(handle.transfer_id)}",
         )
 
     def _checked_path(self, path: str) -> str:

@@ -1,10 +1,16 @@
-"""Plain TCP data plane: one connection per transfer, payload received in place.
+"""TCP data plane: one connection per transfer, payload received in place, TLS when configured.
 
 The receiver connects to the sender's listener, presents the transfer id and the one-time
 token from StartTransfer, and reads the wire header and then the payload with `recv_into`
 straight into the destination tensor's memory (no intermediate buffer). Blocking sockets in
 worker threads: the copies happen in the kernel with the GIL released, which on CPU hosts
 beats an event-loop driven stream.
+
+With TLS (`DataPlaneConfig.tls`, the gRPC hops' certificates) every connection is TLS, mutual
+when a CA is given (`backends/tls.py`): the sender refuses plaintext (the handshake fails and
+the connection is closed before a byte of KV is read) and the receiver never falls back to it.
+The handshake runs in the per-connection worker, so a slow or silent client cannot stall the
+accept loop.
 """
 
 from __future__ import annotations
@@ -12,22 +18,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Executor
 
 import torch
 
-from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer, run_blocking
+from pdmesh.kvstore.transfer.backends.base import (
+    DataPlaneClient,
+    DataPlaneConfig,
+    DataPlaneServer,
+    run_blocking,
+)
+from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
 from pdmesh.kvstore.transfer.checksum import tensor_bytes
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
+    KVBackendUnavailable,
     KVSenderUnavailable,
     KVTransferError,
     KVTransferTimeout,
     KVWireError,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.lease import Grant
 from pdmesh.kvstore.transfer.wire import (
     FIXED_HEADER_BYTES,
@@ -55,9 +70,11 @@ class Server(DataPlaneServer):
     name = "tcp"
 
     _sock: socket.socket | None = None
+    _tls: ssl.SSLContext | None = None
     _accept_thread: threading.Thread | None = None
 
     async def start(self) -> None:
+        self._tls = server_context(self.config.tls)
         self._sock = socket.create_server((self.config.host, 0), backlog=128)
         self._port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(self.config.max_streams)
@@ -70,7 +87,11 @@ class Server(DataPlaneServer):
         self._accept_thread.start()
 
     async def prepare(self, grant: Grant) -> dict[str, str]:
-        return {"host": self.config.advertise_host, "port": str(self._port), "token": grant.token}
+        params = {"host": self.config.advertise_host, "port": str(self._port),
+                  "token": grant.token}
+        if self._tls is not None:
+            params["tls"] = "1"
+        return params
 
     async def close(self) -> None:
         if self._sock is None:
@@ -109,6 +130,12 @@ class Server(DataPlaneServer):
         try:
             conn.settimeout(self.config.io_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                # Wrapped here, not in the accept loop: the handshake is bounded by the
+                # timeout above and a plaintext client fails it before we read anything.
+                conn = self._tls.wrap_socket(conn, server_side=True,
+                                             do_handshake_on_connect=False)
+                conn.do_handshake()
             magic, tid_len, token_len = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
             if magic != _REQUEST_MAGIC or tid_len > _MAX_ID or token_len > _MAX_ID:
                 raise KVWireError("bad data-plane request")
@@ -119,7 +146,8 @@ class Server(DataPlaneServer):
                 conn.sendall(src.header)
                 conn.sendall(tensor_bytes(kv))
         except (OSError, KVTransferError, UnicodeDecodeError) as exc:
-            # The receiver learns the reason from the control plane; here we only log.
+            # The receiver learns the reason from the control plane; here we only log
+            # (ssl.SSLError is an OSError: plaintext or untrusted clients end here).
             logger.debug("tcp send ended early: %s", exc)
         finally:
             conn.close()
@@ -131,6 +159,10 @@ class Server(DataPlaneServer):
 class Client(DataPlaneClient):
     name = "tcp"
 
+    def __init__(self, config: DataPlaneConfig, executor: Executor | None = None) -> None:
+        super().__init__(config, executor)
+        self._tls = client_context(config.tls)
+
     async def receive(
         self,
         handle: KVHandle,
@@ -139,8 +171,19 @@ class Client(DataPlaneClient):
         deadline: Deadline,
     ) -> None:
         host, port, token = params["host"], int(params["port"]), params["token"]
+        tls = self._tls
+        if tls is None and params.get("tls") == "1":
+            raise KVBackendUnavailable(
+                "the sender's tcp data plane requires TLS; configure --tls-cert/--tls-key "
+                "(and --tls-ca) on this instance too",
+                transfer_id=handle.transfer_id, request_id=handle.request_id,
+            )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        if tls is not None:
+            # Wrapped before connecting so `_shutdown` (the abort) acts on the same socket;
+            # the handshake, host-name check included, happens in connect().
+            sock = tls.wrap_socket(sock, server_hostname=host.strip("[]"))
         try:
             await run_blocking(
                 lambda: _pull(sock, (host, port), handle, token, out, deadline),
@@ -148,7 +191,7 @@ class Client(DataPlaneClient):
                 deadline=deadline,
                 grace_s=self.config.grace_s,
                 executor=self.executor,
-                what=f"tcp receive of {handle.transfer_id}",
+                what=f"tcp receive of {log_id(handle.transfer_id)}",
             )
         finally:
             sock.close()
@@ -174,7 +217,8 @@ def _pull(
         _recv_into_exact(sock, tensor_bytes(out), deadline)
     except TimeoutError:
         raise KVTransferTimeout(
-            f"tcp receive of {handle.transfer_id} timed out", transfer_id=handle.transfer_id,
+            f"tcp receive of {log_id(handle.transfer_id)} timed out",
+            transfer_id=handle.transfer_id,
             request_id=handle.request_id,
         ) from None
     except OSError as exc:
@@ -205,5 +249,8 @@ def _recv_into_exact(sock: socket.socket, view: memoryview, deadline: Deadline |
 
 
 def _shutdown(sock: socket.socket) -> None:
+    """Stop a socket another thread is using. For a TLS socket this must be the *socket's*
+    shutdown: `SSLSocket.shutdown` first drops the TLS layer, and a concurrent `send` would
+    then write plaintext."""
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)

@@ -26,7 +26,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferTimeout,
     KVWireError,
 )
-from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.lease import Grant
 from pdmesh.kvstore.transfer.wire import MAX_HEADER_BYTES, check_header, decode_header
 
@@ -116,7 +116,8 @@ class Server(DataPlaneServer):
                 # Keep the store up until the receiver has everything it needs from it.
                 scoped.wait(["done"], _timeout(seconds))
         except (RuntimeError, KVTransferError) as exc:
-            logger.debug("torch_dist send of %s ended early: %s", grant.transfer_id, exc)
+            logger.debug("torch_dist send of %s ended early: %s", log_id(grant.transfer_id),
+                         exc)
         finally:
             del store
             with self._lock:
@@ -151,7 +152,7 @@ class Client(DataPlaneClient):
             deadline=deadline,
             grace_s=0.0,  # after abort() the worker can no longer touch `out`
             executor=self.executor,
-            what=f"torch_dist receive of {handle.transfer_id}",
+            what=f"torch_dist receive of {log_id(handle.transfer_id)}",
         )
 
 

@@ -143,30 +143,46 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class RemotePrefill(_message.Message):
-    __slots__ = ("kv", "first", "cached_prompt_tokens")
+    __slots__ = ("kv", "first", "cached_prompt_tokens", "capability")
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_transfer_pb2.KVHandle
     first: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceDelta]
     cached_prompt_tokens: int
-    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    capability: _kv_transfer_pb2.TransferCapability
+    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., capability: _Optional[_Union[_kv_transfer_pb2.TransferCapability, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "remote_prefill", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     priority: int
     remote_prefill: RemotePrefill
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+    resume: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resume: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ...) -> None: ...
+
+class ResumedSequence(_message.Message):
+    __slots__ = ("index", "token_ids", "text", "finished")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("delta", "result")
@@ -177,13 +193,15 @@ class DecodeResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[DecodeResult, _Mapping]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("usage", "prompt_logprobs", "timing", "instance_id")
+    __slots__ = ("usage", "prompt_logprobs", "timing", "instance_id", "kv_load_fallback")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     timing: _common_pb2.Timing
     instance_id: str
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    kv_load_fallback: str
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ..., kv_load_fallback: _Optional[str] = ...) -> None: ...

@@ -75,21 +75,33 @@ class KVHandle(_message.Message):
     checksum: int
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., host_key: _Optional[str] = ..., sender_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
+class TransferCapability(_message.Message):
+    __slots__ = ("receiver_id", "expires_unix_ms", "mac")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    expires_unix_ms: int
+    mac: str
+    def __init__(self, receiver_id: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., mac: _Optional[str] = ...) -> None: ...
+
 class StartTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "backend", "receiver_host_key", "lease_ms", "traceparent")
+    __slots__ = ("transfer_id", "request_id", "backend", "receiver_host_key", "lease_ms", "traceparent", "capability")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_HOST_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     backend: str
     receiver_host_key: str
     lease_ms: int
     traceparent: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., backend: _Optional[str] = ..., receiver_host_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    capability: TransferCapability
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., backend: _Optional[str] = ..., receiver_host_key: _Optional[str] = ..., lease_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., capability: _Optional[_Union[TransferCapability, _Mapping]] = ...) -> None: ...
 
 class StartTransferReply(_message.Message):
     __slots__ = ("state", "params", "lease_remaining_ms")

@@ -45,6 +45,11 @@ class RouterStub:
                 request_serializer=pdmesh_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdmesh.v1.Router/Detokenize',
+                request_serializer=pdmesh_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pdmesh.v1.Router/ListModels',
                 request_serializer=pdmesh_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
@@ -71,6 +76,13 @@ class RouterServicer:
 
     def Tokenize(self, request, context):
         """Tokenizes text or a chat conversation exactly as Generate would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text with the served model's tokenizer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,6 +115,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pdmesh_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pdmesh_dot_v1_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_router__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -170,6 +187,33 @@ class Router:
             '/pdmesh.v1.Router/Tokenize',
             pdmesh_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
             pdmesh_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Router/Detokenize',
+            pdmesh_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            pdmesh_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
-"""Engine objects <-> pdmesh.v1 messages, shared by the prefill and decode services.
+"""The one proto <-> engine codec: engine objects <-> pdmesh.v1 messages.
 
-Kept in one place so both roles produce byte-identical logprobs, finishes and text deltas:
-the proto contract says usage and logprobs must not depend on where a request ran.
+Used by the router and both engine roles. Kept in one place so sampling parameters are parsed
+by one set of rules everywhere, and both roles produce byte-identical logprobs, finishes and
+text deltas: the proto contract says usage and logprobs must not depend on where a request ran.
 """
 
 from __future__ import annotations
@@ -15,33 +16,49 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.v1 import common_pb2
 
 
+class SamplingError(ValueError):
+    """A sampling field the engine rejects. `str()` is the engine's message (it starts with the
+    field's name); `field` is the field's path in a request (`sampling.top_p`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.field = "sampling." + message.split(" ", 1)[0].split("[", 1)[0]
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> engine params; ValueError names the offending field (-> INVALID_ARGUMENT)."""
+    """Proto -> engine params; `SamplingError` names the offending field (-> INVALID_ARGUMENT).
+
+    `max_tokens` stays None when unset ("up to the context limit"): the router resolves it once
+    the prompt length is known and forwards the resolved value to the engines.
+    """
 
     def opt(name: str, default: object) -> object:
         return getattr(msg, name) if msg.HasField(name) else default
 
-    return SamplingParams(
-        n=msg.n or 1,
-        temperature=opt("temperature", 1.0),  # type: ignore[arg-type]
-        top_p=opt("top_p", 1.0),  # type: ignore[arg-type]
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        repetition_penalty=opt("repetition_penalty", 1.0),  # type: ignore[arg-type]
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        logit_bias=dict(msg.logit_bias) or None,
-        seed=opt("seed", None),  # type: ignore[arg-type]
-        stop=list(msg.stop) or None,
-        stop_token_ids=list(msg.stop_token_ids) or None,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        ignore_eos=msg.ignore_eos,
-        max_tokens=opt("max_tokens", None),  # type: ignore[arg-type]
-        min_tokens=msg.min_tokens,
-        logprobs=opt("logprobs", None),  # type: ignore[arg-type]
-        prompt_logprobs=opt("prompt_logprobs", None),  # type: ignore[arg-type]
-        skip_special_tokens=opt("skip_special_tokens", True),  # type: ignore[arg-type]
-    )
+    try:
+        return SamplingParams(
+            n=msg.n or 1,
+            temperature=opt("temperature", 1.0),  # type: ignore[arg-type]
+            top_p=opt("top_p", 1.0),  # type: ignore[arg-type]
+            top_k=msg.top_k,
+            min_p=msg.min_p,
+            repetition_penalty=opt("repetition_penalty", 1.0),  # type: ignore[arg-type]
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            logit_bias=dict(msg.logit_bias) or None,
+            seed=opt("seed", None),  # type: ignore[arg-type]
+            stop=list(msg.stop) or None,
+            stop_token_ids=list(msg.stop_token_ids) or None,
+            include_stop_str_in_output=msg.include_stop_str_in_output,
+            ignore_eos=msg.ignore_eos,
+            max_tokens=opt("max_tokens", None),  # type: ignore[arg-type]
+            min_tokens=msg.min_tokens,
+            logprobs=opt("logprobs", None),  # type: ignore[arg-type]
+            prompt_logprobs=opt("prompt_logprobs", None),  # type: ignore[arg-type]
+            skip_special_tokens=opt("skip_special_tokens", True),  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise SamplingError(str(exc)) from None
 
 
 # -- logprobs ------------------------------------------------------------------------------------

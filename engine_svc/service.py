@@ -1,0 +1,125 @@
+"""What every engine servicer shares, whatever its role: identity, counters, info and load.
+
+Roles: `prefill` serves the Prefill service, `decode` the Decode service, `colocated` both
+over one engine (see `engine_svc.process`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdmesh.engine.async_engine import AsyncEngine
+from pdmesh.engine_svc.config import EngineServiceConfig
+from pdmesh.kvstore.instance_registry import new_instance_id
+from pdmesh.metrics import EngineState
+from pdmesh.v1 import engine_pb2
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLE_PROTO = {
+    "prefill": engine_pb2.ROLE_PREFILL,
+    "decode": engine_pb2.ROLE_DECODE,
+    "colocated": engine_pb2.ROLE_COLOCATED,
+}
+
+
+@dataclass
+class KVCounters:
+    """KV bytes moved, for GetLoad; updated from transfer callbacks on any thread."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_sent: int = 0
+    transfers_received: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.transfers_sent += 1
+
+    def add_received(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_received += nbytes
+            self.transfers_received += 1
+
+
+class EngineService:
+    """Identity, static info and live load of one engine instance (shared by servicers)."""
+
+    def __init__(
+        self,
+        config: EngineServiceConfig,
+        role: Role,
+        engine: AsyncEngine,
+        *,
+        instance_id: str | None = None,
+        kv_backends: tuple[str, ...] = (),
+    ) -> None:
+        self.config = config
+        self.role = role
+        self.engine = engine
+        self.instance_id = instance_id or new_instance_id(role)
+        self.kv_backends = kv_backends
+        self.counters = KVCounters()
+
+    def info(self) -> engine_pb2.EngineInfo:
+        e = self.engine.engine
+        return engine_pb2.EngineInfo(
+            model=self.config.model_name,
+            instance_id=self.instance_id,
+            role=ROLE_PROTO[self.role],
+            block_size=self.engine.block_size,
+            hash_scheme_fingerprint=e.scheme.fingerprint(),
+            max_model_len=self.engine.max_model_len,
+            kv_capacity_tokens=self.engine.num_total_blocks * self.engine.block_size,
+            kv_backends=list(self.kv_backends),
+        )
+
+    def load(self) -> engine_pb2.EngineLoad:
+        snap = self.engine.load()
+        c = self.counters
+        return engine_pb2.EngineLoad(
+            instance_id=self.instance_id,
+            role=ROLE_PROTO[self.role],
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            kv_usage=snap.kv_usage,
+            num_free_blocks=snap.num_free_blocks,
+            num_total_blocks=snap.num_total_blocks,
+            num_pinned_blocks=snap.num_pinned_blocks,
+            prefix_hit_tokens=snap.prefix_hit_tokens,
+            prefix_query_tokens=snap.prefix_query_tokens,
+            kv_bytes_sent=c.bytes_sent,
+            kv_bytes_received=c.bytes_received,
+            kv_transfers_sent=c.transfers_sent,
+            kv_transfers_received=c.transfers_received,
+        )
+
+    def metrics_state(self, index_up: bool | None) -> EngineState:
+        """The scrape-time figures of this instance (see pdmesh.metrics.EngineCollector)."""
+        snap = self.engine.load()
+        return EngineState(
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            kv_usage=snap.kv_usage,
+            num_free_blocks=snap.num_free_blocks,
+            num_total_blocks=snap.num_total_blocks,
+            num_pinned_blocks=snap.num_pinned_blocks,
+            prefix_query_tokens=snap.prefix_query_tokens,
+            prefix_hit_tokens=snap.prefix_hit_tokens,
+            index_up=index_up,
+        )
+
+    def load_figures(self) -> dict[str, float]:
+        """The heartbeat's load (flat numbers; see InstanceInfo.load)."""
+        snap = self.engine.load()
+        return {
+            "running": snap.num_running,
+            "waiting": snap.num_waiting,
+            "kv_usage": snap.kv_usage,
+            "free_blocks": snap.num_free_blocks,
+            "total_blocks": snap.num_total_blocks,
+            "pinned_blocks": snap.num_pinned_blocks,
+        }

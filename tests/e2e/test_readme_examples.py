@@ -1,0 +1,66 @@
+"""The README's Python examples, run as written, print sensible answers.
+
+The library example runs as is; the OpenAI-client example runs against `pdmesh serve smollm2`
+started as the README says, on a free port instead of 8000 (the only change made to it). Both
+rely on the server sampling defaults from the model's generation config (temperature 0.2,
+top_p 0.9 for SmolLM2), which is what makes a 135M model answer on topic.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdmesh.router.local_mesh import Child, pdmesh_command
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+COLORS = {"red", "blue", "green", "yellow", "orange", "purple", "black", "white", "pink",
+          "brown", "gray", "grey", "violet", "cyan", "magenta"}
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def block_with(marker: str) -> str:
+    return next(b for b in python_blocks() if marker in b)
+
+
+def run(code: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def colors_in(text: str) -> set[str]:
+    return COLORS & set(re.findall(r"[a-z]+", text.lower()))
+
+
+def test_library_example() -> None:
+    lines = run(block_with("from pdmesh import LLM"))
+    assert "Paris" in lines[0], lines
+    assert colors_in(" ".join(lines[1:])), lines
+
+
+def test_openai_example() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = Child("serve", pdmesh_command("serve", "smollm2", "--port", str(port),
+                                          "--kv-cache-memory", "96MiB"))
+    try:
+        serve.wait_ready(timeout_s=240)
+        code = block_with("from openai import OpenAI").replace("127.0.0.1:8000",
+                                                              f"127.0.0.1:{port}")
+        lines = run(code)
+    finally:
+        serve.terminate(grace_s=30)
+    assert len(colors_in(" ".join(lines))) >= 2, lines

@@ -1,0 +1,201 @@
+"""What a vLLM user expects from `pdmesh serve`, checked with the official `openai` client.
+
+Two meshes, each started as a user starts `vllm serve` (the model positional, `--port` the HTTP
+port), with a `--generation-config` directory whose generation_config.json sets non-default
+sampling (greedy, 5 new tokens) so the server defaults are visible in the answers:
+
+* colocated, the model given by its alias;
+* 1 prefill + 1 decode (local prefill off: KV really moves), the model given by its directory,
+  with `--served-model-name` and `--max-model-len`: `/v1/models` must show both.
+
+Covered: server sampling defaults and their override by the request (also on the router's gRPC
+API), `/tokenize` -> `/detokenize`, `/version`, completions `echo`, `X-Request-Id`, CORS
+preflight and `continuous_usage_stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KV_MEMORY = "96MiB"
+ORIGIN = "http://app.example"
+SERVED_NAME = "my-smol"
+MAX_MODEL_LEN = 1024
+DEFAULT_NEW_TOKENS = 5  # the generation config's max_new_tokens
+PROMPT = "Count from one to twenty: one, two, three,"
+
+
+@dataclass
+class Mesh:
+    kind: str
+    router: str
+    base_url: str  # http://host:port
+    model: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def generation_config_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """A copy of the model's generation_config.json with non-default sampling in it."""
+    path = tmp_path_factory.mktemp("genconfig")
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config.update(temperature=0.0, max_new_tokens=DEFAULT_NEW_TOKENS)
+    (path / "generation_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=["colocated", "1p1d"])
+def mesh(request: pytest.FixtureRequest, generation_config_dir: Path,
+         model_dir: Path) -> Iterator[Mesh]:
+    port = _free_port()
+    common = ["--port", str(port), "--kv-cache-memory", KV_MEMORY,
+              "--generation-config", str(generation_config_dir), "--allowed-origins", ORIGIN]
+    if request.param == "colocated":
+        argv, model = ["smollm2", *common, "--colocated"], "smollm2"
+    else:
+        argv = [str(model_dir), *common, "--num-prefill", "1", "--num-decode", "1",
+                "--local-prefill-threshold", "0", "--served-model-name", SERVED_NAME,
+                "--max-model-len", str(MAX_MODEL_LEN)]
+        model = SERVED_NAME
+    serve = Child("serve", pdmesh_command("serve", *argv))
+    try:
+        router = serve.wait_ready(timeout_s=240)
+        yield Mesh(request.param, router, f"http://127.0.0.1:{port}", model)
+    finally:
+        serve.terminate(grace_s=30)
+
+
+@pytest.fixture()
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_serve_takes_vllm_flags(mesh: Mesh, client: openai.OpenAI) -> None:
+    """`pdmesh serve MODEL --port P [--served-model-name X --max-model-len N]`: the OpenAI API
+    is on P and lists the model under its served name, with its context limit."""
+    models = httpx.get(f"{mesh.base_url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [mesh.model]
+    if mesh.kind == "1p1d":
+        assert models[0]["max_model_len"] == MAX_MODEL_LEN
+    version = httpx.get(f"{mesh.base_url}/version", timeout=10)
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_generation_config_defaults_and_request_override(mesh: Mesh,
+                                                         client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    # Server defaults: greedy (three samples agree) and max_new_tokens as default max_tokens.
+    chat = client.chat.completions.create(model=mesh.model, messages=messages, n=3)
+    assert chat.usage is not None and chat.usage.completion_tokens == 3 * DEFAULT_NEW_TOKENS
+    assert len({c.message.content for c in chat.choices}) == 1
+    # The request wins: its own max_tokens and temperature.
+    chat = client.chat.completions.create(model=mesh.model, messages=messages, n=3,
+                                          max_tokens=12, temperature=1.5, seed=7)
+    assert chat.usage is not None and chat.usage.completion_tokens == 3 * 12
+    assert len({c.message.content for c in chat.choices}) > 1
+    # The router's gRPC API applies the same defaults to a direct caller.
+    request = router_pb2.GenerateRequest(
+        model=mesh.model, text=PROMPT, sampling=common_pb2.SamplingParams(n=2))
+    with grpc.insecure_channel(mesh.router) as channel:
+        responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120))
+    usage = responses[-1].result.usage
+    assert usage.completion_tokens == 2 * DEFAULT_NEW_TOKENS
+    texts: dict[int, str] = {}
+    for r in responses[:-1]:
+        texts[r.delta.index] = texts.get(r.delta.index, "") + r.delta.text
+    assert len(set(texts.values())) == 1
+
+
+def test_tokenize_detokenize_round_trip(mesh: Mesh, hf_tokenizer: object) -> None:
+    text = "Hello, world! Tokenize me."
+    resp = httpx.post(f"{mesh.base_url}/tokenize",
+                      json={"model": mesh.model, "prompt": text, "return_token_strs": True},
+                      timeout=30)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == hf_tokenizer(text)["input_ids"]  # type: ignore[operator]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    assert body["token_strs"] == hf_tokenizer.convert_ids_to_tokens(body["tokens"])  # type: ignore[attr-defined]
+    back = httpx.post(f"{mesh.base_url}/detokenize",
+                      json={"model": mesh.model, "tokens": body["tokens"]}, timeout=30)
+    assert back.status_code == 200, back.text
+    assert back.json() == {"prompt": text}
+    chat = httpx.post(f"{mesh.base_url}/tokenize", timeout=30, json={
+        "model": mesh.model, "messages": [{"role": "user", "content": text}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["count"] > body["count"]  # the template's markers
+    bad = httpx.post(f"{mesh.base_url}/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400, bad.text
+
+
+def test_completions_echo(mesh: Mesh, client: openai.OpenAI, hf_tokenizer: object) -> None:
+    out = client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=4, echo=True)
+    assert out.choices[0].text.startswith(PROMPT)
+    assert len(out.choices[0].text) > len(PROMPT)
+    stream = client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=4,
+                                       echo=True, stream=True)
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert streamed == out.choices[0].text  # greedy by the server default
+    ids = hf_tokenizer("The sky is")["input_ids"]  # type: ignore[operator]
+    echoed = client.completions.create(model=mesh.model, prompt=ids, max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith("The sky is")
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=2, echo=True,
+                                  logprobs=1)
+
+
+def test_x_request_id_in_and_out(mesh: Mesh) -> None:
+    body = {"model": mesh.model, "prompt": PROMPT, "max_tokens": 2}
+    resp = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "trace-me-42"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == "trace-me-42"
+    assert "trace-me-42" in resp.json()["id"]
+    resp = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.headers.get("x-request-id")  # one is made up when the client sends none
+
+
+def test_cors_preflight(mesh: Mesh) -> None:
+    preflight = httpx.options(f"{mesh.base_url}/v1/chat/completions", timeout=10, headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(f"{mesh.base_url}/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_continuous_usage_stats(mesh: Mesh, client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=mesh.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert chunks and all(c.usage is not None for c in chunks)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content
+    counts = [c.usage.completion_tokens for c in content]  # type: ignore[union-attr]
+    assert counts == sorted(counts) and counts[-1] <= 6
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens  # type: ignore[union-attr]
+               for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 6  # type: ignore[union-attr]

@@ -1,0 +1,109 @@
+"""The drain gate (pdmesh/drain.py) on a real grpc.aio server: running work calls are counted
+and run to their end after the drain began; new ones are refused before any work with the
+refused-before-work marker; the small calls stay open; both handler kinds (async generator,
+coroutine writing with context.write) keep working through the gate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from pdmesh.grpc_common import DRAINING, GrpcServer, refused_reason
+from pdmesh.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+DECODE = "/pdmesh.v1.Decode/Decode"
+GENERATE = "/pdmesh.v1.Router/Generate"
+
+
+class SlowDecode(engine_pb2_grpc.DecodeServicer):
+    """Streams `steps` messages, each after `release` is set once (async-generator handler)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+        self.calls = 0
+
+    async def Decode(self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        self.calls += 1
+        self.started.set()
+        yield engine_pb2.DecodeResponse()
+        await self.release.wait()
+        yield engine_pb2.DecodeResponse()
+
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> engine_pb2.EngineLoad:
+        return engine_pb2.EngineLoad(num_running=self.calls)
+
+
+class WritingRouter(router_pb2_grpc.RouterServicer):
+    """A Generate that writes with context.write (coroutine handler), like the router's."""
+
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        await context.write(router_pb2.GenerateResponse())
+
+
+@pytest.mark.anyio
+async def test_running_calls_finish_new_ones_are_refused_small_calls_stay_open() -> None:
+    decode, router = SlowDecode(), WritingRouter()
+    server = GrpcServer(["pdmesh.v1.Decode", "pdmesh.v1.Router"],
+                        drain_methods=[DECODE, GENERATE])
+    engine_pb2_grpc.add_DecodeServicer_to_server(decode, server.server)
+    router_pb2_grpc.add_RouterServicer_to_server(router, server.server)
+    address = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = engine_pb2_grpc.DecodeStub(channel)
+            router_stub = router_pb2_grpc.RouterStub(channel)
+            assert len([r async for r in router_stub.Generate(router_pb2.GenerateRequest())]) == 1
+            running = stub.Decode(engine_pb2.DecodeRequest(request_id="r1"))
+            first = await running.read()
+            assert first == engine_pb2.DecodeResponse()
+            assert server.gate.inflight == 1
+
+            drain = asyncio.create_task(server.drain(timeout_s=30))
+            await asyncio.sleep(0)  # the drain has begun: health NOT_SERVING, gate closed
+            while not server.gate.closed:
+                await asyncio.sleep(0.01)
+            for call in (stub.Decode(engine_pb2.DecodeRequest(request_id="r2")),
+                         router_stub.Generate(router_pb2.GenerateRequest())):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in call:
+                        pass
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert refused_reason(refused.value) == DRAINING
+            assert decode.calls == 1, "a refused call reached the servicer"
+            load = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+            assert load.num_running == 1  # not gated: routers still see the load
+            assert not drain.done()
+
+            decode.release.set()
+            assert await running.read() == engine_pb2.DecodeResponse()
+            assert await running.code() == grpc.StatusCode.OK
+            assert await asyncio.wait_for(drain, 10) == 0
+    finally:
+        await server.stop(grace_s=0)
+
+
+@pytest.mark.anyio
+async def test_drain_timeout_returns_what_still_runs() -> None:
+    decode = SlowDecode()
+    server = GrpcServer(["pdmesh.v1.Decode"], drain_methods=[DECODE])
+    engine_pb2_grpc.add_DecodeServicer_to_server(decode, server.server)
+    address = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = engine_pb2_grpc.DecodeStub(channel).Decode(engine_pb2.DecodeRequest())
+            await call.read()
+            assert await server.drain(timeout_s=0.2) == 1
+            await server.stop(grace_s=0)  # cuts it
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await call.read()
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert server.gate.inflight == 0
+    finally:
+        await server.stop(grace_s=0)
