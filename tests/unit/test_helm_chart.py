@@ -12,6 +12,7 @@ usage error at start-up fails here instead.
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import functools
@@ -42,14 +43,21 @@ VARIANT_FILES = {p.name.removesuffix("-values.yaml"): p for p in sorted(CHART.gl
 VARIANTS = ["default", *VARIANT_FILES]
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate bundles.
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas; their shape is checked below
+# Not in the Kubernetes schemas; their shape is checked below.
+CRD_KINDS = {"ServiceMonitor", "Certificate"}
 RELEASE, NAMESPACE = "t", "pdmesh-test"
 POD_IP = "10.1.2.3"
 # Containers with their own Prometheus server (PDMESH_METRICS_PORT); the gateway serves its
 # /metrics on its API port instead.
 METRICS_CONTAINERS = ("router", "prefill", "decode")
 SCRAPED_COMPONENTS = {"router", "prefill", "decode"}  # the gateway is in the router's pod
-PDMESH_ENV_NOT_CONFIG = {"PDMESH_CACHE_DIR"}  # read by engine/model_store.py, not a config field
+# Read outside the config dataclasses: engine/model_store.py, kvstore/redis_conn.py.
+PDMESH_ENV_NOT_CONFIG = {"PDMESH_CACHE_DIR", "PDMESH_REDIS_PASSWORD", "PDMESH_REDIS_USERNAME"}
+TLS_VARIANTS = ("tls", "tls-cert-manager")
+PDMESH_CONTAINERS = ("router", "gateway", "prefill", "decode")
+# Containers that hold the cluster token and the Redis credentials (the gateway only calls the
+# router's public API on localhost, and has no such settings).
+INTERNAL_CONTAINERS = ("router", "prefill", "decode")
 
 Manifest = dict[str, Any]
 
@@ -136,6 +144,45 @@ def all_pod_containers(manifests: list[Manifest]) -> Iterator[tuple[Manifest, Ma
             pod = m["spec"]["template"]["spec"]
             for c in [*pod.get("initContainers", []), *pod["containers"]]:
                 yield m, c
+
+
+def workload_of(manifests: list[Manifest], container: Manifest) -> Manifest:
+    return next(m for m, c in all_pod_containers(manifests) if c is container)
+
+
+def mounted_file(pod_workload: Manifest, container: Manifest, path: str) -> tuple[Manifest, str]:
+    """The pod volume and the key inside it that `path` reads through the container's mounts
+    (a read-only Secret volume is the only kind allowed for secrets)."""
+    pod = pod_workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            volume = volumes[mount["name"]]
+            rel = path.removeprefix(prefix)
+            assert mount.get("readOnly") is True, f"{container['name']}: {path} is writable"
+            assert "secret" in volume, f"{container['name']}: {path} is not from a Secret"
+            items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+            return volume, items.get(rel, rel)
+    raise AssertionError(f"{container['name']}: {path} is on no mounted volume")
+
+
+def with_mounted_files(
+    pod_workload: Manifest, container: Manifest, env: dict[str, str], tmp_path: Path
+) -> dict[str, str]:
+    """env with every path into a mounted Secret replaced by a stand-in file of the right
+    shape under tmp_path (the config parsers check that the files exist; the token's is read)."""
+    out = dict(env)
+    for name, value in env.items():
+        if not (name.endswith(("_FILE", "_CERT", "_KEY", "_CA", "_CERTFILE", "_KEYFILE"))
+                and value.startswith("/")):
+            continue
+        mounted_file(pod_workload, container, value)  # asserts it is a read-only Secret
+        stand_in = tmp_path / value.strip("/").replace("/", "_")
+        stand_in.write_text("x" * 43 if name == "PDMESH_CLUSTER_TOKEN_FILE" else "PEM\n")
+        stand_in.chmod(0o600)
+        out[name] = str(stand_in)
+    return out
 
 
 # ---- fast: sources ---------------------------------------------------------------------------
@@ -268,9 +315,13 @@ def test_helm_lint_strict(helm: str, variant: str) -> None:
 def test_rendered_manifests_validate_against_kubernetes_schemas(render, variant: str) -> None:
     manifests = render(variant)
     for m in manifests:
-        if m["kind"] in CRD_KINDS:
+        if m["kind"] == "ServiceMonitor":
             check_service_monitor(m, manifests)
             continue
+        if m["kind"] == "Certificate":
+            check_certificate(m, manifests)
+            continue
+        assert m["kind"] not in CRD_KINDS
         for version in KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(m, version, strict=True)
@@ -315,9 +366,20 @@ def check_service_monitor(m: Manifest, manifests: list[Manifest]) -> None:
     assert set(selected) == SCRAPED_COMPONENTS, f"the ServiceMonitor selects {sorted(selected)}"
     assert spec["endpoints"], "no endpoints"
     scraped: dict[str, set[str]] = {c: set() for c in selected}
+    tls = any(
+        "PDMESH_TLS_CERT" in env_of(c) for _, c in all_pod_containers(manifests)
+        if c["name"] in METRICS_CONTAINERS
+    )
     for endpoint in spec["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme",
+                                 "tlsConfig"}
         assert endpoint["path"] == "/metrics"
+        if tls and endpoint["port"] == "metrics":  # a server with --tls-cert serves HTTPS
+            assert endpoint["scheme"] == "https"
+            assert endpoint["tlsConfig"]["serverName"] == f"{RELEASE}-pdmesh-router.{NAMESPACE}.svc"
+            assert endpoint["tlsConfig"]["ca"]["secret"]["key"] == "ca.crt"
+        elif not tls:
+            assert "scheme" not in endpoint and "tlsConfig" not in endpoint
         assert re.fullmatch(r"\d+(ms|s|m|h)", endpoint["interval"])
         holders = [
             c for c, s in selected.items()
@@ -347,15 +409,18 @@ def test_default_renders_the_mesh_and_nothing_optional(render) -> None:
     kinds = sorted(m["kind"] for m in render("default"))
     assert kinds == sorted(
         ["Deployment"] * 3 + ["Service"] * 5 + ["StatefulSet", "ServiceAccount"]
-        + ["PodDisruptionBudget"] * 3
+        + ["PodDisruptionBudget"] * 3 + ["NetworkPolicy"] * 4 + ["Secret"] * 2
     )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_container_env_configures_the_real_service(render, variant: str) -> None:
+def test_every_container_env_configures_the_real_service(
+    render, variant: str, tmp_path: Path
+) -> None:
     """Each container's env, resolved as the kubelet would, parses with the service's own
-    config parser (defaults < PDMESH_* env), and the parts of the mesh agree with each other."""
+    config parser (defaults < PDMESH_* env), and the parts of the mesh agree with each other.
+    Files the env names in mounted Secrets (token, certificates) are stood in under tmp_path."""
     manifests = render(variant)
     values = load_values(variant)
     parsers: dict[str, Callable[[dict[str, str]], Any]] = {
@@ -379,7 +444,7 @@ def test_every_container_env_configures_the_real_service(render, variant: str) -
             assert command == ["pdmesh", "model", "path", values["model"]["alias"]]
             continue
         assert command == ["pdmesh", c["name"]], command
-        env = resolved_env(c)
+        env = with_mounted_files(workload_of(manifests, c), c, resolved_env(c), tmp_path)
         assert not any("$(" in v for v in env.values()), f"{c['name']}: unresolved {env}"
         allowed = {f"PDMESH_{f.upper()}" for f in fields[c["name"]].__dataclass_fields__}
         unknown = {n for n in env if n.startswith("PDMESH_")} - allowed - PDMESH_ENV_NOT_CONFIG
@@ -399,9 +464,12 @@ def test_every_container_env_configures_the_real_service(render, variant: str) -
     prefill, decode = configs["prefill"], configs["decode"]
     assert gateway.router_address == f"127.0.0.1:{router.port}"
     assert router.redis_url and router.redis_url == prefill.redis_url == decode.redis_url
-    for engine in (prefill, decode):
+    for component, engine in (("prefill", prefill), ("decode", decode)):
         assert isinstance(engine, EngineServiceConfig)
-        assert engine.public_host == POD_IP, "engines must register their pod IP"
+        if values["tls"]["enabled"]:  # a name the certificate can carry (a wildcard)
+            assert engine.public_host == f"pod-0.{RELEASE}-pdmesh-{component}.{NAMESPACE}.svc"
+        else:
+            assert engine.public_host == POD_IP, "engines must register their pod IP"
         assert engine.model_name == router.model == values["model"]["name"]
     assert (prefill.block_size, prefill.hash_algorithm, prefill.hash_root_seed) == (
         decode.block_size, decode.hash_algorithm, decode.hash_root_seed
@@ -474,14 +542,19 @@ def test_metrics_servers_are_named_ports_on_their_services(
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_probes_are_native_grpc_health_checks(render, variant: str) -> None:
+    """Native gRPC probes in plaintext; under TLS (which the kubelet's gRPC probe cannot speak)
+    a TCP check of the same port, and the gateway's /health over HTTPS."""
     manifests = render(variant)
+    tls = load_values(variant)["tls"]["enabled"]
     for component in ("router", "prefill", "decode"):
         c = containers(workload(manifests, component))[component]
         grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert c[probe]["grpc"] == {"port": grpc_port}, f"{component} {probe}: {c[probe]}"
+            kind = "tcpSocket" if tls else "grpc"
+            assert c[probe][kind] == {"port": grpc_port}, f"{component} {probe}: {c[probe]}"
     gateway = containers(workload(manifests, "router"))["gateway"]
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    expected = {"path": "/health", "port": "http", **({"scheme": "HTTPS"} if tls else {})}
+    assert gateway["readinessProbe"]["httpGet"] == expected
     assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
 
 
@@ -699,13 +772,37 @@ def test_model_from_a_volume_or_an_init_step(render) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
+    """Every container (init steps, Redis and the gateway sidecar included): non-root with a
+    numeric uid, no privilege escalation, no capabilities, RuntimeDefault seccomp, a read-only
+    root filesystem with writable emptyDirs only where it writes (/tmp, /data, /dev/shm)."""
+    seen = set()
     for workload_obj, c in all_pod_containers(render(variant)):
         pod = workload_obj["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True
+        pod_sc, sc = pod["securityContext"], c["securityContext"]
+        name = f"{workload_obj['metadata']['name']}/{c['name']}"
+        seen.add(c["name"])
+        assert pod_sc["runAsNonRoot"] is True
+        assert isinstance(sc.get("runAsUser", pod_sc.get("runAsUser")), int), name
+        assert sc.get("runAsUser", pod_sc["runAsUser"]) != 0, name
+        assert isinstance(pod_sc.get("fsGroup"), int), name
+        seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile"))
+        assert seccomp == {"type": "RuntimeDefault"}, name
         assert pod["automountServiceAccountToken"] is False
-        assert c["securityContext"]["allowPrivilegeEscalation"] is False
-        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert sc["allowPrivilegeEscalation"] is False, name
+        assert sc["readOnlyRootFilesystem"] is True, name
+        assert sc["capabilities"]["drop"] == ["ALL"], name
+        assert not sc["capabilities"].get("add"), name
+        assert "privileged" not in sc or sc["privileged"] is False, name
         assert c["resources"]["limits"]["memory"], f"{c['name']} has no memory limit"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+        writable = {"/data"} if c["name"] == "redis" else {"/tmp"}
+        if c["name"] in ("prefill", "decode"):
+            writable.add("/dev/shm")
+            assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory", name
+        for path in writable:
+            assert "emptyDir" in mounts[path], f"{name}: {path} is not a writable emptyDir"
+    assert {"router", "gateway", "prefill", "decode"} <= seen
 
 
 @pytest.mark.slow
@@ -727,6 +824,341 @@ def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
     ],
 )
 def test_bad_values_fail_with_a_message(helm: str, args: list[str], message: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), *args)
+    assert proc.returncode != 0, proc.stdout[:500]
+    assert message in proc.stderr, proc.stderr
+
+
+# ---- secure by default: NetworkPolicies, TLS, cluster token, Redis password -----------------
+
+
+def check_certificate(m: Manifest, manifests: list[Manifest]) -> None:
+    """The cert-manager Certificate's shape, and that its names cover every name a pdmesh
+    client verifies: the router Service, 127.0.0.1 (the gateway sidecar's hop) and each engine's
+    advertised pod DNS name (a wildcard under its headless Service)."""
+    assert m["apiVersion"] == "cert-manager.io/v1"
+    spec = m["spec"]
+    assert set(spec) <= {
+        "secretName", "commonName", "dnsNames", "ipAddresses", "duration", "renewBefore",
+        "privateKey", "usages", "issuerRef",
+    }
+    assert {"server auth", "client auth"} <= set(spec["usages"]), "mutual TLS needs both"
+    assert spec["issuerRef"]["name"] and spec["issuerRef"]["kind"] in ("Issuer", "ClusterIssuer")
+    assert "127.0.0.1" in spec["ipAddresses"]
+    names = set(spec["dnsNames"])
+    assert f"{RELEASE}-pdmesh-router.{NAMESPACE}.svc" in names
+    for component in ("prefill", "decode"):
+        advertised = resolved_env(containers(workload(manifests, component))[component])[
+            "PDMESH_ADVERTISE_HOST"]
+        wildcard = "*." + advertised.split(".", 1)[1]
+        assert wildcard in names, f"{advertised} is not covered by {sorted(names)}"
+    secret_volumes = {
+        v["secret"]["secretName"] for m2 in manifests if m2["kind"] == "Deployment"
+        for v in m2["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"
+    }
+    assert secret_volumes == {spec["secretName"]}, "pods mount the Secret the Certificate fills"
+
+
+# A peer in the policy evaluator: its namespace's labels and its pod labels.
+Peer = tuple[dict[str, str], dict[str, str]]
+
+
+def pod_peer(component: str, namespace: str = NAMESPACE) -> Peer:
+    return ({"kubernetes.io/metadata.name": namespace}, {
+        "app.kubernetes.io/name": "pdmesh", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": component,
+    })
+
+
+def _peer_matches(rule_peer: Manifest, peer: Peer, policy_namespace: str) -> bool:
+    ns_labels, pod_labels = peer
+    if "ipBlock" in rule_peer:
+        return False  # pods are addressed by selectors here
+    if "namespaceSelector" in rule_peer:
+        if not selects(rule_peer["namespaceSelector"], ns_labels):
+            return False
+    elif ns_labels.get("kubernetes.io/metadata.name") != policy_namespace:
+        return False
+    return selects(rule_peer.get("podSelector", {}), pod_labels)
+
+
+def _port_matches(rule_ports: list[Manifest] | None, port: int, protocol: str) -> bool:
+    if not rule_ports:
+        return True
+    return any(
+        p.get("protocol", "TCP") == protocol
+        and p["port"] <= port <= p.get("endPort", p["port"])
+        for p in rule_ports
+    )
+
+
+def policy_allows(
+    manifests: list[Manifest], src: Peer, dst: Peer, port: int, protocol: str = "TCP",
+    directions: tuple[str, ...] = ("egress", "ingress"),
+) -> bool:
+    """Whether NetworkPolicies let `src` open a connection to `dst` on `port`: the source's
+    egress and the destination's ingress must both allow it (an unselected pod is open); with
+    directions=("ingress",), whether the destination alone admits it."""
+    policies = list(by_kind(manifests, "NetworkPolicy").values())
+
+    def allowed(direction: str, pod: Peer, other: Peer) -> bool:
+        selecting = [
+            p for p in policies
+            if pod[0].get("kubernetes.io/metadata.name") == NAMESPACE
+            and selects(p["spec"]["podSelector"], pod[1])
+            and direction.capitalize() in p["spec"]["policyTypes"]
+        ]
+        if not selecting:
+            return True
+        key = "from" if direction == "ingress" else "to"
+        return any(
+            _port_matches(rule.get("ports"), port, protocol)
+            and (key not in rule or any(_peer_matches(q, other, NAMESPACE) for q in rule[key]))
+            for p in selecting for rule in p["spec"].get(direction) or []
+        )
+
+    return all(
+        allowed("egress", src, dst) if d == "egress" else allowed("ingress", dst, src)
+        for d in directions
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["default", *TLS_VARIANTS, "external-redis"])
+def test_network_policies_admit_only_legitimate_callers(render, variant: str) -> None:
+    manifests = render(variant)
+    values = load_values(variant)
+    np = values["networkPolicy"]
+    policies = by_kind(manifests, "NetworkPolicy")
+    redis_on = values["redis"]["enabled"]
+    assert set(policies) == {
+        f"{RELEASE}-pdmesh-{c}" for c in ("router", "prefill", "decode", *(["redis"] * redis_on))
+    }
+    for workload_obj in manifests:  # every pod is under a default-deny policy both ways
+        if workload_obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        labels = workload_obj["spec"]["template"]["metadata"]["labels"]
+        types = {
+            t for p in policies.values() if selects(p["spec"]["podSelector"], labels)
+            for t in p["spec"]["policyTypes"]
+        }
+        assert types == {"Ingress", "Egress"}, workload_obj["metadata"]["name"]
+
+    router, prefill, decode = pod_peer("router"), pod_peer("prefill"), pod_peer("decode")
+    stranger = ({"kubernetes.io/metadata.name": NAMESPACE}, {"app": "something-else"})
+    other_ns = ({"kubernetes.io/metadata.name": "elsewhere"}, {"app": "x"})
+    monitoring = np["monitoring"][0]
+    scraper = (monitoring["namespaceSelector"]["matchLabels"],
+               monitoring.get("podSelector", {}).get("matchLabels", {"app": "prometheus"}))
+
+    def ok(src: Peer, dst: Peer, port: int, protocol: str = "TCP") -> bool:
+        """Allowed end to end; when refused, also the destination's own ingress refuses it
+        (so an extraEgress rule on the caller cannot open it)."""
+        allowed = policy_allows(manifests, src, dst, port, protocol)
+        admitted = policy_allows(manifests, src, dst, port, protocol, ("ingress",))
+        if not allowed and dst[1].get("app.kubernetes.io/name") == "pdmesh":
+            assert not admitted, f"{dst} admits {src} on {port}; only its caller's egress stops it"
+        return allowed
+
+    r, p, d = values["router"], values["prefill"], values["decode"]
+    # The router's gRPC port: from nobody outside its pod (the gateway is on localhost), or
+    # routerGrpcFrom; the gateway's API: from anyone, or gatewayFrom.
+    for src in (prefill, decode, stranger, other_ns, scraper):
+        assert not ok(src, router, r["port"]), src
+    if np["routerGrpcFrom"]:
+        asker = ({"kubernetes.io/metadata.name": NAMESPACE},
+                 np["routerGrpcFrom"][0]["podSelector"]["matchLabels"])
+        assert ok(asker, router, r["port"])
+    if np["gatewayFrom"]:
+        ingress = (np["gatewayFrom"][0]["namespaceSelector"]["matchLabels"], {"app": "nginx"})
+        assert ok(ingress, router, r["gateway"]["port"])
+        assert not ok(stranger, router, r["gateway"]["port"])
+    else:
+        assert ok(stranger, router, r["gateway"]["port"]) and ok(other_ns, router, 8000)
+    # The engines' gRPC ports: only the router.
+    for engine, v in ((prefill, p), (decode, d)):
+        assert ok(router, engine, v["port"])
+        for src in (prefill, decode, stranger, other_ns, scraper):
+            assert not ok(src, engine, v["port"]), (src, engine)
+    # KV control and the tcp data plane's ephemeral range: only engines.
+    kv_servers = [(prefill, p)] + ([(decode, d)] if d["role"] == "colocated" else [])
+    data_port = (np["kvDataPorts"]["port"] + np["kvDataPorts"]["endPort"]) // 2
+    for server, v in kv_servers:
+        for port in (v["kvPort"], data_port):
+            assert ok(decode, server, port) and ok(prefill, server, port)
+            for src in (router, stranger, other_ns):
+                assert not ok(src, server, port), (src, server, port)
+    if d["role"] != "colocated":
+        assert not ok(prefill, decode, d["kvPort"])
+    # The data plane's ephemeral port lands in that range: the engines' kernels pick from it.
+    kv_range = f"{np['kvDataPorts']['port']} {np['kvDataPorts']['endPort']}"
+    for component, v in (("prefill", p), ("decode", d)):
+        sysctls = workload(manifests, component)["spec"]["template"]["spec"]["securityContext"][
+            "sysctls"]
+        assert {"name": "net.ipv4.ip_local_port_range", "value": kv_range} in sysctls
+        for port in (v["port"], v["kvPort"], v["metricsPort"]):
+            assert not np["kvDataPorts"]["port"] <= port <= np["kvDataPorts"]["endPort"]
+    # Redis: only pdmesh pods; Redis dials nothing.
+    if redis_on:
+        redis = pod_peer("redis")
+        for src in (router, prefill, decode):
+            assert ok(src, redis, values["redis"]["port"])
+        for src in (stranger, other_ns):
+            assert not ok(src, redis, values["redis"]["port"])
+        assert policies[f"{RELEASE}-pdmesh-redis"]["spec"]["egress"] == [], "Redis dials out"
+    else:
+        external = values["redis"]["external"]
+        rules = [
+            rule for rule in policies[f"{RELEASE}-pdmesh-prefill"]["spec"]["egress"]
+            if _port_matches(rule.get("ports"), external["port"], "TCP")
+        ]
+        assert any(rule.get("to", []) == external["to"] for rule in rules), rules
+    # /metrics: from the monitoring peers only.
+    for component, v in (("router", r), ("prefill", p), ("decode", d)):
+        assert ok(scraper, pod_peer(component), v["metricsPort"]), component
+        assert not ok(stranger, pod_peer(component), v["metricsPort"]), component
+    # DNS from every pdmesh pod; engines never dial the router.
+    dns = ({"kubernetes.io/metadata.name": "kube-system"}, {"k8s-app": "kube-dns"})
+    for src in (router, prefill, decode):
+        assert ok(src, dns, 53, "UDP") and ok(src, dns, 53, "TCP")
+    for src in (prefill, decode):
+        assert not ok(src, router, r["port"])
+        assert not policy_allows(manifests, src, router, r["gateway"]["port"], "TCP", ("egress",))
+
+
+@pytest.mark.slow
+def test_network_policies_can_be_turned_off_and_extended(render) -> None:
+    assert not by_kind(render("default", "--set", "networkPolicy.enabled=false"),
+                       "NetworkPolicy")
+    manifests = render("default", "--set-json",
+                       'networkPolicy.extraEgress=[{"ports":[{"port":443,"protocol":"TCP"}]}]')
+    for name, policy in by_kind(manifests, "NetworkPolicy").items():
+        has = {"ports": [{"port": 443, "protocol": "TCP"}]} in policy["spec"]["egress"]
+        assert has == (not name.endswith("-redis")), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["default", *TLS_VARIANTS])
+def test_tls_wired_to_every_service(render, variant: str) -> None:
+    """TLS on: every pdmesh container points --tls-cert/--tls-key/--tls-ca at files of one
+    read-only Secret volume, the gateway serves HTTPS from it too, engines advertise a name the
+    certificate covers. TLS off: none of it."""
+    manifests = render(variant)
+    values = load_values(variant)
+    tls = values["tls"]
+    secret = (f"{RELEASE}-pdmesh-tls" if tls["certManager"]["enabled"]
+              else tls["existingSecret"])
+    assert bool(by_kind(manifests, "Certificate")) == tls["certManager"]["enabled"]
+    for component in ("router", "prefill", "decode"):
+        w = workload(manifests, component)
+        for name, c in containers(w).items():
+            env = resolved_env(c)
+            if not tls["enabled"]:
+                assert not {k for k in env if k.startswith(("PDMESH_TLS_", "PDMESH_SSL_"))}
+                assert "tls" not in {m["name"] for m in c.get("volumeMounts", [])}
+                continue
+            files = {}
+            for var, key in (("PDMESH_TLS_CERT", "tls.crt"), ("PDMESH_TLS_KEY", "tls.key"),
+                             ("PDMESH_TLS_CA", "ca.crt")):
+                volume, item = mounted_file(w, c, env[var])
+                assert volume["secret"]["secretName"] == secret, name
+                assert item == key, (name, var)
+                files[var] = env[var]
+            if name == "gateway":
+                assert env["PDMESH_SSL_CERTFILE"] == files["PDMESH_TLS_CERT"]
+                assert env["PDMESH_SSL_KEYFILE"] == files["PDMESH_TLS_KEY"]
+        spec = w["spec"]["template"]["spec"]
+        if component != "router":
+            host = resolved_env(containers(w)[component])["PDMESH_ADVERTISE_HOST"]
+            if tls["enabled"]:
+                assert spec["subdomain"] == f"{RELEASE}-pdmesh-{component}"
+                assert host == f"pod-0.{spec['subdomain']}.{NAMESPACE}.svc"
+            else:
+                assert "subdomain" not in spec and host == POD_IP
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["default", "tls", "external-redis"])
+def test_cluster_token_secret_mounted_in_every_internal_container(render, variant: str) -> None:
+    manifests = render(variant)
+    values = load_values(variant)["clusterToken"]
+    name = values["existingSecret"] or f"{RELEASE}-pdmesh-cluster-token"
+    secrets = by_kind(manifests, "Secret")
+    if values["existingSecret"]:
+        assert name not in secrets, "an existing Secret is not rendered over"
+    else:
+        token = base64.b64decode(secrets[name]["data"][values["existingSecretKey"]]).decode()
+        assert len(token) >= 32 and token.isalnum()
+        assert secrets[name]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for component in ("router", "prefill", "decode"):
+        w = workload(manifests, component)
+        for c_name, c in containers(w).items():
+            env = env_of(c)
+            if c_name not in INTERNAL_CONTAINERS:
+                assert "PDMESH_CLUSTER_TOKEN_FILE" not in env
+                continue
+            assert "value" in env["PDMESH_CLUSTER_TOKEN_FILE"], "a file, never the value"
+            assert "PDMESH_CLUSTER_TOKEN" not in env
+            volume, key = mounted_file(w, c, env["PDMESH_CLUSTER_TOKEN_FILE"]["value"])
+            assert volume["secret"]["secretName"] == name
+            assert key == values["existingSecretKey"]
+            assert volume["secret"]["defaultMode"] & 0o007 == 0, "not world-readable"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["default", "tls", "external-redis", "external-redis-secret"])
+def test_redis_password_wired_to_redis_and_every_client(render, variant: str) -> None:
+    manifests = render(variant)
+    values = load_values(variant)["redis"]
+    expected: dict[str, str] | None
+    if values["enabled"]:
+        expected = {"name": values["auth"]["existingSecret"] or f"{RELEASE}-pdmesh-redis-auth",
+                    "key": values["auth"]["existingSecretKey"]}
+        secrets = by_kind(manifests, "Secret")
+        assert (expected["name"] in secrets) == (not values["auth"]["existingSecret"])
+        if expected["name"] in secrets:
+            password = base64.b64decode(secrets[expected["name"]]["data"][expected["key"]])
+            assert len(password) >= 32
+        redis = containers(workload(manifests, "redis"))["redis"]
+        assert env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == expected
+        assert env_of(redis)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == expected
+        script = redis["command"][2]
+        assert "requirepass" in script and "$REDIS_PASSWORD" in script
+        assert "exec redis-server /data/auth.conf" in script
+        assert not any("requirepass" in arg for arg in redis["command"][3:])
+        assert "redis-cli" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    else:
+        secret = values["external"]["passwordSecret"]
+        expected = dict(secret) if secret["name"] else None
+    for component in INTERNAL_CONTAINERS:
+        c = containers(workload(manifests, component))[component]
+        env = env_of(c)
+        assert "redis://:" not in env["PDMESH_REDIS_URL"].get("value", ""), "no password in URLs"
+        if expected is None:
+            assert "PDMESH_REDIS_PASSWORD" not in env
+            continue
+        assert env["PDMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == expected, component
+        username = None if values["enabled"] else values["external"]["username"] or None
+        assert env.get("PDMESH_REDIS_USERNAME", {}).get("value") == username
+    gateway = containers(workload(manifests, "router"))["gateway"]
+    assert not {k for k in env_of(gateway) if k.startswith("PDMESH_REDIS")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "tls.enabled=true"], "tls.existingSecret"),
+        (["--set", "tls.enabled=true", "--set", "tls.certManager.enabled=true"],
+         "issuerRef.name"),
+        (["--set", "networkPolicy.kvDataPorts.port=0"], "kvDataPorts"),
+        (["--set", "clusterToken.existingSecret=Bad_Name"], "existingSecret"),
+        (["--set", "prefill.port=52000"], "prefill.port (52000) lies in networkPolicy.kvDataPorts"),
+    ],
+)
+def test_bad_security_values_fail_with_a_message(
+    helm: str, args: list[str], message: str
+) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART), *args)
     assert proc.returncode != 0, proc.stdout[:500]
     assert message in proc.stderr, proc.stderr

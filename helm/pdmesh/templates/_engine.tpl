@@ -49,8 +49,26 @@ spec:
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- if $root.Values.tls.enabled }}
+      # Publishes <pod>.<headless Service>.<namespace>.svc, the name the engine advertises.
+      subdomain: {{ include "pdmesh.componentName" . }}
+      {{- end }}
+      {{- $range := $root.Values.networkPolicy.kvDataPorts }}
+      {{- range $name, $port := $ports }}
+      {{- if and (ge (int $port) (int $range.port)) (le (int $port) (int $range.endPort)) }}
+      {{- fail (printf "pdmesh: %s (%d) lies in networkPolicy.kvDataPorts (%d-%d), the engines' ephemeral KV data port range" $name (int $port) (int $range.port) (int $range.endPort)) }}
+      {{- end }}
+      {{- end }}
+      {{- if gt (int $range.port) (int $range.endPort) }}
+      {{- fail "pdmesh: networkPolicy.kvDataPorts.port must not exceed endPort" }}
+      {{- end }}
+      {{- /* The tcp KV data plane binds an ephemeral port: keep it in the range the
+      NetworkPolicies open between engines (networkPolicy.kvDataPorts). */}}
+      {{- $podSecurity := deepCopy $root.Values.podSecurityContext }}
+      {{- $sysctl := dict "name" "net.ipv4.ip_local_port_range" "value" (printf "%d %d" (int $range.port) (int $range.endPort)) }}
+      {{- $_ := set $podSecurity "sysctls" (append ($podSecurity.sysctls | default list) $sysctl) }}
       securityContext:
-        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+        {{- toYaml $podSecurity | nindent 8 }}
       terminationGracePeriodSeconds: {{ include "pdmesh.terminationGracePeriodSeconds" $v }}
       {{- with (include "pdmesh.modelInitContainer" .) }}
       initContainers:
@@ -73,8 +91,9 @@ spec:
             - name: PDMESH_PORT
               value: {{ $v.port | quote }}
             - name: PDMESH_ADVERTISE_HOST
-              value: $(POD_IP)
+              value: {{ include "pdmesh.advertiseHost" . | quote }}
             {{- include "pdmesh.redisUrlEnv" $root | nindent 12 }}
+            {{- include "pdmesh.securityEnv" (dict "root" $root "gateway" false) | nindent 12 }}
             - name: PDMESH_HEARTBEAT_TTL_S
               value: {{ $root.Values.engine.heartbeatTtlSeconds | quote }}
             - name: PDMESH_KV_BACKEND
@@ -129,12 +148,16 @@ spec:
             {{- with (include "pdmesh.metricsContainerPort" $v.metricsPort) }}
             {{- . | trim | nindent 12 }}
             {{- end }}
-          {{- include "pdmesh.grpcProbes" (dict "root" $root "port" $v.port) | trim | nindent 10 }}
+          {{- include "pdmesh.serverProbes" (dict "root" $root "port" $v.port) | trim | nindent 10 }}
           {{- with (include "pdmesh.preStop" $v) }}
           {{- . | trim | nindent 10 }}
           {{- end }}
           volumeMounts:
             {{- include "pdmesh.modelMounts" $root | nindent 12 }}
+            {{- include "pdmesh.securityMounts" (dict "root" $root "gateway" false) | nindent 12 }}
+            # The shm KV backend's segments; the root filesystem is read-only.
+            - name: dshm
+              mountPath: /dev/shm
           resources:
             {{- $resources := deepCopy ($v.resources | default dict) }}
             {{- if gt $gpu 0 }}
@@ -146,6 +169,11 @@ spec:
             {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
       volumes:
         {{- include "pdmesh.modelVolume" $root | trim | nindent 8 }}
+        {{- include "pdmesh.securityVolumes" $root | nindent 8 }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $root.Values.shmSizeLimit }}
       {{- with $v.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
