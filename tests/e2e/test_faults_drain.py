@@ -22,7 +22,6 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -30,10 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.router.local_mesh import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 DRAIN_TIMEOUT_S = 60.0
 MAX_TOKENS = 128
 STARTED_AFTER_TOKENS = 3  # every stream has at least this many tokens at the SIGTERM
@@ -55,15 +54,6 @@ def sampling(i: int) -> common_pb2.SamplingParams:
 REQUESTS = [(PROMPTS[i % len(PROMPTS)], sampling(i)) for i in range(6)]
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 @dataclass

@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -40,10 +39,10 @@ from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 KV_MEMORY = "64MiB"
 MODEL = "smollm2"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -53,16 +52,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman " * 3
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    """Poll `predicate` until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 @dataclass

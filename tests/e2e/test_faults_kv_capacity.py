@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -30,25 +29,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.router.local_mesh import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 KV_MEMORY = "8MiB"  # about 11 blocks of 16 tokens for SmolLM2-135M in fp32
 PROMPT = "The history of the old stone bridge in our town begins in the twelfth century, when"
 MAX_TOKENS = 6
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    """Poll `predicate` until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def request_blocks(num_prompt: int, max_tokens: int, n: int, block_size: int) -> int:

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -38,10 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 KV_MEMORY = "64MiB"
 KV_FETCH_TIMEOUT_S = 1.5  # a suspended prefill makes the pull time out after this
 LEASE_S = 6.0  # an unpulled KV's blocks come back on the prefill after this
@@ -64,16 +62,6 @@ def sampling(kind: str) -> common_pb2.SamplingParams:
 KINDS = ("greedy", "seeded", "seeded-n2")
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    """Poll `predicate` until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def metric_value(url: str, name: str, **labels: str) -> float | None:

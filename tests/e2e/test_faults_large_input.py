@@ -19,9 +19,8 @@ import socket
 import string
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -29,10 +28,10 @@ import pytest
 
 from pdmesh.router.local_mesh import LocalMesh, MeshConfig
 from pdmesh.v1 import router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 KV_MEMORY = "384MiB"  # holds SmolLM2's 8192 positions (fp32 on CPU), so max_model_len = 8192
 BODY_CAP = 16 * 2**20  # the gateway's default --max-request-bytes
 # SmolLM2's longest token covers 81 bytes, so a prompt of 64 bytes per allowed token is still
@@ -42,15 +41,6 @@ OVER_BOUND_BYTES_PER_TOKEN = 200
 NUM_BIG = 3
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def random_text(num_bytes: int, seed: int) -> str:

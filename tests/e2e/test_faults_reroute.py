@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -26,10 +25,10 @@ import pytest
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 KV_MEMORY = "96MiB"
 MAX_TOKENS = 6
 PROMPTS = [
@@ -43,15 +42,6 @@ REQUESTS_PER_WORKER = 6
 SIGTERM_AFTER = 10  # completed requests before the victim is stopped
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 @dataclass

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import httpx
 import psutil
@@ -20,22 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
 from pdmesh.router.local_mesh import Child, pdmesh_command
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 SEGMENT = re.compile(r"pdmesh-kv-\d+-(\d+)-[0-9a-f]{32}")
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 @dataclass

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -25,10 +24,10 @@ from pdmesh.gateway.app import create_app
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.router.local_mesh import Child, pdmesh_command
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 API_KEY = "test-key-123"
 MAX_TOKENS = 12
 PROMPTS = ["The three primary colors are", "Paris is the capital of"]
@@ -40,15 +39,6 @@ direct engine calls can authenticate to its engines."""
 ENV = {**os.environ, TOKEN_ENV: CLUSTER_TOKEN}
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 class Mesh:

@@ -12,11 +12,9 @@ import asyncio
 import datetime
 import ipaddress
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -29,10 +27,10 @@ from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 MAX_TOKENS = 10
 PROMPTS = [
     "The three primary colors are",
@@ -42,16 +40,6 @@ PROMPTS = [
 KV_MEMORY = "96MiB"
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 30.0) -> T:
-    """Poll `predicate` until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs: object) -> common_pb2.SamplingParams:

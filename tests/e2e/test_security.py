@@ -20,10 +20,9 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -41,25 +40,16 @@ from pdmesh.kvstore.transfer.wire import MAGIC
 from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.certs import CertSet, make_test_certs
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-T = TypeVar("T")
 TOKEN = ClusterToken("e2e-cluster-token-" + "z" * 26)
 AUTH = ((METADATA_KEY, TOKEN.value),)
 KV_MEMORY = "48MiB"
 PROMPT = "The three primary colors are red, yellow and"
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout_s: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
 
 
 def greedy(max_tokens: int) -> common_pb2.SamplingParams:
