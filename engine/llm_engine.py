@@ -45,6 +45,7 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler, SchedulerConfig
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.engine.stopping import check_stop
+from pdmesh.engine.structured_output import GrammarCompiler, apply_bitmasks
 from pdmesh.kernels.backend import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, RequestState] = {}
         self._pending_outputs: set[str] = set()  # changed outside step() (imported requests)
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first structured output
         self.num_steps = 0
 
     # -- start-up helpers -------------------------------------------------------------------
@@ -296,6 +298,12 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids[:num_prompt], params)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.structured_output is not None:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                )
+            seq.grammar = self._grammar_compiler.matcher(params.structured_output)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
@@ -394,7 +402,7 @@ class LLMEngine:
                         skip_one_draw(seq.generator, mc.vocab_size)
             for i, seq in enumerate(list(state.seqs)):
                 lp = first_logprobs[i] if first_logprobs else None
-                self._append_token(seq, first_token_ids[i], lp)
+                self._append_token(seq, first_token_ids[i], lp, replay=True)
         except BaseException:
             self.abort_request(request_id)
             raise
@@ -446,7 +454,7 @@ class LLMEngine:
                             f"output_token_ids: sample {i} goes on after it stopped at "
                             f"position {j - 1}")
                     lp = output_logprobs[i][j] if output_logprobs else None
-                    self._append_token(seq, int(token_id), lp)
+                    self._append_token(seq, int(token_id), lp, replay=True)
                 if not seq.status.is_finished:
                     self.scheduler.add(seq)
             if any(output_token_ids):
@@ -567,7 +575,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         row_tensor = torch.tensor(rows, device=logits.device)
-        sampled = self.sampler(logits.index_select(0, row_tensor), meta)
+        row_logits = logits.index_select(0, row_tensor)
+        if any(o[0].grammar is not None for o in owners):  # fan-out rows share the parent's
+            row_logits = apply_bitmasks(row_logits, [o[0].grammar for o in owners])
+        sampled = self.sampler(row_logits, meta)
         by_seq: dict[str, list[tuple[SampledToken, torch.Generator | None]]] = {}
         for (seq, _), tok, gen in zip(owners, sampled, gens, strict=True):
             by_seq.setdefault(seq.seq_id, []).append((tok, gen))
@@ -675,8 +686,19 @@ class LLMEngine:
         return self._make_logprob_entry(tok.token_id, tok.logprob, tok.rank, tok.top_logprobs)
 
     def _append_token(
-        self, seq: Sequence, token_id: int, logprob: TokenLogprobs | None, export: bool = False
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: TokenLogprobs | None,
+        export: bool = False,
+        replay: bool = False,
     ) -> None:
+        """Record one output token. `replay`: it was produced elsewhere (P/D, a resume), so a
+        token its grammar forbids is bad input (ValueError) rather than a finished sample."""
+        grammar_ok = seq.grammar is None or seq.grammar.accept(token_id)
+        if not grammar_ok and replay:
+            raise ValueError(f"output_token_ids: token {token_id} of sample {seq.index} does not "
+                             "follow the request's structured_output grammar")
         seq.token_ids.append(token_id)
         if seq.logprobs is not None:
             seq.logprobs.append(logprob or {})
@@ -690,6 +712,12 @@ class LLMEngine:
         if export:
             return
         status = self._check_stop(seq, token_id, stop_str)
+        if status is None and seq.grammar is not None and (
+                not grammar_ok or seq.grammar.is_terminated):
+            if not grammar_ok:  # e.g. min_tokens banned the only token the grammar allowed
+                logger.warning("request_id=%s: sample %d left its grammar; stopped",
+                               seq.request_id, seq.index)
+            status = SequenceStatus.FINISHED_STOPPED
         if status is not None:
             if not seq.detokenizer.finished:
                 seq.detokenizer.finish()

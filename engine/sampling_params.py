@@ -11,6 +11,9 @@ import copy
 import math
 from dataclasses import dataclass
 
+from pdmesh.engine.structured_output import StructuredOutput
+from pdmesh.engine.structured_output import validate as validate_structured_output
+
 MAX_LOGPROBS = 20
 """Upper bound for `logprobs` and `prompt_logprobs` (OpenAI caps top_logprobs at 20)."""
 
@@ -70,6 +73,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
+    """A grammar the output must follow (JSON schema, regex, choice, ...); compiled here once
+    without a tokenizer so a spec that cannot compile is refused at construction."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -83,6 +89,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _require_int("seed", self.seed)
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput, got "
+                                 f"{type(self.structured_output).__name__}")
+            validate_structured_output(self.structured_output)
 
     def _validate_counts(self) -> None:
         if _require_int("n", self.n) < 1:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from pdmesh.engine.detokenizer import IncrementalDetokenizer
     from pdmesh.engine.sampling_params import SamplingParams
+    from pdmesh.engine.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +59,7 @@ class Sequence:
     export_kv: bool = False
     want_prompt_logprobs: bool = False  # until every prompt position's logprobs are recorded
     scheduled_once: bool = False
+    grammar: GrammarMatcher | None = None  # structured output: where this sample is in it
 
     @property
     def prompt_token_ids(self) -> list[int]:

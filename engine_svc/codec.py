@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdmesh.engine.detokenizer import REPLACEMENT_CHAR, stop_prefix_length
 from pdmesh.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.structured_output import StructuredOutput
 from pdmesh.v1 import common_pb2
 
 
@@ -56,9 +57,27 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             logprobs=opt("logprobs", None),  # type: ignore[arg-type]
             prompt_logprobs=opt("prompt_logprobs", None),  # type: ignore[arg-type]
             skip_special_tokens=opt("skip_special_tokens", True),  # type: ignore[arg-type]
+            structured_output=structured_output_from_proto(msg),
         )
     except ValueError as exc:
         raise SamplingError(str(exc)) from None
+
+
+def structured_output_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    """The wire oneof -> the engine's spec (None when unset); ValueError names the field."""
+    if not msg.HasField("structured_output"):
+        return None
+    so = msg.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output is set but names no kind (json_schema, json_object, "
+                         "regex, choice or grammar)")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(so.choice.choices))
+    if kind == "json_object" and not so.json_object:
+        raise ValueError("structured_output.json_object must be true when set")
+    return StructuredOutput(**{kind: getattr(so, kind)})
+
 
 
 # -- logprobs ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ INVALID_ARGUMENT becomes a 400 here; this module only checks what the router can
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,46 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
     # vLLM's extension: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`: the schema sits under the key `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = ""
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsIn(StrictModel):
+    """vLLM's `structured_outputs` extension: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class SamplingFields(StrictModel):
@@ -64,6 +105,15 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str = ""
     priority: int = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* names. At most one constraint per request; the router compiles it (a spec that
+    # does not compile is a 400 naming the problem).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -78,6 +128,43 @@ class SamplingFields(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingFields:
+        if len(self._structured_candidates()) > 1:
+            raise ValueError("set at most one structured output constraint (response_format, "
+                             "structured_outputs or one guided_* field)")
+        return self
+
+    def _structured_candidates(self) -> list[common_pb2.StructuredOutput]:
+        """Every constraint the body sets, as wire messages (validated: at most one)."""
+        found: list[common_pb2.StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(common_pb2.StructuredOutput(json_object=True))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append(common_pb2.StructuredOutput(
+                json_schema=_schema_text(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        kinds = [] if so is None else [
+            ("json_schema", None if so.json_ is None else _schema_text(so.json_)),
+            ("json_object", so.json_object or None),
+            ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+        ]
+        kinds += [
+            ("json_schema", None if self.guided_json is None else _schema_text(self.guided_json)),
+            ("regex", self.guided_regex), ("choice", self.guided_choice),
+            ("grammar", self.guided_grammar),
+        ]
+        for kind, value in kinds:
+            if value is None:
+                continue
+            if kind == "choice":
+                found.append(common_pb2.StructuredOutput(
+                    choice=common_pb2.StructuredOutput.Choice(choices=value)))
+            else:
+                found.append(common_pb2.StructuredOutput(**{kind: value}))
+        return found
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -104,6 +191,8 @@ class SamplingFields(StrictModel):
             proto.max_tokens = max_tokens
         if logprobs is not None:
             proto.logprobs = logprobs
+        for constraint in self._structured_candidates():
+            proto.structured_output.CopyFrom(constraint)
         return proto
 
     @property

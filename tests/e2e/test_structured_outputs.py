@@ -1,0 +1,134 @@
+"""Structured outputs through the gateway, driven by the official `openai` client.
+
+Each test runs against two real meshes (`pdmesh serve`, one after the other): colocated, and
+1 prefill + 1 decode with local prefill disabled, so the first token is sampled on the prefill
+instance under the grammar and the decode instance replays it into its own matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from pdmesh.auth import TOKEN_ENV
+from pdmesh.router.local_mesh import Child, pdmesh_command
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KV_MEMORY = "64MiB"
+ENV = {**os.environ, TOKEN_ENV: "structured-outputs-test-token"}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PERSON = [{"role": "user", "content": "Give me a person as JSON with name, age and city."}]
+CHOICES = ["positive", "negative", "neutral"]
+PHONE = r"\d{3}-\d{3}-\d{4}"
+
+
+@pytest.fixture(scope="module", params=["colocated", "pd"])
+def base_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    shape = (["--colocated", "--num-decode", "1"] if request.param == "colocated" else
+             ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-threshold", "0"])
+    serve = Child(f"serve-{request.param}", pdmesh_command(
+        "serve", *shape, "--kv-cache-memory", KV_MEMORY, "--port", "0"), env=ENV)
+    try:
+        serve.wait_ready(timeout_s=240)
+        url = next(p for p in serve.ready_line.split() if p.startswith("gateway="))
+        yield url.removeprefix("gateway=")
+    finally:
+        serve.terminate(grace_s=30)
+
+
+@pytest.fixture()
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_json_schema(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="smollm2", messages=PERSON, max_tokens=80, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMA, "strict": True}},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+
+
+def test_json_schema_streamed_with_n(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="smollm2", messages=PERSON, max_tokens=80, temperature=0.8, seed=3, n=2,
+        stream=True, response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMA, "strict": True}},
+    )
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert finishes == {0: "stop", 1: "stop"}, texts
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="smollm2", messages=PERSON, max_tokens=60, temperature=0.0,
+        response_format={"type": "json_object"},
+    )
+    content = response.choices[0].message.content or ""
+    assert response.choices[0].finish_reason == "stop", content
+    assert isinstance(json.loads(content), dict)
+
+
+def test_guided_choice_on_completions(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model="smollm2", prompt="The movie was fun. Its sentiment is", max_tokens=8,
+        temperature=0.0, extra_body={"guided_choice": CHOICES},
+    )
+    assert response.choices[0].text in CHOICES
+    newer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Sentiment of: I hated it."}],
+        max_tokens=8, temperature=0.0, extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert newer.choices[0].message.content in CHOICES
+
+
+def test_guided_regex(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model="smollm2", prompt="Call me at", max_tokens=20, temperature=0.0,
+        extra_body={"guided_regex": PHONE},
+    )
+    assert re.fullmatch(PHONE, response.choices[0].text), response.choices[0].text
+
+
+def test_schema_that_does_not_compile_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="smollm2", messages=PERSON, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "nonsense"}}},
+        )
+    assert "structured_output.json_schema" in str(info.value)
+    assert "nonsense" in str(info.value)
+    with pytest.raises(openai.BadRequestError, match=r"structured_output\.regex"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "(ab"})
+    with pytest.raises(openai.BadRequestError, match="at most one structured output"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["a"]})

@@ -1,0 +1,130 @@
+"""Structured outputs in the engine, on real weights: the grammar's bitmask is applied to the
+logits before sampling, each of n samples walks its own matcher, and a request resumed with
+output produced elsewhere replays it into a new matcher before sampling continues."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jsonschema
+import pytest
+
+from pdmesh import LLM, SamplingParams
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.structured_output import StructuredOutput
+
+pytestmark = pytest.mark.slow
+
+CHOICES = ["Paris", "London", "Berlin"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("smollm2", kv_cache_memory="64MiB", max_model_len=512)
+
+
+def run(engine: LLMEngine, max_steps: int = 300) -> RequestOutput:
+    final: RequestOutput | None = None
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                final = out
+        if final is not None and not engine.has_unfinished_requests():
+            assert engine.num_free_blocks == engine.num_total_blocks
+            return final
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def generate(llm: LLM, prompt: str, params: SamplingParams) -> RequestOutput:
+    llm.engine.add_request(f"so-{next(_ids)}", prompt, params)
+    return run(llm.engine)
+
+
+def test_choice_grammar_masks_greedy_output(llm: LLM) -> None:
+    prompt = "Tell me a short story about a dog."
+    free = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    assert free.outputs[0].text.strip() not in CHOICES  # the mask, not the model, decides
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_output=StructuredOutput(choice=tuple(CHOICES)))
+    out = generate(llm, prompt, params).outputs[0]
+    assert out.text in CHOICES
+    assert out.finish_reason == "stop"
+
+
+def test_json_schema_with_n_samples(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=60,
+                            structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    out = generate(llm, "Describe a person as JSON.", params)
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+
+
+def test_prefix_cache_hit_keeps_the_grammar(llm: LLM) -> None:
+    prompt = ("You are a registry clerk. Record the next visitor of the city archive as a JSON "
+              "object with a name and an age, nothing else.")
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    first = generate(llm, prompt, params)
+    second = generate(llm, prompt, params)
+    assert second.num_cached_tokens > 0  # the prompt's blocks came from the prefix cache
+    assert second.outputs[0].text == first.outputs[0].text
+    jsonschema.validate(json.loads(second.outputs[0].text), SCHEMA)
+
+
+def test_resumed_request_replays_partial_json(llm: LLM) -> None:
+    engine = llm.engine
+    _, prompt_ids = engine.tokenize("Describe a person as JSON.")
+    prefix = engine.tokenizer('{"name": "Al', add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    engine.add_resumed_request(f"so-{next(_ids)}", prompt_ids, [prefix], params)
+    out = run(engine).outputs[0]
+    assert out.text.startswith('{"name": "Al')  # the given tokens are output, then the rest
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_resumed_tokens_that_break_the_grammar_are_refused(llm: LLM) -> None:
+    engine = llm.engine
+    _, prompt_ids = engine.tokenize("Pick a city.")
+    bad = engine.tokenizer("Rome", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_output=StructuredOutput(choice=tuple(CHOICES)))
+    with pytest.raises(ValueError, match="structured_output"):
+        engine.add_resumed_request(f"so-{next(_ids)}", prompt_ids, [bad], params)
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_spec_that_does_not_compile_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"structured_output\.json_schema does not compile"):
+        SamplingParams(structured_output=StructuredOutput(json_schema='{"type": "nonsense"}'))
+    with pytest.raises(ValueError, match=r"structured_output\.regex does not compile"):
+        SamplingParams(structured_output=StructuredOutput(regex="(ab"))
+
+
+def test_codec_maps_the_wire_oneof() -> None:
+    from pdmesh.engine_svc.codec import SamplingError, sampling_from_proto
+    from pdmesh.v1 import common_pb2
+
+    msg = common_pb2.SamplingParams()
+    msg.structured_output.choice.choices.extend(CHOICES)
+    assert sampling_from_proto(msg).structured_output == StructuredOutput(choice=tuple(CHOICES))
+    msg = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex="(ab"))
+    with pytest.raises(SamplingError) as info:
+        sampling_from_proto(msg)
+    assert info.value.field == "sampling.structured_output.regex"
+    empty = common_pb2.SamplingParams()
+    empty.structured_output.SetInParent()
+    with pytest.raises(SamplingError, match="names no kind"):
+        sampling_from_proto(empty)
