@@ -619,32 +619,22 @@ class LLMEngine:
         on the parent's full blocks make that cheap). Never fails for lack of blocks."""
         child = self._fork(parent, index)
         if child is None:
-            child = self._new_seq(
-                parent.request_id,
-                index,
-                list(parent.token_ids),
-                parent.num_prompt_tokens,
-                parent.params,
-                parent.priority,
-                parent.cache_salt,
-            )
+            child = self._sibling(parent, index)
             child.arrival_time = parent.arrival_time  # queued as part of its request
             self.scheduler.add(child)
         return child
+
+    def _sibling(self, parent: Sequence, index: int) -> Sequence:
+        """Sample `index` of the parent's request: its tokens so far, its own generator."""
+        return self._new_seq(parent.request_id, index, list(parent.token_ids),
+                             parent.num_prompt_tokens, parent.params, parent.priority,
+                             parent.cache_salt)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence | None:
         """A running copy of `parent` sharing its blocks; None without room or parent blocks."""
         if not self.kv_manager.has_blocks(parent.seq_id):
             return None
-        child = self._new_seq(
-            parent.request_id,
-            index,
-            list(parent.token_ids),
-            parent.num_prompt_tokens,
-            parent.params,
-            parent.priority,
-            parent.cache_salt,
-        )
+        child = self._sibling(parent, index)
         try:
             copy = self.kv_manager.fork(parent, child)
         except RuntimeError:
