@@ -56,6 +56,15 @@ class LayerOps(Protocol):
         ...
 
 
+def _halves(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two rotate-half views of `t` `[T, H, D]` and cos/sin shaped to broadcast over H."""
+    half = t.shape[-1] // 2
+    return (t[..., :half], t[..., half:],
+            cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype))
+
+
 class TorchLayerOps:
     """The reference formulas (what transformers' Llama computes)."""
 
@@ -76,11 +85,8 @@ class TorchLayerOps:
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         for t in (q, k):
-            half = t.shape[-1] // 2
-            a, b = t[..., :half], t[..., half:]
-            c, s = cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype)
-            rotated = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-            t.copy_(rotated)
+            a, b, c, s = _halves(t, cos, sin)
+            t.copy_(torch.cat((a * c - b * s, b * c + a * s), dim=-1))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -101,9 +107,7 @@ class CpuLayerOps(TorchLayerOps):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         for t in (q, k):
-            half = t.shape[-1] // 2
-            a, b = t[..., :half], t[..., half:]
-            c, s = cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype)
+            a, b, c, s = _halves(t, cos, sin)
             new_a = a * c - b * s
             b.mul_(c).addcmul_(a, s)
             a.copy_(new_a)

@@ -16,7 +16,8 @@ import pytest
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import CompletionOutput, RequestOutput
+from pdmesh.engine.outputs import CompletionOutput
+from tests.engine_steps import run_to_finish as run
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +36,6 @@ def other() -> LLMEngine:
     return LLM("smollm2", kv_cache_memory="64MiB", max_model_len=1024, seed=99).engine
 
 
-def run(engine: LLMEngine, max_steps: int = 400) -> RequestOutput:
-    final: RequestOutput | None = None
-    for _ in range(max_steps):
-        for out in engine.step():
-            if out.finished:
-                final = out
-        if final is not None and not engine.has_unfinished_requests():
-            assert engine.num_free_blocks == engine.num_total_blocks
-            return final
-    raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
 def resume(

@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.structured_output import StructuredOutput
+from tests.engine_steps import run_to_finish as run
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ def llm() -> LLM:
     return LLM("smollm2", kv_cache_memory="64MiB", max_model_len=512)
 
 
-def run(engine: LLMEngine, max_steps: int = 300) -> RequestOutput:
-    final: RequestOutput | None = None
-    for _ in range(max_steps):
-        for out in engine.step():
-            if out.finished:
-                final = out
-        if final is not None and not engine.has_unfinished_requests():
-            assert engine.num_free_blocks == engine.num_total_blocks
-            return final
-    raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
 def generate(llm: LLM, prompt: str, params: SamplingParams) -> RequestOutput:
