@@ -64,6 +64,15 @@ class EngineConfig:
     # Offline `LLM` only: where default sampling comes from (auto | vllm | a directory), see
     # engine/generation_config.py. Engines behind a router never read it: the router resolves.
     generation_config: str = "auto"
+    # vLLM's --load-format: "auto" reads the checkpoint's safetensors; "dummy" builds the
+    # architecture from config.json with random weights (benchmarks of shapes nobody
+    # downloaded; the outputs are noise).
+    load_format: Literal["auto", "dummy"] = "auto"
+    # vLLM's --enforce-eager: never capture CUDA graphs (on CPU there are none anyway).
+    enforce_eager: bool = False
+    # Serving only: run the engine core (scheduler, KV cache, model) in a process of its own,
+    # so the service's gRPC threads never hold its GIL. The offline LLM keeps it in-process.
+    engine_core_process: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -85,6 +94,8 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         from pdmesh.engine.generation_config import check_source
 
         check_source(self.generation_config)

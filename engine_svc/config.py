@@ -68,6 +68,14 @@ class EngineServiceConfig:
     gpu_memory_utilization: float | None = field(default=None, metadata=_help(
         "CUDA: fraction of GPU memory this engine may use, weights included; the KV cache "
         "gets the rest (replaces --kv-cache-memory)"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "never capture CUDA graphs for decode steps (vLLM's flag; no effect on CPU)"))
+    load_format: str = field(default="auto", metadata=_help(
+        "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
+        "(benchmarks)"))
+    engine_core_process: bool = field(default=True, metadata=_help(
+        "run the engine core (scheduler, KV cache, model) in its own process, away from "
+        "the gRPC server's GIL"))
     hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
     log_level: str = field(default="warning", metadata=_help("debug|info|warning|error"))
@@ -146,6 +154,9 @@ class EngineServiceConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             hash_algorithm=self.hash_algorithm,
             hash_root_seed=self.hash_root_seed,
+            enforce_eager=self.enforce_eager,
+            load_format=self.load_format,  # type: ignore[arg-type]
+            engine_core_process=self.engine_core_process,
         )
 
     def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:

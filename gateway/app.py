@@ -48,8 +48,10 @@ from pdmesh.gateway.openai_format import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
     finish_reason,
     stop_reason,
+    tool_finish_reason,
 )
 from pdmesh.gateway.router_client import GatewayError, GenerateCall, RouterClient
 from pdmesh.gateway.schemas import (
@@ -69,6 +71,8 @@ from pdmesh.gateway.schemas import (
     UsageInfo,
     validation_param,
 )
+from pdmesh.gateway.tool_parsers import StreamEvents
+from pdmesh.gateway.tools import OutputStream, ToolPlan, plan_tools
 from pdmesh.tracing import extract_headers, get_tracer, inject_metadata
 from pdmesh.v1 import common_pb2, router_pb2
 
@@ -122,8 +126,12 @@ class Generation:
     want_logprobs: bool
     include_usage: bool
     calls: list[GenerateCall]
-    # Completions `echo`: each prompt's text, put before its choices' output.
+    # Completions `echo`: each prompt's text, put before its choices' output; with logprobs,
+    # each prompt's first token (the one the prompt logprobs do not cover).
     echo: list[str] | None = None
+    echo_first_tokens: list[str] | None = None
+    # Chat tool calling: how to read the output (None: plain content).
+    tools: ToolPlan | None = None
     # stream_options.continuous_usage_stats: usage in every chunk; the prompts' token count is
     # known up front (a Tokenize call), the completion tokens as they stream.
     continuous_usage: bool = False
@@ -192,6 +200,18 @@ class OpenAIServing:
                     model=body.model, token_ids=prompt))).text)
         return texts
 
+    async def _first_tokens(self, body: CompletionRequest) -> list[str]:
+        """Each prompt's first token's text, for `echo` with logprobs."""
+        firsts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompt = list((await self.client.tokenize(router_pb2.TokenizeRequest(
+                    model=body.model, text=prompt))).token_ids)
+            out = await self.client.detokenize(router_pb2.DetokenizeRequest(
+                model=body.model, token_ids=prompt[:1]))
+            firsts.append(out.text)
+        return firsts
+
     async def _count_prompt_tokens(self, requests: list[router_pb2.GenerateRequest]) -> int:
         total = 0
         for r in requests:
@@ -237,21 +257,27 @@ class OpenAIServing:
             "completion", f"cmpl-{base}", body.model, body.n, body.logprobs is not None,
             body.include_usage_in_stream, body.stream, grpc_requests, request,
             echo=await self._echo_texts(body) if body.echo else None,
+            echo_first_tokens=await self._first_tokens(body) if body.echo_logprobs else None,
             continuous_usage=body.continuous_usage,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         base = request_id_of(request)
+        tools = plan_tools(body, self.config.tool_settings)
+        generate = (body.to_generate(base) if tools is None else
+                    body.to_generate(base, tools.tools_json, tools.structured_output))
         return await self._generate(
             "chat", f"chatcmpl-{base}", body.model, body.n, body.logprobs,
-            body.include_usage_in_stream, body.stream, [body.to_generate(base)], request,
-            continuous_usage=body.continuous_usage,
+            body.include_usage_in_stream, body.stream, [generate], request,
+            continuous_usage=body.continuous_usage, tools=tools,
         )
 
     async def _generate(
         self, kind: Kind, rid: str, model: str, n: int, want_logprobs: bool,
         include_usage: bool, stream: bool, grpc_requests: list[router_pb2.GenerateRequest],
-        request: Request, *, echo: list[str] | None = None, continuous_usage: bool = False,
+        request: Request, *, echo: list[str] | None = None,
+        echo_first_tokens: list[str] | None = None, continuous_usage: bool = False,
+        tools: ToolPlan | None = None,
     ) -> Response:
         endpoint = request.url.path
         served_model = await self.model_name(model)
@@ -270,8 +296,8 @@ class OpenAIServing:
             kind=kind, id=rid, created=int(time.time()), model=served_model,
             n=n, want_logprobs=want_logprobs, include_usage=include_usage,
             calls=[self.client.generate(r, metadata=metadata) for r in grpc_requests],
-            span=span, echo=echo, continuous_usage=continuous_usage,
-            prompt_tokens=prompt_tokens,
+            span=span, echo=echo, echo_first_tokens=echo_first_tokens,
+            continuous_usage=continuous_usage, prompt_tokens=prompt_tokens, tools=tools,
         )
         watch = DisconnectWatch(request, gen.close)
         self.metrics.in_flight.labels(endpoint).inc()
@@ -338,6 +364,7 @@ class OpenAIServing:
 
     async def _collect(self, gen: Generation) -> JSONResponse:
         states: dict[int, SequenceState] = {}
+        prompt_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
 
         async def one(p: int, call: GenerateCall) -> None:
             async for resp in call:
@@ -348,6 +375,7 @@ class OpenAIServing:
                     )
                 else:
                     gen.usage.add(resp.result.usage)
+                    prompt_logprobs[p] = list(resp.result.prompt_logprobs)
 
         await asyncio.gather(*(one(p, call) for p, call in enumerate(gen.calls)))
         failed = [s.finish for s in states.values()
@@ -361,7 +389,12 @@ class OpenAIServing:
             choices = [completion_choice(i, states[i], gen.want_logprobs) for i in indices]
             if gen.echo is not None:
                 for choice in choices:
-                    choice.text = gen.echo[choice.index // gen.n] + choice.text
+                    p = choice.index // gen.n
+                    if gen.echo_first_tokens is not None:
+                        choice.logprobs = echo_logprobs(
+                            gen.echo_first_tokens[p], prompt_logprobs.get(p, []),
+                            states[choice.index].logprobs, len(gen.echo[p]))
+                    choice.text = gen.echo[p] + choice.text
             body = CompletionResponse(
                 id=gen.id, created=gen.created, model=gen.model, usage=gen.usage,
                 choices=choices,
@@ -369,7 +402,8 @@ class OpenAIServing:
         else:
             body = ChatCompletionResponse(
                 id=gen.id, created=gen.created, model=gen.model, usage=gen.usage,
-                choices=[chat_choice(i, states[i], gen.want_logprobs) for i in indices],
+                choices=[chat_choice(i, states[i], gen.want_logprobs, gen.tools)
+                         for i in indices],
             )
         gen.ok = True
         return JSONResponse(body.model_dump(mode="json"))
@@ -395,6 +429,7 @@ class OpenAIServing:
 
         pumps = [asyncio.create_task(pump(p)) for p in range(len(gen.calls))]
         offsets: dict[int, int] = {}
+        readers: dict[int, OutputStream | None] = {}  # per choice, with tool calling
         error: GatewayError | None = None
         try:
             if gen.kind == "chat":
@@ -423,6 +458,17 @@ class OpenAIServing:
                 index = p * gen.n + delta.index
                 offset = offsets.get(index, 0)
                 offsets[index] = offset + sum(len(lp.text) for lp in delta.logprobs)
+                if gen.tools is not None:
+                    if index not in readers:
+                        readers[index] = gen.tools.stream()
+                    reader = readers[index]
+                    if reader is not None:
+                        events = _read_tools(reader, delta)
+                        if events.content or events.tool_calls or delta.logprobs or \
+                                delta.HasField("finish"):
+                            yield _sse_chunk(gen, index, text=events.content, delta=delta,
+                                             tool_calls=events, called=reader.num_calls > 0)
+                        continue
                 yield _sse_chunk(gen, index, text=delta.text, delta=delta, offset=offset)
                 if delta.finish.reason == common_pb2.FINISH_REASON_ERROR and error is None:
                     error = GatewayError(500, f"generation failed: {delta.finish.message}",
@@ -455,9 +501,20 @@ def _chunk_envelope(gen: Generation, choices: list[dict[str, Any]]) -> dict[str,
             "choices": choices, "usage": usage}
 
 
+def _read_tools(reader: OutputStream, delta: common_pb2.SequenceDelta) -> StreamEvents:
+    """A delta's text read for tool calls; the sequence's last delta also ends the reading."""
+    events = reader.feed(delta.text)
+    if delta.HasField("finish"):
+        rest = reader.finish()
+        events.content += rest.content
+        events.tool_calls += rest.tool_calls
+    return events
+
+
 def _sse_chunk(
     gen: Generation, index: int, *, text: str | None, role: bool = False,
     delta: common_pb2.SequenceDelta | None = None, offset: int = 0,
+    tool_calls: StreamEvents | None = None, called: bool = False,
 ) -> str:
     finish = delta.finish if delta is not None and delta.HasField("finish") else None
     logprobs = list(delta.logprobs) if delta is not None and gen.want_logprobs else None
@@ -470,12 +527,15 @@ def _sse_chunk(
         ).model_dump(mode="json")
     else:
         message = DeltaMessage(role="assistant", content="") if role else DeltaMessage(
-            content=text or None
+            content=text or None,
+            tool_calls=[d.to_openai() for d in tool_calls.tool_calls] if tool_calls and
+            tool_calls.tool_calls else None,
         )
         choice = ChatChunkChoice(
             index=index, delta=message,
             logprobs=chat_logprobs(logprobs) if logprobs is not None else None,
-            finish_reason=finish_reason(finish), stop_reason=stop_reason(finish),
+            finish_reason=tool_finish_reason(finish_reason(finish), called),
+            stop_reason=stop_reason(finish),
         ).model_dump(mode="json")
         choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     return f"data: {_json(_chunk_envelope(gen, [choice]))}\n\n"

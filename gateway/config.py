@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh.config import parse_config, split_address
+from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
+from pdmesh.gateway.tools import ToolSettings
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -66,6 +68,15 @@ class GatewayConfig:
         "PEM CA verifying HTTPS client certificates (with --ssl-cert-reqs 2: required)"))
     ssl_cert_reqs: int = field(default=0, metadata=_help(
         "HTTPS client certificates: 0 none, 1 optional, 2 required (Python ssl's values)"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+        'tool_choice "auto" (the default with tools): parse tool calls out of the model\'s '
+        "output with --tool-call-parser"))
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "how the model writes tool calls (for --enable-auto-tool-choice)",
+        "choices": tuple(TOOL_PARSERS)})
+    exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=_help(
+        'tool_choice "none": leave the tools out of the prompt (default: the template gets '
+        "them, as in vLLM)"))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
     log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
 
@@ -91,6 +102,7 @@ class GatewayConfig:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         self.tls.validate(server=False)
         self._validate_https()
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
 
     def _validate_https(self) -> None:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
@@ -106,6 +118,11 @@ class GatewayConfig:
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path and not Path(path).is_file():
                 raise ValueError(f"{flag}: no such file {path!r}")
+
+    @property
+    def tool_settings(self) -> ToolSettings:
+        return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser,
+                            self.exclude_tools_when_tool_choice_none)
 
     @property
     def https(self) -> bool:

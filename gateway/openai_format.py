@@ -16,8 +16,12 @@ from pdmesh.gateway.schemas import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
 )
+from pdmesh.gateway.tool_parsers import collect
+from pdmesh.gateway.tools import ToolPlan
 from pdmesh.v1 import common_pb2
 
 _FINISH_REASONS = {
@@ -58,6 +62,23 @@ def completion_logprobs(
         out.text_offset.append(offset)
         offset += len(lp.text)
     return out
+
+
+def echo_logprobs(
+    first_token: str, prompt: list[common_pb2.TokenLogprob],
+    output: list[common_pb2.TokenLogprob], output_offset: int,
+) -> CompletionLogprobs:
+    """`echo` with logprobs, as vLLM answers it: the prompt's tokens first (the first has no
+    context, so its logprob and alternatives are null; `prompt` holds the rest, from the
+    engine's prompt logprobs), then the output's, whose text starts at `output_offset`."""
+    head = completion_logprobs(prompt, len(first_token))
+    tail = completion_logprobs(output, output_offset)
+    return CompletionLogprobs(
+        tokens=[first_token, *head.tokens, *tail.tokens],
+        token_logprobs=[None, *head.token_logprobs, *tail.token_logprobs],
+        top_logprobs=[None, *head.top_logprobs, *tail.top_logprobs],
+        text_offset=[0, *head.text_offset, *tail.text_offset],
+    )
 
 
 def _utf8(text: str) -> list[int]:
@@ -108,11 +129,30 @@ def completion_choice(index: int, seq: SequenceState, want_logprobs: bool) -> Co
     )
 
 
-def chat_choice(index: int, seq: SequenceState, want_logprobs: bool) -> ChatChoice:
+def chat_choice(
+    index: int, seq: SequenceState, want_logprobs: bool, tools: ToolPlan | None = None
+) -> ChatChoice:
+    """One chat choice; with a ToolPlan that reads tool calls, the output is read into content
+    and `tool_calls` (finish reason "tool_calls" when it made any and stopped by itself)."""
+    reason = finish_reason(seq.finish)
+    stream = tools.stream() if tools is not None else None
+    if stream is None:
+        message = ChatMessageOut(content=seq.text)
+    else:
+        content, calls = collect(stream, [seq.text])
+        message = ChatMessageOut(content=content, tool_calls=[
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls])
+        reason = tool_finish_reason(reason, bool(calls))
     return ChatChoice(
         index=index,
-        message=ChatMessageOut(content=seq.text),
+        message=message,
         logprobs=chat_logprobs(seq.logprobs) if want_logprobs else None,
-        finish_reason=finish_reason(seq.finish),
+        finish_reason=reason,
         stop_reason=stop_reason(seq.finish),
     )
+
+
+def tool_finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that made calls and ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason

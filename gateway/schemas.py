@@ -136,6 +136,9 @@ class SamplingFields(StrictModel):
                              "structured_outputs or one guided_* field)")
         return self
 
+    def has_structured_output(self) -> bool:
+        return bool(self._structured_candidates())
+
     def _structured_candidates(self) -> list[common_pb2.StructuredOutput]:
         """Every constraint the body sets, as wire messages (validated: at most one)."""
         found: list[common_pb2.StructuredOutput] = []
@@ -166,7 +169,10 @@ class SamplingFields(StrictModel):
                 found.append(common_pb2.StructuredOutput(**{kind: value}))
         return found
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None,
+        structured_output: common_pb2.StructuredOutput | None = None,
+    ) -> common_pb2.SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         proto = common_pb2.SamplingParams(
@@ -193,6 +199,8 @@ class SamplingFields(StrictModel):
             proto.logprobs = logprobs
         for constraint in self._structured_candidates():
             proto.structured_output.CopyFrom(constraint)
+        if structured_output is not None:  # tool calling's (never together with the above)
+            proto.structured_output.CopyFrom(structured_output)
         return proto
 
     @property
@@ -227,11 +235,17 @@ class CompletionRequest(SamplingFields):
         return prompt
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (it would need the "
-                             "prompt's logprobs); drop one of them")
+    def _echo_logprobs_not_streamed(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo together with logprobs is not supported when streaming (the "
+                             "prompt's logprobs arrive with the end of the stream); set stream "
+                             "to false or drop one of them")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's tokens and logprobs come first (vLLM)."""
+        return self.echo and self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as separate items: one string, or one token-id list, each."""
@@ -251,6 +265,8 @@ class CompletionRequest(SamplingFields):
             priority=self.priority,
             stream=self.stream,
         )
+        if self.echo_logprobs:
+            request.sampling.prompt_logprobs = self.logprobs or 0
         if isinstance(prompt, str):
             request.text = prompt
         else:
@@ -263,10 +279,31 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCallIn(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(StrictModel):
+    """An assistant message's earlier tool call (conversation history)."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(StrictModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+
+    @model_validator(mode="after")
+    def _tool_calls_from_the_assistant(self) -> ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed on assistant messages")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -274,6 +311,39 @@ class ChatMessageIn(StrictModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def to_proto(self) -> router_pb2.ChatMessage:
+        return router_pb2.ChatMessage(
+            role=self.role, content=self.text(), name=self.name or "",
+            tool_call_id=self.tool_call_id or "",
+            tool_calls=[router_pb2.ToolCall(id=c.id, name=c.function.name,
+                                             arguments=c.function.arguments)
+                        for c in self.tool_calls or []],
+        )
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no parameters
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -283,6 +353,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # Tool calling (gateway/tools.py reads these against the server's flags).
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -290,20 +364,25 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def to_generate(self, request_id: str) -> router_pb2.GenerateRequest:
+    def to_generate(
+        self, request_id: str, tools_json: str = "",
+        structured_output: common_pb2.StructuredOutput | None = None,
+    ) -> router_pb2.GenerateRequest:
+        """The router call; `tools_json` and `structured_output` come from the request's
+        ToolPlan (gateway/tools.py)."""
         # max_completion_tokens is OpenAI's newer name; it wins when both are given.
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         chat = router_pb2.Chat(
-            messages=[router_pb2.ChatMessage(role=m.role, content=m.text())
-                      for m in self.messages],
+            messages=[m.to_proto() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt,
+            tools_json=tools_json,
         )
         return router_pb2.GenerateRequest(
             request_id=request_id,
             model=self.model,
             chat=chat,
-            sampling=self._sampling(max_tokens, logprobs),
+            sampling=self._sampling(max_tokens, logprobs, structured_output),
             cache_salt=self.cache_salt,
             priority=self.priority,
             stream=self.stream,
@@ -318,6 +397,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessageIn] | None = None
     add_special_tokens: bool = True  # prompt only; a chat template places its own
     add_generation_prompt: bool = True  # messages only
+    tools: list[ChatTool] | None = None  # messages only: rendered by the chat template
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -332,10 +412,11 @@ class TokenizeRequest(StrictModel):
         if self.prompt is not None:
             return router_pb2.TokenizeRequest(model=self.model, text=self.prompt,
                                               add_special_tokens=self.add_special_tokens)
+        tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools or []])
         chat = router_pb2.Chat(
-            messages=[router_pb2.ChatMessage(role=m.role, content=m.text())
-                      for m in self.messages or []],
+            messages=[m.to_proto() for m in self.messages or []],
             add_generation_prompt=self.add_generation_prompt,
+            tools_json=tools if self.tools else "",
         )
         return router_pb2.TokenizeRequest(model=self.model, chat=chat)
 
@@ -375,11 +456,12 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per generated token (with
+    echo, per prompt token first; the first prompt token's entries are null)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -414,9 +496,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -439,6 +533,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # ToolCallDelta.to_openai()
 
 
 class ChatChunkChoice(BaseModel):

@@ -21,18 +21,21 @@ def generate_stream(
     *,
     chat: bool = True,
     max_tokens: int = 64,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     tls: TLSConfig | None = None,
     timeout_s: float = 120.0,
 ) -> Iterator[str]:
-    """Yield text deltas of sample 0 as the router streams them."""
+    """Yield text deltas of sample 0 as the router streams them. `temperature` None leaves
+    it to the server's defaults (the model's generation config)."""
     creds = channel_credentials(tls) if tls is not None else None
     channel = (
         grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
     )
     with channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
+        if temperature is not None:
+            sampling.temperature = temperature
         if chat:
             message = router_pb2.ChatMessage(role="user", content=prompt)
             request = router_pb2.GenerateRequest(
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
     parser.add_argument("--raw", action="store_true", help="send as plain text, no chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="unset = the server's default (the model's generation config)")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
     parser.add_argument("--tls-ca")

@@ -43,6 +43,7 @@ from pdmesh import __version__
 from pdmesh.auth import TOKEN_ENV, TOKEN_FILE_ENV, ClusterToken
 from pdmesh.config import parse_config
 from pdmesh.engine.generation_config import check_source
+from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.kvstore.redis_server import RedisServer
 from pdmesh.kvstore.transfer.backends.shm import sweep_stale
 from pdmesh.router.routing.base import POLICY_NAMES
@@ -89,8 +90,15 @@ class MeshConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV of shared prompt prefixes"))
     seed: int = field(default=0, metadata=_help("engines' seed for unseeded requests"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "never capture CUDA graphs for decode steps (no effect on CPU)"))
     chat_template: str | None = field(default=None, metadata=_help(
         "a Jinja chat template (file or text) replacing the model's"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+        'tool_choice "auto": parse tool calls out of the output with --tool-call-parser'))
+    tool_call_parser: str | None = field(default=None, metadata=_help(
+        "how the model writes tool calls (for --enable-auto-tool-choice)",
+        tuple(TOOL_PARSERS)))
     generation_config: str = field(default="auto", metadata=_help(
         "sampling defaults: auto (the model's generation_config.json), vllm (none) or a "
         "directory holding a generation_config.json", ("auto", "vllm", "PATH")))
@@ -153,6 +161,7 @@ class MeshConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         check_source(self.generation_config)
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         if self.startup_timeout_s <= 0:
             raise ValueError("--startup-timeout-s must be > 0")
 
@@ -292,6 +301,8 @@ class LocalMesh:
             argv += ["--max-model-len", str(c.max_model_len)]
         if not c.enable_prefix_caching:
             argv += ["--no-enable-prefix-caching"]
+        if c.enforce_eager:
+            argv += ["--enforce-eager"]
         if c.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return argv
@@ -364,6 +375,10 @@ class LocalMesh:
                      "--allowed-methods", ",".join(c.allowed_methods),
                      "--allowed-headers", ",".join(c.allowed_headers),
                      "--allow-credentials" if c.allow_credentials else "--no-allow-credentials"]
+        if c.enable_auto_tool_choice:
+            argv += ["--enable-auto-tool-choice"]
+        if c.tool_call_parser:
+            argv += ["--tool-call-parser", c.tool_call_parser]
         return argv + (["--api-key", c.api_key] if c.api_key else [])
 
     @property

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdmesh.engine.llm import apply_chat_template
+from pdmesh.engine.llm import CHAT_ROLES, apply_chat_template
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_bound import NoBound, PromptBound
@@ -75,16 +75,17 @@ class PromptTokenizer:
                 special = request.add_special_tokens
             return await self._run(len(text), self._encode_text, text, special)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = chat_messages(request.chat)
             if not messages:
                 raise InvalidRequest("chat.messages", "a chat needs at least one message")
+            tools = chat_tools(request.chat)
             add = (
                 request.chat.add_generation_prompt
                 if request.chat.HasField("add_generation_prompt")
                 else True
             )
-            size = sum(len(m["content"]) for m in messages)
-            return await self._run(size, self._encode_chat, messages, add, max_model_len)
+            size = request.chat.ByteSize()
+            return await self._run(size, self._encode_chat, messages, add, max_model_len, tools)
         raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
 
     async def _run(self, size: int, work: Any, *args: Any) -> list[int]:
@@ -119,27 +120,92 @@ class PromptTokenizer:
         return tokenizer.decode(ids), [s if s is not None else "" for s in strs]
 
     def _encode_chat(
-        self, tokenizer: Any, messages: list[dict[str, str]], add: bool,
-        max_model_len: int | None,
+        self, tokenizer: Any, messages: list[dict[str, Any]], add: bool,
+        max_model_len: int | None, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if max_model_len is not None and self.bound is not None:
             # The bound applies to the rendered text (a template may leave content out).
             # Rendering is cheap next to tokenizing; a template error is reported below.
             try:
                 rendered = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add, tokenize=False
+                    messages, tools=tools, add_generation_prompt=add, tokenize=False
                 )
             except Exception:  # apply_chat_template below names the problem
                 rendered = None
             if isinstance(rendered, str):
                 self.bound.check(rendered, max_model_len, field="messages")
         try:
-            return apply_chat_template(tokenizer, messages, add)
+            if tools is None:
+                return apply_chat_template(tokenizer, messages, add)
+            return _apply_chat_template_with_tools(tokenizer, messages, add, tools)
         except ValueError as exc:
             raise InvalidRequest("messages", str(exc)) from None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def chat_messages(chat: Any) -> list[dict[str, Any]]:
+    """A router `Chat`'s messages as chat-template dicts, in HF's tool-use shape: assistant
+    `tool_calls` as `{"id", "type": "function", "function": {"name", "arguments"}}` with the
+    arguments as an object when they parse as one (templates render them with `tojson`, as
+    vLLM passes them), `tool_call_id` and `name` only where set."""
+    out: list[dict[str, Any]] = []
+    for m in chat.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return parsed if isinstance(parsed, dict) else text
+
+
+def chat_tools(chat: Any) -> list[dict[str, Any]] | None:
+    """`Chat.tools_json` → the template's `tools` (None when empty); InvalidRequest when it is
+    not a JSON list of objects."""
+    if not chat.tools_json:
+        return None
+    try:
+        tools = json.loads(chat.tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest("chat.tools_json", f"not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequest("chat.tools_json", "expected a JSON list of tool objects")
+    return tools or None
+
+
+def _apply_chat_template_with_tools(
+    tokenizer: Any, messages: list[dict[str, Any]], add: bool, tools: list[dict[str, Any]]
+) -> list[int]:
+    """The engine's `apply_chat_template` checks (a template, OpenAI's roles), with `tools=`
+    passed to the template as HF does; the engine's function takes no tools."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
+                             + ", ".join(CHAT_ROLES))
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def load_chat_template(template: str | None) -> str | None:

@@ -161,7 +161,28 @@ def test_completions_echo(mesh: Mesh, client: openai.OpenAI, hf_tokenizer: objec
     assert echoed.choices[0].text.startswith("The sky is")
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=2, echo=True,
-                                  logprobs=1)
+                                  logprobs=1, stream=True)
+
+
+def test_completions_echo_with_logprobs(mesh: Mesh, client: openai.OpenAI,
+                                        hf_tokenizer: object) -> None:
+    """vLLM's answer: the prompt's tokens first, the first one's logprob null (no context),
+    then the output's; the offsets index the echoed text."""
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]  # type: ignore[operator]
+    out = client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=2, echo=True,
+                                    logprobs=1)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    n = len(prompt_ids) + 2
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:len(prompt_ids)]) == PROMPT
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset[len(prompt_ids)] == len(PROMPT)
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:] if top is not None)
 
 
 def test_x_request_id_in_and_out(mesh: Mesh) -> None:

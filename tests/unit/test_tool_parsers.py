@@ -1,0 +1,187 @@
+"""Tool-call parsing (gateway/tool_parsers.py) and the request side of tool calling
+(gateway/tools.py): whole texts, every chunking of a stream, malformed output, and the JSON
+schemas that enforce `tool_choice="required"` / a named function."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from pdmesh.gateway.config import GatewayConfig
+from pdmesh.gateway.router_client import GatewayError
+from pdmesh.gateway.schemas import ChatCompletionRequest
+from pdmesh.gateway.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    JsonArrayToolParser,
+    Llama3JsonToolParser,
+    ToolParser,
+    check_tool_flags,
+    collect,
+)
+from pdmesh.gateway.tools import ToolSettings, plan_tools, required_schema
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
+           "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}},
+]
+HERMES_TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 2}}</tool_call>'
+)
+LLAMA_TEXT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+              '{"name": "get_time", "parameters": {"zone": 1}}')
+
+
+def whole(parser: ToolParser, text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
+    content, calls = collect(parser.stream(), [text])
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def streamed(parser: ToolParser, pieces: list[str]) -> tuple[str | None, list[tuple[str, Any]]]:
+    content, calls = collect(parser.stream(), pieces)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_whole_text() -> None:
+    content, calls = whole(HermesToolParser(), HERMES_TEXT)
+    assert content == "Let me check.\n"
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 2})]
+
+
+def test_llama3_json_whole_text() -> None:
+    content, calls = whole(Llama3JsonToolParser(), LLAMA_TEXT)
+    assert content is None
+    assert calls == [("get_weather", {"city": "Rome"}), ("get_time", {"zone": 1})]
+    # Without the python tag, and with `arguments` instead of `parameters`.
+    assert whole(Llama3JsonToolParser(), ' {"name": "f", "arguments": {}}') == (None, [("f", {})])
+
+
+@pytest.mark.parametrize("parser,text", [
+    (HermesToolParser(), HERMES_TEXT),
+    (Llama3JsonToolParser(), LLAMA_TEXT),
+    (HermesToolParser(), "no tools here, just <tool text"),
+    (Llama3JsonToolParser(), "Plain answer {not json}"),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}'),  # unterminated
+    (HermesToolParser(), 'x <tool_call>{"name": "f", "arguments": {oops}}</tool_call>'),
+    (JsonArrayToolParser(), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+                            '{"name": "get_time", "parameters": {"zone": 3}}]'),
+])
+def test_every_two_way_split_gives_the_whole_texts_result(parser: ToolParser, text: str) -> None:
+    expected = whole(parser, text)
+    for cut in range(len(text) + 1):
+        assert streamed(parser, [text[:cut], text[cut:]]) == expected, cut
+    assert streamed(parser, list(text)) == expected  # one character at a time
+
+
+def test_stream_announces_a_call_before_its_arguments() -> None:
+    stream = HermesToolParser().stream()
+    first = stream.feed("Sure. <tool_")
+    assert first.content == "Sure. " and not first.tool_calls  # "<tool_" is held back
+    events = stream.feed('call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    header, args = events.tool_calls
+    assert (header.index, header.name, header.arguments) == (0, "get_weather", "")
+    assert header.id is not None and header.id.startswith("chatcmpl-tool-")
+    assert (args.index, args.id, args.name) == (0, None, None)
+    assert json.loads(args.arguments) == {"city": "Oslo"}
+    assert stream.finish().content == ""
+
+
+@pytest.mark.parametrize("parser,text", [
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {bad json}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": 1'),  # cut off
+    (Llama3JsonToolParser(), '{"no_name": 1}'),
+])
+def test_malformed_json_stays_content(parser: ToolParser, text: str) -> None:
+    assert whole(parser, text) == (text, [])
+
+
+def test_registry_and_flag_checks() -> None:
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    check_tool_flags(True, "hermes")
+    check_tool_flags(False, None)
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        check_tool_flags(True, None)
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        check_tool_flags(True, "nope")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        GatewayConfig(enable_auto_tool_choice=True)
+
+
+# -- tool_choice -> what the request asks of the router -------------------------------------
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+AUTO = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+NO_AUTO = ToolSettings()
+
+
+def test_named_choice_constrains_to_that_functions_parameters() -> None:
+    plan = plan_tools(_chat(tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), NO_AUTO)
+    assert plan is not None and plan.named == "get_time"
+    assert json.loads(plan.structured_output.json_schema) == TOOLS[1]["function"]["parameters"]
+    assert json.loads(plan.tools_json) == TOOLS
+
+
+def test_required_schema_accepts_calls_and_refuses_others() -> None:
+    schema = required_schema(_chat(tools=TOOLS).tools or [], parallel=True)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "x"}},
+                         {"name": "get_time", "parameters": {"zone": 1}}], schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"zone": 1}}],
+                [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = required_schema(_chat(tools=TOOLS).tools or [], parallel=False)
+    assert single["maxItems"] == 1
+    plan = plan_tools(_chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+                      NO_AUTO)
+    assert plan is not None and json.loads(plan.structured_output.json_schema) == single
+
+
+def test_defs_of_every_tool_are_hoisted_to_the_root() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+        "$defs": {"P": {"type": "integer"}}}}}
+    schema = required_schema(_chat(tools=[tool]).tools or [], parallel=True)
+    assert schema["$defs"] == {"P": {"type": "integer"}}
+    jsonschema.validate([{"name": "f", "parameters": {"p": 3}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"p": "x"}}], schema)
+
+
+def test_auto_none_and_no_tools() -> None:
+    assert plan_tools(_chat(), NO_AUTO) is None
+    auto = plan_tools(_chat(tools=TOOLS), AUTO)  # tools without tool_choice: auto, as vLLM
+    assert auto is not None and auto.parser is not None and auto.structured_output is None
+    none = plan_tools(_chat(tools=TOOLS, tool_choice="none"), NO_AUTO)
+    assert none is not None and none.parser is None and none.tools_json  # still templated
+    hidden = plan_tools(_chat(tools=TOOLS, tool_choice="none"),
+                        ToolSettings(exclude_tools_when_tool_choice_none=True))
+    assert hidden is not None and hidden.tools_json == ""
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"tool_choice": "required"}, "tool_choice", "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "nope"),
+    ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
+     "structured output"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(GatewayError) as info:
+        plan_tools(_chat(**fields), NO_AUTO)
+    assert info.value.status == 400 and info.value.param == param
+    assert words in info.value.message
