@@ -7,6 +7,7 @@ allocation time (their tokens are known when the step is scheduled).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
@@ -50,10 +51,20 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
+        # Called with the seq_id after a sequence's blocks are freed (finished, preempted,
+        # aborted): the model runner's persistent batch drops that sequence's row.
+        self._free_listeners: list[Callable[[str], None]] = []
+
+    def add_free_listener(self, listener: Callable[[str], None]) -> None:
+        self._free_listeners.append(listener)
 
     # -- queries ---------------------------------------------------------------------------
-    def block_ids(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(seq_id, ())]
+    def block_ids(self, seq_id: str, start: int = 0) -> list[int]:
+        """The sequence's block ids, from its `start`-th block on."""
+        return [b.block_id for b in self._blocks.get(seq_id, ())[start:]]
+
+    def num_seq_blocks(self, seq_id: str) -> int:
+        return len(self._blocks.get(seq_id, ()))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -162,6 +173,8 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         self._hashes.pop(seq_id, None)
         self._num_cached.pop(seq_id, None)
+        for listener in self._free_listeners:
+            listener(seq_id)
 
     def has_blocks(self, seq_id: str) -> bool:
         return seq_id in self._blocks

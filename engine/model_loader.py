@@ -50,9 +50,28 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+DUMMY_INIT_STD = 0.02
+"""Standard deviation of dummy weights: the usual Llama initializer range, small enough that
+activations stay finite through 32 bf16 layers."""
+
+
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> tuple[LlamaForCausalLM, ModelConfig, object]:
+    """Our model of the config in `model_dir`, on `device` in `dtype`.
+
+    `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
+    random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     hf = load_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
@@ -60,7 +79,45 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, None)
     model.rope = rope
+    if load_format == "dummy":
+        state = dummy_state(model, dtype, device, seed)
+    else:
+        state = checkpoint_state(model_dir, model, cfg)
+        state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, cfg, hf
 
+
+def dummy_state(
+    model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of the (meta) `model`, made on `device` in `dtype`.
+
+    Each tensor is drawn where it will live, so an 8B shape costs its 16 GB of bf16 on the GPU
+    and nothing on the host (no float32 staging copy). Norm weights are 1 and biases 0, as at
+    the start of training; the same seed on the same device gives the same weights.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in model.named_parameters():  # tied lm_head is yielded once, as embeddings
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+        state[name] = tensor
+    return state
+
+
+def checkpoint_state(
+    model_dir: Path, model: LlamaForCausalLM, cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors renamed and fused into our parameter names, checked complete."""
     raw = read_safetensors(model_dir)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
@@ -84,9 +141,34 @@ def load_model(
             f"model: checkpoint in {model_dir} does not match the {cfg.model_type} architecture "
             f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
         )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, cfg, hf
+    return state
 
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under transformers' names (q/k/v and gate/up split again), as views.
+
+    The inverse of the checkpoint load, for handing the same weights to transformers'
+    LlamaForCausalLM (bench/gpu_throughput.py) without a second copy of an 8B model.
+    A tied LM head is left out, as in a tied checkpoint.
+    """
+    cfg = model.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("lm_head."):
+            if not cfg.tie_word_embeddings:
+                state[name] = tensor
+            continue
+        if not name.startswith("layers."):
+            state[f"model.{name}"] = tensor
+            continue
+        _, index, local = name.split(".", 2)  # layers.<i>.<module>.<param>
+        prefix = f"model.layers.{index}."
+        if local not in _FUSED:
+            state[prefix + local] = tensor
+            continue
+        pieces = tensor.split(split_sizes[local.split(".")[1]], dim=0)
+        for part, piece in zip(_FUSED[local], pieces, strict=True):
+            state[prefix + part] = piece
+    return state

@@ -1,35 +1,30 @@
-"""Turns a scheduled step into tensors, runs the model, and returns the logits it needs.
+"""Runs a scheduled step: its inputs from the persistent batch, the model, the logits it needs.
 
-Tokens of the step are laid out decodes first (one token per sequence), then prompt chunks,
-which is the order attention backends expect. Only rows whose logits are used — the last
-token of a sequence that will sample, and every prompt row when prompt logprobs were asked
-for — go through the LM head, which is the largest GEMM of a small model.
+Tokens of a step are laid out decodes first (one token per sequence), then prompt chunks,
+which is the order attention backends expect (engine/input_batch.py builds them). Only rows
+whose logits are used — the last token of a sequence that will sample, and every prompt row
+when prompt logprobs were asked for — go through the LM head, which is the largest GEMM of a
+small model. On CUDA, pure-decode steps replay a CUDA graph captured for their padded batch
+size (engine/cuda_graphs.py) unless `enforce_eager` is set; everything else runs eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import accumulate
+import logging
 
 import torch
 
+from pdmesh.engine.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from pdmesh.engine.input_batch import InputBatch, StepInputs
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 from pdmesh.engine.scheduler import ScheduledSeq
-from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
+from pdmesh.kernels.backend import AttentionBackend
 from pdmesh.kernels.layer_ops import select_layer_ops
 
+__all__ = ["ModelRunner", "StepInputs"]
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    order: list[ScheduledSeq]  # scheduled sequences in row order
-    row_start: list[int]  # first row of each entry of `order`
-    logits_rows: list[int]  # rows whose logits are computed
-    sample_index: dict[str, int]  # seq_id -> index into logits of its sampling row
-    prompt_logits: dict[str, tuple[int, int]]  # seq_id -> (first, end) index into logits
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -40,6 +35,10 @@ class ModelRunner:
         kv_manager: KVCacheManager,
         backend: AttentionBackend,
         device: torch.device,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enforce_eager: bool = False,
     ) -> None:
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
@@ -50,78 +49,38 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_manager.block_size
+        self.batch = InputBatch(
+            kv_manager, device, max_num_seqs, max_num_batched_tokens,
+            _max_blocks_per_seq(model, kv_manager),
+        )  # fmt: skip
+        self.cuda_graphs: DecodeGraphs | None = None
+        why_not = graphs_unavailable_reason(device, backend, enforce_eager)
+        if why_not is None:
+            self.cuda_graphs = DecodeGraphs(
+                model, kv_cache, backend, device, max_num_seqs, self.batch.max_blocks_per_seq
+            )
+            self.cuda_graphs.capture()
+        elif device.type == "cuda":
+            logger.info("cuda graphs off: %s", why_not)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        order = decodes + prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        row_start: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_index: dict[str, int] = {}
-        prompt_logits: dict[str, tuple[int, int]] = {}
-        bs = self.block_size
-        for entry in order:
-            seq, n = entry.seq, entry.num_new_tokens
-            start = seq.num_computed_tokens
-            end = start + n
-            table = self.kv.block_ids(seq.seq_id)
-            row_start.append(len(input_ids))
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            tables.append(table)
-            seq_lens.append(end)
-            rows_begin = len(input_ids) - n
-            sample_row = len(input_ids) - 1 if end == seq.num_tokens else None
-            if seq.want_prompt_logprobs and start < seq.num_prompt_tokens:
-                first = len(logits_rows)
-                logits_rows += range(
-                    rows_begin, rows_begin + min(end, seq.num_prompt_tokens) - start
-                )
-                prompt_logits[seq.seq_id] = (first, len(logits_rows))
-                if sample_row == logits_rows[-1]:
-                    sample_index[seq.seq_id] = len(logits_rows) - 1
-            if sample_row is not None and seq.seq_id not in sample_index:
-                sample_index[seq.seq_id] = len(logits_rows)
-                logits_rows.append(sample_row)
-        nd = len(decodes)
-        max_blocks = max((len(t) for t in tables), default=1) or 1
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
-        table_tensor = torch.tensor(padded, dtype=torch.long, device=dev).view(-1, max_blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=nd,
-            decode_block_tables=table_tensor[:nd],
-            decode_seq_lens=torch.tensor(seq_lens[:nd], dtype=torch.long, device=dev),
-            prefill_query_start_loc=[0, *accumulate(e.num_new_tokens for e in prefills)],
-            prefill_seq_lens=seq_lens[nd:],
-            prefill_block_tables=table_tensor[nd:],
-        )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
-            order=order,
-            row_start=row_start,
-            logits_rows=logits_rows,
-            sample_index=sample_index,
-            prompt_logits=prompt_logits,
-        )
+        return self.batch.prepare(scheduled)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model; returns float32 logits `[len(logits_rows), vocab]`."""
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend
-        )
+        graphs = self.cuda_graphs
+        bucket = graphs.bucket_for(inputs) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            hidden = graphs.replay(inputs, bucket)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend
+            )
         if not inputs.logits_rows:
             return hidden.new_empty((0, self.model.cfg.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=hidden.device)
+        rows = inputs.logits_index
+        if rows is None:
+            rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -131,3 +90,12 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.kv_cache.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.kv_cache.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+
+def _max_blocks_per_seq(model: LlamaForCausalLM, kv_manager: KVCacheManager) -> int:
+    """No sequence outgrows the model's RoPE table, nor the whole cache."""
+    num_blocks = kv_manager.pool.num_blocks
+    if model.rope is None:
+        return num_blocks
+    positions = model.rope.cos.shape[0]
+    return max(1, min(num_blocks, -(-positions // kv_manager.block_size)))

@@ -55,8 +55,11 @@ def is_hf_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def resolve_model(model: str) -> Path:
-    """Return the HF-format directory for an alias or a path; raise ValueError if there is none."""
+def resolve_model(model: str, load_format: str = "auto") -> Path:
+    """Return the HF-format directory for an alias or a path; raise ValueError if there is none.
+
+    With `load_format="dummy"` (random weights, benchmarks) config.json is all a directory needs.
+    """
     if model in ALIASES:
         return _ensure_converted(ALIASES[model])
     path = Path(model).expanduser()
@@ -65,6 +68,8 @@ def resolve_model(model: str) -> Path:
             f"model: {model!r} is neither a known alias ({', '.join(sorted(ALIASES))}) "
             "nor an existing directory"
         )
+    if load_format == "dummy" and (path / "config.json").is_file():
+        return path
     if not is_hf_model_dir(path):
         raise ValueError(
             f"model: {str(path)!r} is not a Hugging Face model directory "

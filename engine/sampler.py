@@ -15,10 +15,17 @@ Sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.
 is an exact draw from `probs`. A row with its own generator draws its V exponentials from that
 generator only, so its tokens do not depend on which other rows share the batch or where the
 row sits in it. Rows without a generator share the sampler's global one.
+
+Everything per row stays on the logits' device: row indices and per-row parameters cross to
+it with asynchronous copies, never by indexing with Python lists (which on CUDA copies and
+synchronises each time), and ids that need deduplication are deduplicated on the host. The
+sampled ids come back in one device-to-host copy per step; logprob tensors follow only when a
+row asked for them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +65,18 @@ class SampledToken:
     """The params.logprobs most likely tokens and their raw logprobs, nothing else."""
 
 
+def _device_tensor(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (an async copy on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return _device_tensor(rows, torch.long, device)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A per-sequence generator for a seeded request (None for unseeded ones).
 
@@ -90,9 +109,10 @@ class Sampler:
             return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
 
         logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
-        raw_logprobs = (
-            torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
-        )
+        raw_logprobs = None
+        if logprob_rows:
+            picked = logits.index_select(0, _index(logprob_rows, logits.device))
+            raw_logprobs = torch.log_softmax(picked.float(), dim=-1)
 
         processed = logits.to(torch.float32, copy=True)
         _apply_logit_processing(processed, meta)
@@ -105,21 +125,19 @@ class Sampler:
 
     def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; the rest sample from their masked distribution."""
+        # Every row's argmax (greedy rows keep theirs); random rows are then overwritten.
+        token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(meta.params) if not p.is_greedy]
         if not random_rows:
-            return logits.argmax(dim=-1)
-        greedy_rows = [i for i, p in enumerate(meta.params) if p.is_greedy]
-        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        if greedy_rows:
-            token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            return token_ids
+        index = _index(random_rows, logits.device)
         row_params = [meta.params[i] for i in random_rows]
-        probs = sampling_probs(logits[random_rows], row_params)
+        probs = sampling_probs(logits.index_select(0, index), row_params)
         noise = self._exponential_noise(probs, [meta.generators[i] for i in random_rows])
         # Masked tokens have probability exactly 0 and noise is clamped away from 0, so they can
         # never win the race.
         chosen = probs.div_(noise).argmax(dim=-1)
-        token_ids[random_rows] = chosen
-        return token_ids
+        return token_ids.index_copy_(0, index, chosen)
 
     def _exponential_noise(
         self, probs: torch.Tensor, generators: list[torch.Generator | None]
@@ -127,9 +145,10 @@ class Sampler:
         noise = torch.empty_like(probs)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            noise[shared] = torch.empty(
+            drawn = torch.empty(
                 (len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device
             ).exponential_(generator=self.generator)
+            noise.index_copy_(0, _index(shared, probs.device), drawn)
         for i, generator in enumerate(generators):
             if generator is not None:
                 _draw_row(noise[i], generator)
@@ -172,16 +191,15 @@ def _apply_logit_processing(logits: torch.Tensor, meta: SamplingMetadata) -> Non
     for row, params in enumerate(meta.params):
         output_ids = meta.output_token_ids[row]
         if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long, device=device)
-            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
+            ids = _index(list(params.logit_bias.keys()), device)
+            bias = _device_tensor(list(params.logit_bias.values()), logits.dtype, device)
             logits[row].index_add_(0, ids, bias)
         if _min_tokens_active(params, output_ids):
             banned = set(params.all_stop_token_ids)
             if not params.ignore_eos:
                 banned |= meta.eos_token_ids
             if banned:
-                ids = torch.tensor(sorted(banned), dtype=torch.long, device=device)
-                logits[row, ids] = -torch.inf
+                logits[row].index_fill_(0, _index(sorted(banned), device), -torch.inf)
         if params.repetition_penalty != 1.0:
             apply_repetition_penalty(
                 logits[row], meta.prompt_token_ids[row] + output_ids, params.repetition_penalty
@@ -197,19 +215,19 @@ def apply_repetition_penalty(row: torch.Tensor, seen_ids: list[int], penalty: fl
     likely" — positive logits are divided by the penalty, negative ones multiplied."""
     if not seen_ids:
         return
-    ids = torch.tensor(seen_ids, dtype=torch.long, device=row.device).unique()
-    values = row[ids]
-    row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+    ids = _index(sorted(set(seen_ids)), row.device)  # deduplicated on the host: no sync
+    values = row.index_select(0, ids)
+    row.index_copy_(0, ids, torch.where(values > 0, values / penalty, values * penalty))
 
 
 def apply_presence_frequency_penalties(
     row: torch.Tensor, output_ids: list[int], presence: float, frequency: float
 ) -> None:
     """OpenAI semantics: logit -= frequency * count + presence * (count > 0), output tokens only."""
-    ids, counts = torch.tensor(output_ids, dtype=torch.long, device=row.device).unique(
-        return_counts=True
-    )
-    row[ids] -= frequency * counts.to(row.dtype) + presence
+    counted = Counter(output_ids)  # on the host: a device unique() would synchronise
+    ids = _index(sorted(counted), row.device)
+    counts = _device_tensor([counted[i] for i in sorted(counted)], row.dtype, row.device)
+    row.index_copy_(0, ids, row.index_select(0, ids) - (frequency * counts + presence))
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -220,9 +238,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     before it is < top_p). min-p drops tokens whose probability is below min_p times the most
     likely token's. Masked tokens get probability exactly 0.
     """
-    temperatures = torch.tensor(
-        [p.temperature for p in params], dtype=logits.dtype, device=logits.device
-    )
+    temperatures = _device_tensor([p.temperature for p in params], logits.dtype, logits.device)
     scaled = logits / temperatures.unsqueeze(1)
     if any(p.uses_top_k or p.uses_top_p for p in params):
         scaled = _apply_top_k_top_p(scaled, params)
@@ -244,9 +260,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     width = candidates.shape[1]
 
     positions = torch.arange(width, device=device).unsqueeze(0)
-    top_k = torch.tensor(
-        [p.top_k if p.uses_top_k else width for p in params], device=device
-    ).unsqueeze(1)
+    top_k = _index([p.top_k if p.uses_top_k else width for p in params], device).unsqueeze(1)
     drop = positions >= top_k
 
     if any(p.uses_top_p for p in params):
@@ -254,10 +268,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         mass_before = probs.cumsum(dim=-1) - probs
         # A row with top_p == 1 must keep everything, even where rounding pushes the running
         # mass to 1.0 before the tail.
-        top_p = torch.tensor(
-            [p.top_p if p.uses_top_p else torch.inf for p in params],
-            dtype=logits.dtype,
-            device=device,
+        top_p = _device_tensor(
+            [p.top_p if p.uses_top_p else torch.inf for p in params], logits.dtype, device
         ).unsqueeze(1)
         drop |= mass_before >= top_p
         drop[:, 0] = False  # the most likely token always survives
@@ -268,7 +280,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
 
 def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    min_p = _device_tensor([p.min_p for p in params], logits.dtype, logits.device)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, -torch.inf)
 
@@ -280,21 +292,23 @@ def _attach_logprobs(
     token_ids: torch.Tensor,
     meta: SamplingMetadata,
 ) -> None:
-    chosen = token_ids[rows].unsqueeze(1)
+    """Fill in logprobs from one host copy of each tensor, never one per row."""
+    chosen = token_ids.index_select(0, _index(rows, token_ids.device)).unsqueeze(1)
     chosen_logprobs = raw_logprobs.gather(1, chosen)
-    ranks = (raw_logprobs > chosen_logprobs).sum(dim=-1) + 1
+    ranks = ((raw_logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    chosen_values = chosen_logprobs.squeeze(1).tolist()
     max_top = max(meta.params[row].logprobs or 0 for row in rows)
-    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top > 0 else (None, None)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    if max_top > 0:
+        values, ids = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
     for k, row in enumerate(rows):
         count = meta.params[row].logprobs or 0
         token = sampled[row]
-        token.logprob = float(chosen_logprobs[k, 0])
-        token.rank = int(ranks[k])
-        token.top_logprobs = {}
-        if count and top_values is not None and top_ids is not None:
-            token.top_logprobs = dict(
-                zip(top_ids[k, :count].tolist(), top_values[k, :count].tolist(), strict=True)
-            )
+        token.logprob = chosen_values[k]
+        token.rank = ranks[k]
+        token.top_logprobs = dict(zip(top_ids[k][:count], top_values[k][:count], strict=True))
 
 
 def compute_prompt_logprobs(
@@ -315,7 +329,7 @@ def compute_prompt_logprobs(
     if not target_ids:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    targets = _index(target_ids, logits.device).unsqueeze(1)
     target_logprobs = logprobs.gather(1, targets)
     ranks = ((logprobs > target_logprobs).sum(dim=-1) + 1).tolist()
     if k > 0:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from pdmesh.engine.detokenizer import IncrementalDetokenizer
+    from pdmesh.engine.core_types import RawLogprob
     from pdmesh.engine.sampling_params import SamplingParams
     from pdmesh.engine.structured_output import GrammarMatcher
 
@@ -46,14 +46,14 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, Any]] | None = None
-    cumulative_logprob: float = 0.0
+    stop_reason: int | None = None  # the stop token id that ended it (strings: not here)
+    logprobs: list[RawLogprob] | None = None  # of output tokens not reported yet
+    num_emitted: int = 0  # output tokens reported (or given by the caller)
+    finish_emitted: bool = False
     # Set on the parent of an n > 1 request until it samples and forks.
     fork_into: int = 1
     export_kv: bool = False

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 SENDER_BACKENDS = ("shm", "tcp")  # what a prefill instance offers by default, preferred first
 RECEIVER_BACKENDS = ("shm", "ucxx", "tcp", "torch_dist")
 EXIT_SCHEME_MISMATCH = 3
+EXIT_ENGINE_DEAD = 4
 
 
 class RolePart(Protocol):
@@ -123,6 +124,16 @@ def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
     return tuple(b for b in config.kv_backends(preferred) if b in usable)
 
 
+async def start_engine(config: EngineServiceConfig, role: Role) -> AsyncEngine:
+    """The engine core in its own process (the default), or on a thread of this one."""
+    engine_config = config.engine_config()
+    if engine_config.engine_core_process:
+        return await AsyncEngine.spawn(engine_config, name=f"{role}-engine",
+                                       log_level=config.log_level)
+    llm_engine = await asyncio.to_thread(LLMEngine, engine_config)
+    return AsyncEngine(llm_engine, name=f"{role}-engine")
+
+
 async def serve(
     config: EngineServiceConfig, role: Role, parts: Sequence[RolePartFactory]
 ) -> int:
@@ -130,8 +141,7 @@ async def serve(
     stop = asyncio.Event()
     install_shutdown_signals(stop)
     started = time.monotonic()
-    llm_engine = await asyncio.to_thread(LLMEngine, config.engine_config())
-    engine = AsyncEngine(llm_engine, name=f"{role}-engine")
+    engine = await start_engine(config, role)
     backends = _kv_backends(config, role)
     if not backends:
         logger.error("no usable KV backend among %s",
@@ -165,9 +175,9 @@ async def serve(
             role=role,
             address=address,
             model=config.model_name,
-            scheme_fingerprint=llm_engine.scheme.fingerprint(),
-            scheme_description=llm_engine.scheme.describe(),
-            block_size=llm_engine.scheme.block_size,
+            scheme_fingerprint=engine.info.hash_fingerprint,
+            scheme_description=engine.info.hash_description,
+            block_size=engine.info.block_size,
             started_at=time.time(),
             kv_address=kv_address or None,
         )
@@ -206,7 +216,8 @@ async def serve(
               f"kv_address={kv_address} "
               f"metrics={endpoint.url if endpoint else ''} "
               f"startup_s={time.monotonic() - started:.1f}", flush=True)
-        waiters = [asyncio.ensure_future(stop.wait())]
+        waiters = [asyncio.ensure_future(stop.wait()),
+                   asyncio.ensure_future(engine.dead_event.wait())]
         if presence is not None:
             waiters.append(asyncio.ensure_future(presence.fatal_event.wait()))
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -214,6 +225,12 @@ async def serve(
             waiter.cancel()
         if presence is not None and presence.fatal is not None:
             exit_code = EXIT_SCHEME_MISMATCH
+        if engine.dead_reason is not None:
+            # Without its core this instance can serve nothing: NOT_SERVING at once (the
+            # drain below), out of the registry, exit non-zero so it gets restarted.
+            logger.error("instance_id=%s: %s; stopping", service.instance_id,
+                         engine.dead_reason)
+            exit_code = EXIT_ENGINE_DEAD
 
     # Drain: refuse new work (routers re-route it), leave the registry, let running work end.
     await grpc_server.begin_drain()

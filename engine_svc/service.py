@@ -65,13 +65,12 @@ class EngineService:
         self.counters = KVCounters()
 
     def info(self) -> engine_pb2.EngineInfo:
-        e = self.engine.engine
         return engine_pb2.EngineInfo(
             model=self.config.model_name,
             instance_id=self.instance_id,
             role=ROLE_PROTO[self.role],
             block_size=self.engine.block_size,
-            hash_scheme_fingerprint=e.scheme.fingerprint(),
+            hash_scheme_fingerprint=self.engine.info.hash_fingerprint,
             max_model_len=self.engine.max_model_len,
             kv_capacity_tokens=self.engine.num_total_blocks * self.engine.block_size,
             kv_backends=list(self.kv_backends),

@@ -204,7 +204,6 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self, rid: str, prompt: list[int], params: SamplingParams, out: RequestOutput,
         received: float,
     ) -> engine_pb2.PrefillResponse:
-        e = self.engine.engine
         builder = DeltaBuilder(params)
         response = engine_pb2.PrefillResponse(
             request_id=rid,
@@ -213,7 +212,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         )
         for completion in sorted(out.outputs, key=lambda c: c.index):
             finish = first_token_finish(
-                completion.token_ids[0], len(prompt), params, e.eos_token_ids,
+                completion.token_ids[0], len(prompt), params, self.engine.eos_token_ids,
                 self.engine.max_model_len,
             ) if completion.token_ids else ("length", None)
             running = replace(completion, finish_reason=None, stop_reason=None)

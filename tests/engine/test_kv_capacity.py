@@ -54,7 +54,7 @@ def greedy(n: int = 1, max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def run_until_done(engine: LLMEngine, max_steps: int = 500) -> dict[str, RequestOutput]:
     finished: dict[str, RequestOutput] = {}
     for _ in range(max_steps):
-        if not engine.has_unfinished_requests() and not engine._pending_outputs:
+        if not engine.has_unfinished_requests():
             return finished
         for out in engine.step():
             if out.finished:

@@ -1,0 +1,175 @@
+"""Served throughput and latency: `pdmesh serve` against the real vLLM CPU build, one sitting.
+
+Both servers are judged by vLLM's own `bench serve` client (../shared/peer/bench-serve.sh:
+random dataset, 256 tokens in / 64 out, ignore_eos; Poisson 1 req/s with 40 prompts, and
+concurrency 16 with 48 prompts), started one after the other and never at once, interleaved
+A B A B ... so that drift of this noisy 2-core machine hits both alike. The table shows each
+run and the median per server; then the offline ceiling: `LLM.generate` on same-shaped
+requests (48 random 256-token prompts, 64 tokens out, max_num_seqs=16), which served
+throughput is compared with.
+
+    bash ../shared/peer/setup-vllm-cpu.sh          # once
+    python bench/serving_peer.py --runs 3           # ~25 min on a quiet machine
+    python bench/serving_peer.py --runs 1 --skip-vllm --pdmesh-args "--colocated"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT.parent / "shared" / "peer"
+RESULTS = Path.home() / ".cache" / "pdmesh-peer" / "results"
+
+
+@dataclass
+class Run:
+    server: str
+    scenario: str
+    out_tok_s: float
+    tpot_p50: float
+    tpot_p99: float
+    ttft_p50: float
+    completed: int
+
+
+def model_dir() -> str:
+    out = subprocess.run([str(ROOT / ".venv/bin/pdmesh"), "model", "path", "smollm2"],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server on {port} not ready after {timeout_s:.0f}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def serve_and_bench(label: str, argv: list[str], port: int, model: str,
+                    log: Path) -> list[Run]:
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=ROOT)
+        try:
+            wait_ready(port, proc, timeout_s=600)
+            subprocess.run(["bash", str(PEER / "bench-serve.sh"), str(port), label, model],
+                           check=False, stdout=subprocess.DEVNULL, timeout=1800)
+        finally:
+            stop(proc)
+    runs = []
+    for scenario in ("rate1", "conc16"):
+        path = RESULTS / f"{label}-{scenario}.json"
+        if not path.is_file():
+            raise RuntimeError(f"{label}: no {scenario} result (see {log})")
+        r = json.loads(path.read_text())
+        path.unlink()
+        runs.append(Run(label.split("#")[0], scenario, r.get("output_throughput", 0.0),
+                        r.get("median_tpot_ms", 0.0), r.get("p99_tpot_ms", 0.0),
+                        r.get("median_ttft_ms", 0.0), int(r.get("completed", 0))))
+    return runs
+
+
+def offline_ceiling(model: str, max_num_seqs: int) -> float:
+    """Output tok/s of `LLM.generate` on the bench client's shapes (same engine, no serving)."""
+    from pdmesh import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=2048)
+    rng = random.Random(7)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randint(100, vocab - 1) for _ in range(256)]}
+               for _ in range(48)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="A B pairs")
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--pdmesh-args", default="--colocated",
+                        help="extra `pdmesh serve` flags")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-offline", action="store_true")
+    args = parser.parse_args()
+    model = model_dir()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    vllm_argv = ["bash", str(PEER / "vllm-cpu-serve.sh"), model, str(args.port)]
+    pdmesh_argv = [str(ROOT / ".venv/bin/pdmesh"), "serve", model, "--port", str(args.port),
+                   "--served-model-name", "smollm2", *shlex.split(args.pdmesh_args)]
+    runs: list[Run] = []
+    for i in range(args.runs):
+        if not args.skip_vllm:
+            runs += serve_and_bench(f"vllm-cpu#{i}", vllm_argv, args.port, model,
+                                    Path(f"/tmp/serving-peer-vllm-{i}.log"))
+        runs += serve_and_bench(f"pdmesh#{i}", pdmesh_argv, args.port, model,
+                                Path(f"/tmp/serving-peer-pdmesh-{i}.log"))
+        print(f"pair {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
+
+    print(f"\npdmesh serve {args.pdmesh_args}; vLLM `bench serve`, 256 in / 64 out, ignore_eos\n")
+    print("| server | scenario | run | out tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | ok |")
+    print("|---|---|---|---|---|---|---|---|")
+    counters: dict[tuple[str, str], int] = {}
+    for r in runs:
+        k = counters[(r.server, r.scenario)] = counters.get((r.server, r.scenario), 0) + 1
+        print(f"| {r.server} | {r.scenario} | {k} | {r.out_tok_s:.1f} | {r.tpot_p50:.0f} | "
+              f"{r.tpot_p99:.0f} | {r.ttft_p50:.0f} | {r.completed} |")
+    print("\nmedians:\n")
+    print("| server | scenario | out tok/s | TPOT p50 ms | TPOT p99 ms |")
+    print("|---|---|---|---|---|")
+    med: dict[tuple[str, str], Run] = {}
+    for key in sorted({(r.server, r.scenario) for r in runs}):
+        rs = [r for r in runs if (r.server, r.scenario) == key]
+        m = Run(key[0], key[1], statistics.median(r.out_tok_s for r in rs),
+                statistics.median(r.tpot_p50 for r in rs),
+                statistics.median(r.tpot_p99 for r in rs),
+                statistics.median(r.ttft_p50 for r in rs), sum(r.completed for r in rs))
+        med[key] = m
+        print(f"| {m.server} | {m.scenario} | {m.out_tok_s:.1f} | {m.tpot_p50:.0f} | "
+              f"{m.tpot_p99:.0f} |")
+    if ("vllm-cpu", "conc16") in med and ("pdmesh", "conc16") in med:
+        ratio = med[("pdmesh", "conc16")].out_tok_s / med[("vllm-cpu", "conc16")].out_tok_s
+        print(f"\nconcurrency 16, pdmesh / vllm-cpu output tok/s: {ratio:.2f}x")
+    if not args.skip_offline:
+        ceiling = offline_ceiling(model, 16)
+        served = med[("pdmesh", "conc16")].out_tok_s
+        print(f"offline LLM.generate (max_num_seqs=16): {ceiling:.1f} out tok/s; "
+              f"served at concurrency 16: {served:.1f} ({served / ceiling:.0%} of offline)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The commands a serving process sends its engine core, and what comes back.
+
+Both ways of running a core use these structs: in a thread they are handed over as objects;
+across the process boundary they travel as msgpack (`msgspec`, tagged unions, never pickle),
+with a tensor (KV going in or out) as a separate raw frame described by a `TensorHeader`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
+from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdmesh.engine.sampling_params import SamplingParams
+
+# -- commands (serving process -> core) ------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    export_kv: bool = False
+
+
+class AddImported(msgspec.Struct, tag=True):
+    """Decode role: the prompt's KV arrives as the command's tensor."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+
+
+class AddResumed(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[list[int]]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class StopSequences(msgspec.Struct, tag=True):
+    """The output processor found stop strings in these samples."""
+
+    request_id: str
+    indices: list[int]
+
+
+class ReadKV(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class ReleaseKV(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class KVSnapshot(msgspec.Struct, tag=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+Command = (AddRequest | AddImported | AddResumed | Abort | StopSequences | ReadKV | ReleaseKV
+           | KVSnapshot | Shutdown)
+
+
+class Call(msgspec.Struct):
+    """A command; `call_id` 0 means nobody waits for its result."""
+
+    call_id: int
+    command: Command
+    tensor: TensorHeader | None = None
+
+
+# -- replies (core -> serving process) ------------------------------------------------------
+
+
+class TensorHeader(msgspec.Struct, array_like=True):
+    shape: list[int]
+    dtype: str
+
+
+class WireKVEvent(msgspec.Struct, array_like=True):
+    kind: str  # "stored" | "removed" | "cleared"
+    block_hashes: list[bytes] = []
+    parent_hash: bytes | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: CoreInfo
+
+
+class Batch(msgspec.Struct, tag=True):
+    """What one step produced, with the load after it and the KV cache events since."""
+
+    outputs: list[CoreOutput]
+    load: EngineLoadSnapshot
+    events: list[WireKVEvent] = []
+
+
+class Result(msgspec.Struct, tag=True):
+    call_id: int
+    load: EngineLoadSnapshot
+    value: Any = None
+    error_kind: str | None = None  # "value" | "kv_full" | "key" | "engine"
+    error: str | None = None
+    tensor: TensorHeader | None = None
+    events: list[WireKVEvent] | None = None
+
+
+class Failed(msgspec.Struct, tag=True):
+    """A step failed: every request in flight was aborted."""
+
+    request_ids: list[str]
+    message: str
+    load: EngineLoadSnapshot
+
+
+Reply = Ready | Batch | Result | Failed
+
+
+# -- conversions -----------------------------------------------------------------------------
+def events_to_wire(events: list[KVEvent]) -> list[WireKVEvent]:
+    wire = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            wire.append(WireKVEvent("stored", list(event.block_hashes), event.parent_hash))
+        elif isinstance(event, BlockRemoved):
+            wire.append(WireKVEvent("removed", list(event.block_hashes)))
+        else:
+            wire.append(WireKVEvent("cleared"))
+    return wire
+
+
+def events_from_wire(wire: list[WireKVEvent]) -> list[KVEvent]:
+    events: list[KVEvent] = []
+    for w in wire:
+        if w.kind == "stored":
+            events.append(BlockStored(tuple(w.block_hashes), w.parent_hash))  # type: ignore[arg-type]
+        elif w.kind == "removed":
+            events.append(BlockRemoved(tuple(w.block_hashes)))  # type: ignore[arg-type]
+        elif w.kind == "cleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV event kind {w.kind!r}")
+    return events
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tensor_to_frame(tensor: torch.Tensor) -> tuple[TensorHeader, memoryview]:
+    """A tensor's bytes as one frame (a host copy when it lives on a device)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"tensor dtype {dtype} cannot cross the core boundary")
+    host = tensor.detach().to("cpu").contiguous()
+    return TensorHeader(list(host.shape), dtype), memoryview(host.view(torch.uint8).numpy())
+
+
+def tensor_from_frame(header: TensorHeader, data: bytes | memoryview) -> torch.Tensor:
+    """Validated: the dtype is one of ours and the byte count matches the shape."""
+    dtype = _DTYPES.get(header.dtype)
+    if dtype is None:
+        raise ValueError(f"tensor dtype {header.dtype!r} is not one of {sorted(_DTYPES)}")
+    if any(d < 0 for d in header.shape):
+        raise ValueError(f"tensor shape {header.shape} has a negative dimension")
+    count = 1
+    for d in header.shape:
+        count *= d
+    if len(data) != count * dtype.itemsize:
+        raise ValueError(f"tensor frame holds {len(data)} bytes, shape {header.shape} "
+                         f"{header.dtype} needs {count * dtype.itemsize}")
+    if count == 0:
+        return torch.empty(header.shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(header.shape)
+
+
+ENCODER = msgspec.msgpack.Encoder()
+CALL_DECODER = msgspec.msgpack.Decoder(Call)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)

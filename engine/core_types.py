@@ -1,0 +1,93 @@
+"""What the engine core hands out: token-level results, load figures and static facts.
+
+The core knows token ids and numbers, never text: these structs are all that leaves it, in
+process (the offline `LLM`) or across the process boundary (`msgspec` encodes them as they
+are). The output processor turns them into text and vLLM-shaped `RequestOutput`s.
+
+Outputs are *deltas*: each `CoreOutput` carries only what happened to a request since the
+previous one, so a decode step costs a few integers per sequence on the wire.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RawLogprob(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Raw logprob of one chosen token: its value, 1-based rank, and the top-k alternatives
+    (ids and logprobs, most likely first). Text pieces are the output processor's job."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class SampleDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One sample (sequence) of a request: tokens appended since the last output and, when it
+    ended, why. `finish_reason` is "stop", "length", "abort" or "exported" (prefill role: the
+    KV stays pinned for a decode instance); `stop_reason` a stop token id (stop *strings* are
+    found by the output processor, which tells the core to stop the sample)."""
+
+    index: int
+    new_token_ids: list[int] = []
+    new_logprobs: list[RawLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+class KVExportInfo(msgspec.Struct, array_like=True, gc=False):
+    """Where an exported request's KV lives on this engine (prefill role)."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class CoreOutput(msgspec.Struct, gc=False, omit_defaults=True):
+    """What one step (or one command) did to one request."""
+
+    request_id: str
+    samples: list[SampleDelta] = []
+    prompt_logprobs: list[RawLogprob | None] | None = None
+    """Sent once, complete, when the prompt has been computed (the first entry is None)."""
+    num_cached_tokens: int = 0
+    kv_export: KVExportInfo | None = None
+    finished: bool = False
+    """The core holds nothing more of this request (exported requests stay until released)."""
+    ttft_s: float | None = None
+    queue_s: float | None = None
+
+
+class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
+    """Load figures the core takes after every step; safe to read anywhere."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_pinned_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class CoreInfo(msgspec.Struct, frozen=True):
+    """Facts fixed at start-up that the serving side reads without asking the core."""
+
+    block_size: int
+    max_model_len: int
+    num_total_blocks: int
+    vocab_size: int
+    kv_shape: tuple[int, int, int, int]
+    """(layers, block_size, kv_heads, head_dim): one request's KV is
+    [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
+    kv_dtype: str
+    hash_fingerprint: str
+    hash_description: str
+    capacity_summary: str

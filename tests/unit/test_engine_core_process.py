@@ -1,0 +1,178 @@
+"""The engine core in its own process: same tokens as in-process, KV across the boundary,
+aborts free blocks, a dead core fails everything at once; and the wire format refuses junk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import msgspec
+import pytest
+import torch
+
+from pdmesh.engine.async_engine import AsyncEngine, EngineError
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.core_protocol import (
+    CALL_DECODER,
+    ENCODER,
+    AddRequest,
+    Call,
+    TensorHeader,
+    tensor_from_frame,
+    tensor_to_frame,
+)
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.structured_output import StructuredOutput
+
+PROMPT = "The three primary colors are"
+CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=512)
+
+
+# -- the wire format (fast) ---------------------------------------------------------------------
+def test_sampling_params_cross_the_wire_validated() -> None:
+    params = SamplingParams(n=2, temperature=0.7, seed=5, stop=["x"], logit_bias={3: 1.5},
+                            structured_output=StructuredOutput(choice=("a", "b")))
+    call = CALL_DECODER.decode(ENCODER.encode(Call(7, AddRequest("r", [1, 2], params))))
+    assert call.call_id == 7 and call.command.params == params
+    bad = ENCODER.encode(Call(1, AddRequest("r", [1], SamplingParams()))).replace(
+        b"\xa4seed\xc0", b"\xa4seed\xa1x")  # seed: a string
+    with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
+        CALL_DECODER.decode(bad)
+
+
+def test_tensor_frames_round_trip_and_refuse_mismatches() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(2, 3, 4).to(dtype)
+        header, data = tensor_to_frame(t)
+        assert torch.equal(tensor_from_frame(header, bytes(data)), t)
+    with pytest.raises(ValueError, match="needs"):
+        tensor_from_frame(TensorHeader([2, 2], "float32"), b"\0" * 12)
+    with pytest.raises(ValueError, match="dtype"):
+        tensor_from_frame(TensorHeader([1], "int64"), b"\0" * 8)
+    with pytest.raises(ValueError, match="negative"):
+        tensor_from_frame(TensorHeader([-1], "float32"), b"")
+
+
+# -- a real core process (slow) -----------------------------------------------------------------
+@pytest.fixture(name="llm_engine", scope="module")
+def llm_engine_fixture() -> Iterator[LLMEngine]:
+    yield LLMEngine(CONFIG)
+
+
+def reference(llm_engine: LLMEngine, prompt: str, params: SamplingParams) -> RequestOutput:
+    llm_engine.add_request("ref", prompt, params)
+    for _ in range(1000):
+        for out in llm_engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("reference request did not finish")
+
+
+@pytest.fixture(name="proc_engine")
+async def proc_engine_fixture() -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.spawn(CONFIG)
+    yield engine
+    await engine.shutdown()
+
+
+async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = engine.load()
+        if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"blocks not freed: {engine.load()}")
+
+
+slow = pytest.mark.slow
+
+
+@slow
+@pytest.mark.anyio
+async def test_process_core_matches_in_process(llm_engine: LLMEngine,
+                                               proc_engine: AsyncEngine) -> None:
+    assert proc_engine.core_pid is not None and proc_engine.core_pid != os.getpid()
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=16, stop=[" and"],
+                       prompt_logprobs=1),
+    ]
+    for params in cases:
+        want = reference(llm_engine, PROMPT, params)
+        outs = await collect(proc_engine.generate("p", PROMPT, params))
+        got = outs[-1]
+        assert got.finished and len(outs) > 1  # streamed, not one blob
+        for mine, theirs in zip(got.outputs, want.outputs, strict=True):
+            assert (mine.token_ids, mine.text, mine.finish_reason, mine.stop_reason) == (
+                theirs.token_ids, theirs.text, theirs.finish_reason, theirs.stop_reason)
+            assert mine.logprobs == theirs.logprobs
+        assert got.prompt_logprobs == want.prompt_logprobs
+    await wait_all_free(proc_engine)
+
+
+@slow
+@pytest.mark.anyio
+async def test_kv_export_import_across_the_boundary(llm_engine: LLMEngine,
+                                                    proc_engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = reference(llm_engine, PROMPT, params)
+    first = await proc_engine.prefill_export("x", PROMPT, params)
+    kv = await proc_engine.read_kv("x")
+    assert kv.shape[2] == len(first.kv_export.block_ids)  # type: ignore[union-attr]
+    assert await proc_engine.release_kv("x")
+    outs = await collect(proc_engine.import_and_decode(
+        "y", first.prompt_token_ids, [first.outputs[0].token_ids[0]], kv, params))
+    assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="kv: shape"):
+        await collect(proc_engine.import_and_decode(
+            "z", first.prompt_token_ids, [1], kv[:, :1], params))
+    await wait_all_free(proc_engine)
+
+
+@slow
+@pytest.mark.anyio
+async def test_abort_and_errors_across_the_boundary(proc_engine: AsyncEngine) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        await collect(proc_engine.generate("bad", {"prompt_token_ids": []}, SamplingParams()))
+    stream = proc_engine.generate("ab", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+    await stream.__anext__()
+    assert await proc_engine.abort("ab")
+    with pytest.raises(EngineError, match="aborted"):
+        await collect(stream)
+    leaving = proc_engine.generate("lv", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+    await leaving.__anext__()
+    await leaving.aclose()  # the consumer walks away: its blocks come back
+    await wait_all_free(proc_engine)
+
+
+@slow
+@pytest.mark.anyio
+async def test_dead_core_fails_everything_at_once() -> None:
+    engine = await AsyncEngine.spawn(CONFIG)
+    try:
+        stream = engine.generate("d", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        assert engine.core_pid is not None
+        os.kill(engine.core_pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="exited"):
+            await asyncio.wait_for(collect(stream), 10.0)
+        await asyncio.wait_for(engine.dead_event.wait(), 10.0)
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(collect(engine.generate("e", PROMPT, SamplingParams())), 10.0)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.fixture(name="anyio_backend")
+def anyio_backend_fixture() -> str:
+    return "asyncio"
