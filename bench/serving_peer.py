@@ -123,6 +123,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--pdmesh-args", default="--colocated",
                         help="extra `pdmesh serve` flags")
+    parser.add_argument("--baseline-args", default="",
+                        help="also run pdmesh once with these flags instead (e.g. "
+                             "'--colocated --no-engine-core-process'), labelled pdmesh-baseline")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-offline", action="store_true")
     args = parser.parse_args()
@@ -139,6 +142,10 @@ def main() -> None:
         runs += serve_and_bench(f"pdmesh#{i}", pdmesh_argv, args.port, model,
                                 Path(f"/tmp/serving-peer-pdmesh-{i}.log"))
         print(f"pair {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
+    if args.baseline_args:
+        base_argv = [*pdmesh_argv[:7], *shlex.split(args.baseline_args)]
+        runs += serve_and_bench("pdmesh-baseline#0", base_argv, args.port, model,
+                                Path("/tmp/serving-peer-baseline.log"))
 
     print(f"\npdmesh serve {args.pdmesh_args}; vLLM `bench serve`, 256 in / 64 out, ignore_eos\n")
     print("| server | scenario | run | out tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | ok |")

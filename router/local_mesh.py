@@ -92,6 +92,8 @@ class MeshConfig:
     seed: int = field(default=0, metadata=_help("engines' seed for unseeded requests"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "never capture CUDA graphs for decode steps (no effect on CPU)"))
+    engine_core_process: bool = field(default=True, metadata=_help(
+        "run each engine's core (scheduler, KV cache, model) in its own process"))
     chat_template: str | None = field(default=None, metadata=_help(
         "a Jinja chat template (file or text) replacing the model's"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_help(
@@ -303,6 +305,8 @@ class LocalMesh:
             argv += ["--no-enable-prefix-caching"]
         if c.enforce_eager:
             argv += ["--enforce-eager"]
+        if not c.engine_core_process:
+            argv += ["--no-engine-core-process"]
         if c.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         return argv
