@@ -102,6 +102,7 @@ class AsyncEngine:
         self._call_ids = itertools.count(1)
         self._closed = False  # no new work: shut down, or the core died
         self._shut_down = False
+        self._core_gone = False
         if engine is not None:
             self._link: Any = ThreadCoreLink(engine.core, self._on_reply, self._on_dead,
                                              name=name)
@@ -290,7 +291,7 @@ class AsyncEngine:
             return
         self._shut_down = True
         self._fail_everything(EngineError("engine is shutting down"))
-        if not self._closed:
+        if not self._core_gone:
             self._link.send(Call(0, Shutdown()))
         self._closed = True
         await self._link.join(30.0)
@@ -365,6 +366,13 @@ class AsyncEngine:
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
+        try:
+            self._handle(reply, tensor)
+        except Exception as exc:  # a bug here must not leave streams waiting forever
+            logger.exception("engine: handling a %s from the core failed", type(reply).__name__)
+            self._stop_serving(f"engine output handling failed: {exc!r}")
+
+    def _handle(self, reply: Reply, tensor: torch.Tensor | None) -> None:
         if isinstance(reply, Batch):
             self._load = reply.load
             self._deliver(reply)
@@ -407,6 +415,15 @@ class AsyncEngine:
             future.set_result(result.value)
 
     def _on_dead(self, reason: str) -> None:
+        """The core is gone (its process exited, its thread died)."""
+        self._core_gone = True
+        self._stop_serving(reason)
+
+    def _stop_serving(self, reason: str) -> None:
+        """Nothing more can be served: fail everything now, refuse new work, tell the
+        service (`dead_event`), which stops; `shutdown` still stops a core that lives on."""
+        if self.dead_reason is not None:
+            return
         self.dead_reason = reason
         self._fail_everything(EngineError(reason))
         self._closed = True

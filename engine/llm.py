@@ -82,17 +82,19 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them; `tools`
+        (OpenAI function tools) go to the template, as in vLLM's `LLM.chat`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt)
+            ids = apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, tools)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -126,8 +128,11 @@ by permissive templates (a "wizard" turn the model was never trained on), so it 
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    """Token ids of a conversation; `tools` (OpenAI function tools) reach the template as HF's
+    `tools=`. Refuses a model without a template and roles outside OpenAI's."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template")
     for i, m in enumerate(messages):
@@ -139,7 +144,7 @@ def apply_chat_template(
                 + ", ".join(CHAT_ROLES)
             )
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

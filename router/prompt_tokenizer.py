@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdmesh.engine.llm import CHAT_ROLES, apply_chat_template
+from pdmesh.engine.llm import apply_chat_template
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_bound import NoBound, PromptBound
@@ -135,9 +135,7 @@ class PromptTokenizer:
             if isinstance(rendered, str):
                 self.bound.check(rendered, max_model_len, field="messages")
         try:
-            if tools is None:
-                return apply_chat_template(tokenizer, messages, add)
-            return _apply_chat_template_with_tools(tokenizer, messages, add, tools)
+            return apply_chat_template(tokenizer, messages, add, tools)
         except ValueError as exc:
             raise InvalidRequest("messages", str(exc)) from None
 
@@ -187,25 +185,6 @@ def chat_tools(chat: Any) -> list[dict[str, Any]] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequest("chat.tools_json", "expected a JSON list of tool objects")
     return tools or None
-
-
-def _apply_chat_template_with_tools(
-    tokenizer: Any, messages: list[dict[str, Any]], add: bool, tools: list[dict[str, Any]]
-) -> list[int]:
-    """The engine's `apply_chat_template` checks (a template, OpenAI's roles), with `tools=`
-    passed to the template as HF does; the engine's function takes no tools."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template")
-    for i, m in enumerate(messages):
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
-                             + ", ".join(CHAT_ROLES))
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add, tokenize=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def load_chat_template(template: str | None) -> str | None:

@@ -198,3 +198,21 @@ async def test_shutdown_fails_pending_streams(llm_engine: LLMEngine) -> None:
 @pytest.fixture(name="anyio_backend")
 def anyio_backend_fixture() -> str:
     return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_failure_handling_outputs_fails_streams_instead_of_hanging(
+        llm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = AsyncEngine(llm_engine)
+    try:
+        def broken(outputs: object) -> object:
+            raise RuntimeError("bug in the output processor")
+
+        monkeypatch.setattr(engine.processor, "process", broken)
+        with pytest.raises(EngineError, match="output handling failed"):
+            await asyncio.wait_for(
+                collect(engine.generate("oops", PROMPT, SamplingParams(max_tokens=4))), 10.0)
+        assert engine.dead_event.is_set()
+    finally:
+        await asyncio.wait_for(engine.shutdown(), 30.0)  # the core still lives: told to stop
+    assert not llm_engine.requests

@@ -1,0 +1,44 @@
+"""`apply_chat_template(..., tools=)`: the one function the router and the offline `LLM.chat`
+use puts the tools into the prompt through the template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pdmesh.engine.llm import apply_chat_template
+
+TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_chat_template_hermes.jinja"
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(name="tokenizer", scope="module")
+def tokenizer_fixture(model_dir: Path):  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TEMPLATE.read_text()
+    return tokenizer
+
+
+def test_tools_reach_the_template(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = tokenizer.decode(apply_chat_template(tokenizer, messages, True, [TOOL]))
+    without = tokenizer.decode(apply_chat_template(tokenizer, messages, True))
+    assert "get_weather" in with_tools and "get_weather" not in without
+
+
+def test_tool_history_renders_and_bad_roles_are_refused(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    text = tokenizer.decode(apply_chat_template(tokenizer, history, True, [TOOL]))
+    assert "Paris" in text and "sunny" in text
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        apply_chat_template(tokenizer, [{"role": "wizard", "content": "x"}], True, [TOOL])
