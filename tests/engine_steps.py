@@ -1,7 +1,12 @@
-"""Driving an `LLMEngine` by hand in engine-level tests."""
+"""Driving an `LLMEngine` by hand, and reading an `AsyncEngine`'s streams, in engine tests."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 
@@ -18,3 +23,19 @@ def run_to_finish(engine: LLMEngine, max_steps: int = 400) -> RequestOutput:
             assert engine.num_free_blocks == engine.num_total_blocks
             return final
     raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    """Every output an `AsyncEngine` stream yields."""
+    return [out async for out in stream]
+
+
+async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    """Until the engine's load shows every block free and nothing running (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = engine.load()
+        if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"blocks not freed: {engine.load()}")

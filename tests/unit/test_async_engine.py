@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -14,6 +13,7 @@ from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
+from tests.engine_steps import collect, wait_all_free
 
 pytestmark = pytest.mark.slow
 
@@ -42,20 +42,6 @@ def reference(llm_engine: LLMEngine, prompt: str, params: SamplingParams) -> Req
             if out.finished:
                 return out
     raise AssertionError("reference request did not finish")
-
-
-async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in stream]
-
-
-async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        load = engine.load()
-        if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"blocks not freed: {engine.load()}")
 
 
 @pytest.fixture(name="greedy_ref", scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import msgspec
@@ -28,6 +27,7 @@ from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
+from tests.engine_steps import collect, wait_all_free
 
 PROMPT = "The three primary colors are"
 CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=512)
@@ -78,20 +78,6 @@ async def proc_engine_fixture() -> AsyncIterator[AsyncEngine]:
     engine = await AsyncEngine.spawn(CONFIG)
     yield engine
     await engine.shutdown()
-
-
-async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in stream]
-
-
-async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        load = engine.load()
-        if load.num_free_blocks == load.num_total_blocks and load.num_running == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"blocks not freed: {engine.load()}")
 
 
 slow = pytest.mark.slow
