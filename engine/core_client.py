@@ -132,9 +132,12 @@ class ProcessCoreLink:
         """Start the core's process (it imports torch meanwhile); `boot` tells it what to load.
         Split in two so the serving side can load its tokenizer while the core starts."""
         link = cls()
+        # Its own session: a terminal's Ctrl-C or a signal to the service's process group must
+        # reach the service (which drains) and not kill the core under it; the core still
+        # dies with the service (PR_SET_PDEATHSIG) and stops on Shutdown.
         link._proc = subprocess.Popen(
             [sys.executable, "-m", "pdmesh.engine.core_process", link._in_addr, link._out_addr],
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, start_new_session=True)
         return link
 
     async def boot(self, config: EngineConfig, eos_token_ids: set[int], on_reply: OnReply,

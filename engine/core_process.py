@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import fields
 from typing import Any
@@ -115,7 +116,6 @@ def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the parent exits (prctl PR_SET_PDEATHSIG)."""
     with contextlib.suppress(Exception):
         import ctypes
-        import signal
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m pdmesh.engine.core_process IN_ADDR OUT_ADDR", file=sys.stderr)
         return 2
     _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the serving process decides when we stop
+        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
     transport = ZmqCoreTransport(ctx, args[0], args[1])
     boot = transport.receive_boot()
