@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.sampling_params import SamplingParams
 
 
 def run_to_finish(engine: LLMEngine, max_steps: int = 400) -> RequestOutput:
@@ -23,6 +24,12 @@ def run_to_finish(engine: LLMEngine, max_steps: int = 400) -> RequestOutput:
             assert engine.num_free_blocks == engine.num_total_blocks
             return final
     raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def reference(engine: LLMEngine, prompt: str, params: SamplingParams) -> RequestOutput:
+    """The synchronous engine's own answer to one request (the reference for async paths)."""
+    engine.add_request("ref", prompt, params)
+    return run_to_finish(engine)
 
 
 async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:

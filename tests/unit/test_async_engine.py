@@ -13,7 +13,7 @@ from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
-from tests.engine_steps import collect, wait_all_free
+from tests.engine_steps import collect, reference, wait_all_free
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,6 @@ async def aengine_fixture(llm_engine: LLMEngine) -> AsyncIterator[AsyncEngine]:
     await engine.shutdown()
     for request_id in list(llm_engine.requests):  # leave the shared engine clean
         llm_engine.abort_request(request_id)
-
-
-def reference(llm_engine: LLMEngine, prompt: str, params: SamplingParams) -> RequestOutput:
-    """The synchronous engine's own answer (before any AsyncEngine owns it)."""
-    llm_engine.add_request("ref", prompt, params)
-    for _ in range(1000):
-        for out in llm_engine.step():
-            if out.finished:
-                return out
-    raise AssertionError("reference request did not finish")
 
 
 @pytest.fixture(name="greedy_ref", scope="module")

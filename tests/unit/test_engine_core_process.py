@@ -24,10 +24,9 @@ from pdmesh.engine.core_protocol import (
     tensor_to_frame,
 )
 from pdmesh.engine.llm_engine import LLMEngine
-from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
-from tests.engine_steps import collect, wait_all_free
+from tests.engine_steps import collect, reference, wait_all_free
 
 PROMPT = "The three primary colors are"
 CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=512)
@@ -62,15 +61,6 @@ def test_tensor_frames_round_trip_and_refuse_mismatches() -> None:
 @pytest.fixture(name="llm_engine", scope="module")
 def llm_engine_fixture() -> Iterator[LLMEngine]:
     yield LLMEngine(CONFIG)
-
-
-def reference(llm_engine: LLMEngine, prompt: str, params: SamplingParams) -> RequestOutput:
-    llm_engine.add_request("ref", prompt, params)
-    for _ in range(1000):
-        for out in llm_engine.step():
-            if out.finished:
-                return out
-    raise AssertionError("reference request did not finish")
 
 
 @pytest.fixture(name="proc_engine")
