@@ -73,6 +73,9 @@ class EngineConfig:
     # Serving only: run the engine core (scheduler, KV cache, model) in a process of its own,
     # so the service's gRPC threads never hold its GIL. The offline LLM keeps it in-process.
     engine_core_process: bool = True
+    # torch's intra-op threads for the engine's compute; None: the core process picks
+    # (engine/cpu_threads.py), an in-process engine leaves torch's default.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -94,6 +97,8 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         from pdmesh.engine.generation_config import check_source

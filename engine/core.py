@@ -119,6 +119,8 @@ class EngineCore:
         self.model_dir = resolve_model(config.model, config.load_format)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         self.eos_token_ids = set(eos_token_ids)
         max_positions = self._max_positions()
@@ -230,6 +232,7 @@ class EngineCore:
             hash_fingerprint=self.scheme.fingerprint(),
             hash_description=self.scheme.describe(),
             capacity_summary=self.capacity_summary,
+            torch_threads=torch.get_num_threads(),
         )
 
     # -- requests -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ from pdmesh.engine.core_protocol import (
     tensor_to_frame,
 )
 from pdmesh.engine.core_types import CoreInfo
+from pdmesh.engine.cpu_threads import core_environment
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,8 @@ class ProcessCoreLink:
         # dies with the service (PR_SET_PDEATHSIG) and stops on Shutdown.
         link._proc = subprocess.Popen(
             [sys.executable, "-m", "pdmesh.engine.core_process", link._in_addr, link._out_addr],
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            env=core_environment(os.environ))
         return link
 
     async def boot(self, config: EngineConfig, eos_token_ids: set[int], on_reply: OnReply,

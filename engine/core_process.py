@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import msgspec
@@ -38,6 +38,7 @@ from pdmesh.engine.core_protocol import (
     tensor_to_frame,
 )
 from pdmesh.engine.core_types import EngineLoadSnapshot
+from pdmesh.engine.cpu_threads import core_threads, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=boot.log_level.upper(),
                         format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     try:
-        core = EngineCore(engine_config_from(boot.config), boot.eos_token_ids)
+        config = engine_config_from(boot.config)
+        threads = core_threads(config.cpu_threads, config.torch_device().type, usable_cpus())
+        config = replace(config, cpu_threads=threads)
+        logger.info("engine core: %s torch threads", threads or torch.get_num_threads())
+        core = EngineCore(config, boot.eos_token_ids)
     except Exception as exc:
         logger.exception("engine core failed to start")
         transport.send(Failed([], f"engine core failed to start: {exc}", EngineLoadSnapshot()))

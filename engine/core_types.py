@@ -91,3 +91,5 @@ class CoreInfo(msgspec.Struct, frozen=True):
     hash_fingerprint: str
     hash_description: str
     capacity_summary: str
+    torch_threads: int
+    """The core's intra-op threads (engine/cpu_threads.py)."""

@@ -76,6 +76,9 @@ class EngineServiceConfig:
     engine_core_process: bool = field(default=True, metadata=_help(
         "run the engine core (scheduler, KV cache, model) in its own process, away from "
         "the gRPC server's GIL"))
+    cpu_threads: int | None = field(default=None, metadata=_help(
+        "torch threads of the engine core; default: every usable CPU on a CPU device, 1 on "
+        "CUDA (or OMP_NUM_THREADS when set)"))
     hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
     log_level: str = field(default="warning", metadata=_help("debug|info|warning|error"))
@@ -157,6 +160,7 @@ class EngineServiceConfig:
             enforce_eager=self.enforce_eager,
             load_format=self.load_format,  # type: ignore[arg-type]
             engine_core_process=self.engine_core_process,
+            cpu_threads=self.cpu_threads,
         )
 
     def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:

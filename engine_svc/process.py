@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2
 
 from pdmesh.engine.async_engine import AsyncEngine
@@ -128,6 +129,9 @@ async def start_engine(config: EngineServiceConfig, role: Role) -> AsyncEngine:
     """The engine core in its own process (the default), or on a thread of this one."""
     engine_config = config.engine_config()
     if engine_config.engine_core_process:
+        # This process only moves bytes now (gRPC, tokens, KV frames); its torch must not
+        # start a spinning thread per core beside the core's (engine/cpu_threads.py).
+        torch.set_num_threads(1)
         return await AsyncEngine.spawn(engine_config, name=f"{role}-engine",
                                        log_level=config.log_level)
     llm_engine = await asyncio.to_thread(LLMEngine, engine_config)
@@ -213,7 +217,7 @@ async def serve(
 
     if exit_code == 0:
         print(f"ready {address} role={role} instance_id={service.instance_id} "
-              f"kv_address={kv_address} "
+              f"kv_address={kv_address} torch_threads={engine.info.torch_threads} "
               f"metrics={endpoint.url if endpoint else ''} "
               f"startup_s={time.monotonic() - started:.1f}", flush=True)
         waiters = [asyncio.ensure_future(stop.wait()),

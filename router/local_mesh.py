@@ -39,9 +39,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from pdmesh import __version__
 from pdmesh.auth import TOKEN_ENV, TOKEN_FILE_ENV, ClusterToken
 from pdmesh.config import parse_config
+from pdmesh.engine.cpu_threads import usable_cpus
 from pdmesh.engine.generation_config import check_source
 from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.kvstore.redis_server import RedisServer
@@ -94,6 +97,9 @@ class MeshConfig:
         "never capture CUDA graphs for decode steps (no effect on CPU)"))
     engine_core_process: bool = field(default=True, metadata=_help(
         "run each engine's core (scheduler, KV cache, model) in its own process"))
+    cpu_threads: int | None = field(default=None, metadata=_help(
+        "torch threads per engine core; default on CPU: this host's CPUs shared among the "
+        "engines"))
     chat_template: str | None = field(default=None, metadata=_help(
         "a Jinja chat template (file or text) replacing the model's"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_help(
@@ -142,6 +148,8 @@ class MeshConfig:
     log_level: str = field(default="warning", metadata=_help("children's log level"))
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
         if self.routing_policy not in POLICY_NAMES:
@@ -309,7 +317,21 @@ class LocalMesh:
             argv += ["--no-engine-core-process"]
         if c.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        threads = c.cpu_threads if c.cpu_threads is not None else self._cpu_share()
+        if threads is not None:
+            argv += ["--cpu-threads", str(threads)]
         return argv
+
+    def _cpu_share(self) -> int | None:
+        """On a CPU-only host with several engines: each core's share of the CPUs, so their
+        threads together do not outnumber them (engine/cpu_threads.py says why). None leaves
+        each core its own choice (one engine, CUDA, or OMP_NUM_THREADS set)."""
+        c = self.config
+        engines = c.num_prefill + c.num_decode
+        env = os.environ if self.env is None else self.env
+        if engines < 2 or torch.cuda.is_available() or env.get("OMP_NUM_THREADS"):
+            return None
+        return max(1, usable_cpus() // engines)
 
     def start(self) -> str:
         c = self.config

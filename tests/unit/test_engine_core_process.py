@@ -23,6 +23,7 @@ from pdmesh.engine.core_protocol import (
     tensor_from_frame,
     tensor_to_frame,
 )
+from pdmesh.engine.cpu_threads import SHORT_SPIN, core_threads, usable_cpus
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
@@ -78,6 +79,11 @@ slow = pytest.mark.slow
 async def test_process_core_matches_in_process(llm_engine: LLMEngine,
                                                proc_engine: AsyncEngine) -> None:
     assert proc_engine.core_pid is not None and proc_engine.core_pid != os.getpid()
+    auto = core_threads(None, CONFIG.torch_device().type, usable_cpus())
+    assert proc_engine.info.torch_threads == (auto or int(os.environ["OMP_NUM_THREADS"]))
+    with open(f"/proc/{proc_engine.core_pid}/environ", "rb") as f:
+        core_env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    assert core_env[b"GOMP_SPINCOUNT"] == os.environ.get("GOMP_SPINCOUNT", SHORT_SPIN).encode()
     cases = [
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=16, stop=[" and"],
