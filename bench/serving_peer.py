@@ -77,10 +77,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def serve_and_bench(label: str, argv: list[str], port: int, model: str,
-                    log: Path) -> list[Run]:
+                    log: Path, env: dict[str, str] | None = None) -> list[Run]:
     with log.open("wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=ROOT)
+                                start_new_session=True, cwd=ROOT,
+                                env=None if env is None else {**os.environ, **env})
         try:
             wait_ready(port, proc, timeout_s=600)
             subprocess.run(["bash", str(PEER / "bench-serve.sh"), str(port), label, model],
@@ -126,6 +127,9 @@ def main() -> None:
     parser.add_argument("--baseline-args", default="",
                         help="also run pdmesh once with these flags instead (e.g. "
                              "'--colocated --no-engine-core-process'), labelled pdmesh-baseline")
+    parser.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment of the pdmesh-baseline run (repeatable), e.g. "
+                             "PDMESH_CPU_KERNELS=0")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-offline", action="store_true")
     args = parser.parse_args()
@@ -142,10 +146,11 @@ def main() -> None:
         runs += serve_and_bench(f"pdmesh#{i}", pdmesh_argv, args.port, model,
                                 Path(f"/tmp/serving-peer-pdmesh-{i}.log"))
         print(f"pair {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
-    if args.baseline_args:
-        base_argv = [*pdmesh_argv[:7], *shlex.split(args.baseline_args)]
+    if args.baseline_args or args.baseline_env:
+        base_argv = [*pdmesh_argv[:7], *shlex.split(args.baseline_args or args.pdmesh_args)]
+        base_env = dict(kv.split("=", 1) for kv in args.baseline_env)
         runs += serve_and_bench("pdmesh-baseline#0", base_argv, args.port, model,
-                                Path("/tmp/serving-peer-baseline.log"))
+                                Path("/tmp/serving-peer-baseline.log"), env=base_env)
 
     print(f"\npdmesh serve {args.pdmesh_args}; vLLM `bench serve`, 256 in / 64 out, ignore_eos\n")
     print("| server | scenario | run | out tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | ok |")

@@ -10,7 +10,7 @@ Backends (`--attention-backend`):
 |--------------|----------------------------------|----------------------------------------------|
 | `flash-attn` | CUDA, `pip install pdmesh[flash-attn]` | flash-attn varlen / paged kernels      |
 | `triton`     | CUDA (or CPU with TRITON_INTERPRET=1) | our Triton kernels (triton_attention.py) |
-| `cpu`        | CPU                              | gather-once + SDPA (cpu_attention.py)        |
+| `cpu`        | CPU                              | C decode kernel, gather + SDPA (cpu_attention) |
 | `torch`      | anywhere                         | the plain-torch reference (torch_ref.py)     |
 
 `auto` picks the first of flash-attn → triton that can run on a CUDA device, and `cpu` on a

@@ -9,6 +9,12 @@ but faster where the profile showed time going:
 - What every layer of a step shares — the flat list of blocks to gather, the padded length,
   the length mask — is built once per step (`AttentionMetadata.cached`), not once per layer.
 - SDPA reads K/V through strided views of the gathered blocks; nothing is made contiguous.
+
+Decode rows go to the native kernel (`cpu_native.py`: C, compiled on first use) where it can
+be built: it reads K and V once where they lie instead of copying the context first, 1.5-4x
+faster than gather + SDPA at serving batch sizes (bench/attention.py). Same results up to
+float32 summation order; the gather + SDPA path below stays for float16/bfloat16 and for
+machines without a compiler.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdmesh.kernels import torch_ref
+from pdmesh.kernels import cpu_native, torch_ref
 from pdmesh.kernels.backend import AttentionMetadata
 
 # Decode rows are attended in groups whose gathered K/V stays cache-sized: one big padded
@@ -91,6 +97,9 @@ def paged_decode_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Decode rows `query[B, Hq, D]` against their paged context; see `torch_ref`."""
+    if cpu_native.supports(query, kv_layer):
+        return cpu_native.paged_decode_attention(
+            query, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale)
     batch, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_layer.shape
     group = num_q_heads // num_kv_heads
@@ -116,6 +125,9 @@ class CpuAttentionBackend:
     """The CPU default."""
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        cpu_native.library()  # built (or found in the cache) at start-up, not in a request
 
     def forward(
         self,

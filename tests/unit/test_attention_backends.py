@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh.kernels import torch_ref
+from pdmesh.kernels import cpu_native, torch_ref
 from pdmesh.kernels.backend import (
     AttentionMetadata,
     Environment,
@@ -135,7 +135,13 @@ def random_step(
         (2, 1, 16, [], [(16, 16), (49, 1)]),  # prefill only
     ],
 )
-def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, decode_lens, chunks):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, decode_lens, chunks,
+                                               native, monkeypatch):
+    if native and cpu_native.library() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot be built here")
+    if not native:
+        monkeypatch.setattr(cpu_native, "supports", lambda *_: False)
     meta, kv, (q, k, v) = random_step(7, kv_heads, group, block_size, decode_lens, chunks)
     ref_cache = kv.clone()
     expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
@@ -144,9 +150,32 @@ def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, deco
     assert torch.equal(kv, ref_cache)
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
     # A second layer of the same step reuses what the first built, and still agrees.
-    assert meta.step_cache or not decode_lens
+    assert meta.step_cache or not decode_lens or native
     again = cpu.forward(q, k, v, kv, meta, 0.125)
     torch.testing.assert_close(again, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_native_decode_kernel_refuses_what_it_cannot_read() -> None:
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot be built here")
+    meta, kv, (q, _, _) = random_step(5, 2, 2, 16, [40, 3], [])
+    tables = meta.decode_block_tables.clone()
+    tables[0, 1] = kv.shape[1]  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_native.paged_decode_attention(q, kv, tables, meta.decode_seq_lens, 0.125)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.paged_decode_attention(q[:, :3], kv, meta.decode_block_tables,
+                                          meta.decode_seq_lens, 0.125)
+    assert not cpu_native.supports(q.to(torch.bfloat16), kv.to(torch.bfloat16))
+
+
+def test_native_kernels_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_native.DISABLE_ENV, "0")
+    cpu_native.library.cache_clear()
+    try:
+        assert cpu_native.library() is None
+    finally:
+        cpu_native.library.cache_clear()
 
 
 def test_cpu_gather_equals_reference_gather():
