@@ -100,6 +100,13 @@ def paged_decode_attention(
     if cpu_native.supports(query, kv_layer):
         return cpu_native.paged_decode_attention(
             query, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    return sdpa_decode_attention(query, kv_layer, meta, scale)
+
+
+def sdpa_decode_attention(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The torch path: gather each group's blocks once, then SDPA over them."""
     batch, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_layer.shape
     group = num_q_heads // num_kv_heads
