@@ -143,7 +143,7 @@ async def serve(
 ) -> int:
     """Run one engine process serving `parts` until SIGINT/SIGTERM; returns the exit code."""
     stop = asyncio.Event()
-    install_shutdown_signals(stop)
+    install_shutdown_signals(stop, config.drain_timeout_s)
     started = time.monotonic()
     engine = await start_engine(config, role)
     backends = _kv_backends(config, role)

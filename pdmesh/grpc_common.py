@@ -7,7 +7,8 @@
 - `refuse` / `refused_reason`: the refused-before-work marker another instance may retry.
 - `GrpcServer.drain`: graceful drain (`pdmesh.drain`): NOT_SERVING, refuse new work, let the
   running calls end.
-- `install_shutdown_signals`: SIGINT/SIGTERM set an asyncio.Event; the service drains on it.
+- `install_shutdown_signals`: SIGINT/SIGTERM set an asyncio.Event; the service drains on it,
+  and a watchdog bounds how long the process may outlive its drain.
 
 Configuration parsing is `pdmesh.config`; an engine's Redis presence is `pdmesh.engine_svc`.
 """
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
+import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,8 +241,37 @@ def refused_reason(error: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
-def install_shutdown_signals(stop: asyncio.Event) -> None:
-    """SIGINT/SIGTERM set `stop` (once); the service's main coroutine drains on it."""
+TEARDOWN_BOUND_S = 10.0
+"""How long a process may take, after its drain deadline, to close its server, channels and
+connections. Teardown is normally well under a second; past this it is stuck somewhere. Below
+the chart's 15 s margin (`_drain.tpl`), so the watchdog's stack dump comes before the kubelet's
+SIGKILL."""
+
+
+def install_shutdown_signals(stop: asyncio.Event, drain_timeout_s: float | None = None) -> None:
+    """SIGINT/SIGTERM set `stop` (once); the service's main coroutine drains on it.
+
+    With `drain_timeout_s`, the first signal also arms a watchdog: a process still alive
+    `drain_timeout_s + TEARDOWN_BOUND_S` later writes every thread's stack to stderr and exits
+    with status 1. A shutdown stuck in a library (a channel close, an executor join) then shows
+    where, and never holds a port, a GPU or a pod's termination beyond its deadline. The
+    watchdog is faulthandler's own thread, so it fires even if the event loop is blocked.
+    """
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            return
+        stop.set()
+        if drain_timeout_s is not None:
+            bound = drain_timeout_s + TEARDOWN_BOUND_S
+            logger.info("%s: draining; exit forced after %gs", sig.name, bound)
+            arm_exit_watchdog(bound)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+def arm_exit_watchdog(after_s: float) -> None:
+    """In `after_s` seconds: every thread's stack to stderr, then `_exit(1)` (faulthandler)."""
+    faulthandler.dump_traceback_later(after_s, repeat=False, file=sys.stderr, exit=True)

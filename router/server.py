@@ -426,7 +426,7 @@ async def _first_contact(pool: InstancePool, timeout_s: float) -> None:
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
     """Run the router until `stop` is set (SIGINT/SIGTERM when not given)."""
     stop = stop or asyncio.Event()
-    install_shutdown_signals(stop)
+    install_shutdown_signals(stop, config.drain_timeout_s)
     metrics: RouterMetrics = router_metrics()
     tokenizer = await asyncio.to_thread(
         PromptTokenizer, config.model_source, config.tokenizer_pool_size, config.chat_template

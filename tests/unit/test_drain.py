@@ -6,6 +6,9 @@ coroutine writing with context.write) keep working through the gate."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -107,3 +110,46 @@ async def test_drain_timeout_returns_what_still_runs() -> None:
             assert server.gate.inflight == 0
     finally:
         await server.stop(grace_s=0)
+
+
+# -- the exit watchdog: a process never outlives its drain deadline by more than a bound -------
+_SERVICE = """
+import asyncio, sys, time
+import pdmesh.grpc_common as grpc_common
+grpc_common.TEARDOWN_BOUND_S = 0.5
+
+async def main() -> None:
+    stop = asyncio.Event()
+    grpc_common.install_shutdown_signals(stop, drain_timeout_s=0.0)
+    print("ready", flush=True)
+    await stop.wait()
+    if sys.argv[1] == "stuck":
+        time.sleep(60)  # a teardown blocked inside a library, event loop included
+
+asyncio.run(main())
+"""
+
+
+def _signal_service(mode: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _SERVICE, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_stuck_shutdown_dumps_its_stacks_and_exits_1() -> None:
+    done = _signal_service("stuck")
+    assert done.returncode == 1
+    assert "Timeout (0:00:00.500000)!" in done.stderr
+    assert "in main" in done.stderr  # the frame that was stuck, for the operator
+
+
+def test_a_clean_shutdown_is_not_touched_by_the_watchdog() -> None:
+    done = _signal_service("clean")
+    assert done.returncode == 0
+    assert "Timeout" not in done.stderr
