@@ -97,10 +97,13 @@ class ToolCallStream:
 
     Content that is only whitespace is held back until something else arrives: a model that
     writes "\\n" before its first tool call answers with calls and no content, streamed or not.
+    With `max_calls` (`parallel_tool_calls: false` is 1), calls past it are dropped, as vLLM
+    does: the model may still write several, the client is promised at most that many.
     """
 
-    def __init__(self, scanner: Scanner) -> None:
+    def __init__(self, scanner: Scanner, max_calls: int | None = None) -> None:
         self._scanner = scanner
+        self._max_calls = max_calls
         self._held = ""
         self._content_started = False
         self.num_calls = 0
@@ -115,6 +118,8 @@ class ToolCallStream:
         out = StreamEvents()
         for seg in segments:
             if isinstance(seg, ToolCall):
+                if self._max_calls is not None and self.num_calls >= self._max_calls:
+                    continue
                 out.tool_calls += [ToolCallDelta(self.num_calls, seg.id, seg.name, ""),
                                    ToolCallDelta(self.num_calls, arguments=seg.arguments)]
                 self.num_calls += 1
@@ -151,8 +156,8 @@ class ToolParser:
 
     name = ""
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.scanner())
+    def stream(self, max_calls: int | None = None) -> ToolCallStream:
+        return ToolCallStream(self.scanner(), max_calls)
 
     def scanner(self) -> Scanner:
         raise NotImplementedError

@@ -81,6 +81,7 @@ class ToolPlan:
     parser: ToolParser | None = None  # tool_choice "auto"
     named: str | None = None  # tool_choice naming a function
     required: bool = False  # tool_choice "required"
+    parallel: bool = True  # parallel_tool_calls; false: at most one call in "auto"
 
     def stream(self) -> OutputStream | None:
         """A reader for one output sequence; None when the output is plain content."""
@@ -89,7 +90,7 @@ class ToolPlan:
         if self.required:
             return JsonArrayToolParser().stream()
         if self.parser is not None:
-            return self.parser.stream()
+            return self.parser.stream(max_calls=None if self.parallel else 1)
         return None
 
 
@@ -117,7 +118,8 @@ def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan 
             raise _bad('"auto" tool choice (the default with tools) requires the server to run '
                        "with --enable-auto-tool-choice and --tool-call-parser; use "
                        'tool_choice "required", "none" or a named function otherwise')
-        return ToolPlan(tools_json, parser=TOOL_PARSERS[settings.tool_call_parser]())
+        return ToolPlan(tools_json, parser=TOOL_PARSERS[settings.tool_call_parser](),
+                        parallel=body.parallel_tool_calls)
     if body.has_structured_output():
         raise _bad(f"tool_choice {_choice_name(choice)} is enforced with a structured output "
                    "and cannot be combined with response_format, structured_outputs or "

@@ -185,3 +185,19 @@ def test_bad_tool_requests_are_400s_naming_the_field(
         plan_tools(_chat(**fields), NO_AUTO)
     assert info.value.status == 400 and info.value.param == param
     assert words in info.value.message
+
+
+def test_auto_without_parallel_tool_calls_returns_only_the_first_call() -> None:
+    plan = plan_tools(_chat(tools=TOOLS, parallel_tool_calls=False), AUTO)
+    assert plan is not None and plan.parser is not None
+    for pieces in ([HERMES_TEXT], list(HERMES_TEXT)):  # whole, and one character at a time
+        stream = plan.stream()
+        assert stream is not None
+        content, calls = collect(stream, pieces)
+        assert content == "Let me check.\n"
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})]
+    parallel = plan_tools(_chat(tools=TOOLS), AUTO)
+    assert parallel is not None
+    stream = parallel.stream()
+    assert stream is not None and len(collect(stream, [HERMES_TEXT])[1]) == 2
