@@ -28,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
 
@@ -58,16 +59,17 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), version, " ".join(CFLAGS),
-                                         platform.machine(), _cpu_identity()))
+        b"\0".join(x.encode() for x in (*(src.read_text() for src in SOURCES), version,
+                                         " ".join(CFLAGS), platform.machine(),
+                                         _cpu_identity()))
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    target = _cache_dir() / f"pdmesh_cpu_kernels-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -91,9 +93,17 @@ def library() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             logger.warning("native CPU kernels unavailable, using the torch path: %s", exc)
             return None
-    fn = lib.pdmesh_paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    for name, argtypes in (
+        ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 7 + [f32]),
+        ("pdmesh_rms_norm_f32", [ptr] * 3 + [i64] * 2 + [f32]),
+        ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
+        ("pdmesh_silu_and_mul_f32", [ptr] * 2 + [i64] * 2),
+        ("pdmesh_rope_f32", [ptr] * 4 + [i64] * 6),
+    ):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     logger.info("native CPU kernels: %s", path)
     return lib
 
@@ -131,3 +141,84 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
         raise RuntimeError(f"native paged attention failed (code {code}: 1 bad shape, 2 out "
                            "of memory, 3 a block id outside the cache)")
     return out
+
+
+# -- per-layer elementwise ops (csrc/layer_ops_cpu.c) ---------------------------------------------
+def supports_layer_ops(*tensors: torch.Tensor) -> bool:
+    """Whether the native layer ops can take these tensors (float32 on CPU)."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and library() is not None)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """`x` as contiguous [rows, last dim] (a view when it already is)."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    return x, x.numel() // n if n else 0, n
+
+
+def _check(code: int, op: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"native {op} refused its shapes (code {code})")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    lib = library()
+    assert lib is not None, "check supports_layer_ops() first"
+    x, rows, n = _rows(x)
+    weight = weight.contiguous()
+    if weight.numel() != n:
+        raise ValueError(f"rms_norm: weight of {weight.numel()} for rows of {n}")
+    out = torch.empty_like(x)
+    _check(lib.pdmesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n,
+                                   eps), "rms_norm")
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """`residual += x` in place, then the RMSNorm of the new residual, in one pass per row."""
+    lib = library()
+    assert lib is not None, "check supports_layer_ops() first"
+    if not residual.is_contiguous() or residual.shape != x.shape:
+        raise ValueError("add_rms_norm: the residual must be contiguous and shaped like x")
+    x, rows, n = _rows(x)
+    weight = weight.contiguous()
+    if weight.numel() != n:
+        raise ValueError(f"add_rms_norm: weight of {weight.numel()} for rows of {n}")
+    out = torch.empty_like(residual)
+    _check(lib.pdmesh_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                       out.data_ptr(), rows, n, eps), "add_rms_norm")
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    assert lib is not None, "check supports_layer_ops() first"
+    gate_up, rows, width = _rows(gate_up)
+    if width % 2:
+        raise ValueError(f"silu_and_mul: an odd last dimension ({width})")
+    out = gate_up.new_empty((*gate_up.shape[:-1], width // 2))
+    _check(lib.pdmesh_silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2),
+           "silu_and_mul")
+    return out
+
+
+def can_rope(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Rope in place needs each token's heads contiguous: [T, H, D] with strides (S, D, 1)."""
+    return (q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0]
+            and q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
+            and supports_layer_ops(q, k))
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on q and k (see `can_rope`); cos and sin are [T, D/2]."""
+    lib = library()
+    assert lib is not None, "check can_rope() first"
+    tokens, hq, dim = q.shape
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    if cos.shape != (tokens, dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rope: cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
+    _check(lib.pdmesh_rope_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)), "rope")

@@ -3,15 +3,17 @@ RoPE applied in place to q and k, and SiLU-and-mul.
 
 On a GPU each of these is one kernel instead of the 3-6 that eager torch issues (RMSNorm alone
 was five: cast, pow, mean, rsqrt, mul), which matters because a decode step is host-bound by
-its launch count. On CPU the gain is small (matmuls dominate), so the CPU path only picks the
-fastest plain torch form of each op, measured in bench/layer_ops.py.
+its launch count. On CPU a decode step's few rows make each op a few kilobytes of work
+wrapped in several ATen dispatches, so the CPU path runs native kernels (`cpu_native`,
+csrc/layer_ops_cpu.c: one pass per row) for float32, and the fastest plain torch form of each
+op (bench/layer_ops.py) where they are not built.
 
 Three implementations of one small interface:
 
 | name     | where | what |
 |----------|-------|------|
 | `torch`  | any   | the reference: the textbook formulas, as transformers computes them |
-| `cpu`    | CPU   | `F.rms_norm` (one fused ATen kernel) and in-place RoPE on half-views |
+| `cpu`    | CPU   | native C kernels (float32), else `F.rms_norm` and in-place RoPE on half-views |
 | `triton` | CUDA (CPU with TRITON_INTERPRET=1, for tests) | our kernels, triton_layer_ops.py |
 
 `add_rms_norm(x, residual, ...)` is the residual stream's step: `residual += x`, then the
@@ -27,6 +29,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from pdmesh.kernels import cpu_native
 
 LAYER_OPS_NAMES = ("torch", "cpu", "triton")
 
@@ -94,18 +98,31 @@ class TorchLayerOps:
 
 
 class CpuLayerOps(TorchLayerOps):
-    """The fastest plain-torch form of each op on CPU (bench/layer_ops.py)."""
+    """The fastest form of each op on CPU: the native kernels (`cpu_native`, one pass per row)
+    for float32 where they are built, else the plain-torch forms bench/layer_ops.py picked."""
 
     name = "cpu"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if cpu_native.supports_layer_ops(x, weight):
+            return cpu_native.rms_norm(x, weight, eps)
         if x.dtype != torch.float32:  # F.rms_norm would normalise in the input's precision
             return super().rms_norm(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if residual.is_contiguous() and cpu_native.supports_layer_ops(x, residual, weight):
+            return cpu_native.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps)
+
     def rope_(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
+        if cpu_native.can_rope(q, k):
+            cpu_native.rope_(q, k, cos, sin)
+            return
         for t in (q, k):
             a, b, c, s = _halves(t, cos, sin)
             new_a = a * c - b * s
@@ -113,6 +130,8 @@ class CpuLayerOps(TorchLayerOps):
             a.copy_(new_a)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if cpu_native.supports_layer_ops(gate_up):
+            return cpu_native.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdmesh.kernels import cpu_native
 from pdmesh.kernels.layer_ops import (
     CpuLayerOps,
     LayerOps,
@@ -87,20 +88,42 @@ def _silu_and_mul(ops: LayerOps, rows: int, cols: int, dtype: torch.dtype,
 
 for _dtype in (torch.float32, torch.bfloat16):
     _name = str(_dtype)[6:]
-    for _rows, _cols in ((1, 576), (7, 576), (3, 100)):
+    for _rows, _cols in ((1, 576), (7, 576), (3, 100), (64, 576)):  # 64 rows: threaded
         case(f"rms_norm-{_rows}x{_cols}-{_name}")(
             lambda ops, r=_rows, c=_cols, d=_dtype: _rms_norm(ops, r, c, d))
-    for _shape in ((5, 9, 3, 64), (2, 4, 4, 128), (1, 8, 1, 64)):
+    for _shape in ((5, 9, 3, 64), (2, 4, 4, 128), (1, 8, 1, 64), (64, 9, 3, 64)):
         case(f"rope-{'x'.join(map(str, _shape))}-{_name}")(
             lambda ops, s=_shape, d=_dtype: _rope(ops, *s, d))
-    for _rows, _cols in ((4, 1536), (1, 100), (3, 2500)):
+    for _rows, _cols in ((4, 1536), (1, 100), (3, 2500), (24, 1536)):
         case(f"silu_and_mul-{_rows}x{_cols}-{_name}")(
             lambda ops, r=_rows, c=_cols, d=_dtype: _silu_and_mul(ops, r, c, d))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_cpu_ops_match_reference(name: str) -> None:
+def test_cpu_ops_match_reference(name: str, native: bool, monkeypatch: pytest.MonkeyPatch
+                                 ) -> None:
+    """Both CPU paths: the native kernels (float32, where a compiler built them) and the
+    plain-torch forms used without them."""
+    if native and cpu_native.library() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "supports_layer_ops", lambda *tensors: False)
+        monkeypatch.setattr(cpu_native, "can_rope", lambda q, k: False)
     CASES[name](CpuLayerOps())
+
+
+def test_native_silu_at_extreme_gates_and_the_native_path_is_taken() -> None:
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    gate_up = torch.tensor([[-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0] + [1.5] * 7])
+    assert cpu_native.supports_layer_ops(gate_up)
+    got = cpu_native.silu_and_mul(gate_up)
+    assert torch.isfinite(got).all()
+    close(got, REF.silu_and_mul(gate_up), torch.float32)
+    q = torch.randn(3, 4, 8)
+    assert cpu_native.can_rope(q, q[:, :2])
+    assert not cpu_native.can_rope(q.transpose(0, 1), q)  # heads not contiguous: torch path
 
 
 def test_reference_is_transformers_llama_math() -> None:

@@ -34,10 +34,15 @@ def test_candidate_top_p_equals_the_full_sort(monkeypatch: pytest.MonkeyPatch,
     torch.testing.assert_close(full, fast)
 
 
-def test_race_on_the_support_draws_the_masked_distribution() -> None:
+@pytest.mark.parametrize("row", [
+    SamplingParams(temperature=0.8, top_p=0.9),  # the race on the candidates
+    SamplingParams(temperature=0.8, top_k=20),  # the same, candidates from top-k
+    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02),  # min-p: the race on the support
+], ids=["top_p", "top_k", "min_p"])
+def test_race_on_the_support_draws_the_masked_distribution(row: SamplingParams) -> None:
     vocab, draws = 50, 6000
     logits = _logits(1, vocab, 1.5, seed=2).expand(draws, vocab).contiguous()
-    params = [SamplingParams(temperature=0.8, top_p=0.9)] * draws
+    params = [row] * draws
     meta = SamplingMetadata(params, [None] * draws, [[1]] * draws, [[]] * draws, set())
     tokens = torch.tensor([t.token_id for t in Sampler(seed=3)(logits, meta)])
     want = sampling_probs(logits[:1].clone(), params[:1])[0]
