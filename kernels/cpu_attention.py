@@ -145,7 +145,10 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
+        if cpu_native.can_cache(key, value, kv_layer, meta.slot_mapping):
+            cpu_native.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
+        else:
+            torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if not meta.num_prefills:
             return paged_decode_attention(query, kv_layer, meta, scale)

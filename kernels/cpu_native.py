@@ -96,6 +96,7 @@ def library() -> ctypes.CDLL | None:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for name, argtypes in (
         ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 7 + [f32]),
+        ("pdmesh_reshape_and_cache_f32", [ptr] * 4 + [i64] * 5),
         ("pdmesh_rms_norm_f32", [ptr] * 3 + [i64] * 2 + [f32]),
         ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
         ("pdmesh_silu_and_mul_f32", [ptr] * 2 + [i64] * 2),
@@ -141,6 +142,34 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
         raise RuntimeError(f"native paged attention failed (code {code}: 1 bad shape, 2 out "
                            "of memory, 3 a block id outside the cache)")
     return out
+
+
+def can_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+              slot_mapping: torch.Tensor) -> bool:
+    """Whether `reshape_and_cache` takes these: float32 on CPU, each token's K (and V) row
+    contiguous, the cache contiguous, int64 slots."""
+    return (key.dim() == 3 and key.shape == value.shape
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+            and slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1]
+            and supports(key, kv_layer) and value.dtype == torch.float32)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """`torch_ref.reshape_and_cache` in one call (see `can_cache`); slots are bounds-checked."""
+    lib = library()
+    assert lib is not None, "check can_cache() first"
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    row = num_kv_heads * head_dim
+    if key.shape[1] * key.shape[2] != row:
+        raise ValueError(f"cache write: key {tuple(key.shape)} does not fit KV "
+                         f"{tuple(kv_layer.shape)}")
+    slots = slot_mapping.contiguous()
+    code = lib.pdmesh_reshape_and_cache_f32(
+        key.data_ptr(), value.data_ptr(), kv_layer.data_ptr(), slots.data_ptr(),
+        key.shape[0], row, key.stride(0), value.stride(0), num_blocks * block_size)
+    if code != 0:
+        raise IndexError("cache write: a slot lies outside the KV cache")
 
 
 # -- per-layer elementwise ops (csrc/layer_ops_cpu.c) ---------------------------------------------

@@ -141,3 +141,25 @@ int pdmesh_paged_decode_attention_f32(
     }
     return failed;
 }
+
+/* Write the step's K and V rows into the paged cache: token t's key (Hkv * D floats, rows
+ * `k_stride` / `v_stride` floats apart, views into the QKV projection's output) goes to
+ * kv[0][slots[t]], its value to kv[1][slots[t]]. One call per layer instead of two indexed
+ * copies. Returns 0, or 3 when a slot lies outside the cache (nothing written for it). */
+int pdmesh_reshape_and_cache_f32(
+    const float *key, const float *value, float *kv, const int64_t *slots, int64_t T,
+    int64_t row, int64_t k_stride, int64_t v_stride, int64_t num_slots)
+{
+    int bad = 0;
+    float *const v_cache = kv + num_slots * row;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) {
+            bad = 1;
+            continue;
+        }
+        memcpy(kv + slot * row, key + t * k_stride, (size_t)row * sizeof(float));
+        memcpy(v_cache + slot * row, value + t * v_stride, (size_t)row * sizeof(float));
+    }
+    return bad ? 3 : 0;
+}

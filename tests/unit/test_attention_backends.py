@@ -169,6 +169,25 @@ def test_native_decode_kernel_refuses_what_it_cannot_read() -> None:
     assert not cpu_native.supports(q.to(torch.bfloat16), kv.to(torch.bfloat16))
 
 
+def test_native_cache_write_takes_qkv_views_and_refuses_slots_outside_the_cache() -> None:
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.zeros(2, 6, 4, 2, 8)
+    qkv = torch.randn(5, (4 + 2 + 2) * 8, generator=gen)
+    _, k, v = qkv.split([32, 16, 16], dim=-1)
+    k, v = k.view(5, 2, 8), v.view(5, 2, 8)  # strided rows, as the model passes them
+    slots = torch.tensor([0, 7, 9, 23, 12])
+    assert cpu_native.can_cache(k, v, kv, slots)
+    expected = kv.clone()
+    torch_ref.reshape_and_cache(k, v, expected, slots)
+    cpu_native.reshape_and_cache(k, v, kv, slots)
+    assert torch.equal(kv, expected)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        cpu_native.reshape_and_cache(k, v, kv, torch.tensor([0, 1, 2, 24, 3]))
+    assert not cpu_native.can_cache(k, v, kv, slots.to(torch.int32))
+
+
 def test_native_kernels_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv(cpu_native.DISABLE_ENV, "0")
     cpu_native.library.cache_clear()
