@@ -1,158 +1,132 @@
-"""Per-step decode breakdown of the offline_throughput --quick mixed workload.
+"""Where the engine's steps go, on the served benchmark's shape, offline.
 
-Wraps the engine's parts with wall-clock timers (perf_counter; torch CPU ops are synchronous)
-and reports milliseconds per decode-only step and per mixed step.
+The workload of `bench/serving_peer.py` run through `LLM.generate`: `--requests` prompts of
+256 random token ids, 64 tokens out (ignore_eos), `max_num_seqs=16`, sampled as the servers
+sample by default (SmolLM2's generation config: temperature 0.2, top-p 0.9; `--greedy` for
+argmax). Each part of the engine is wrapped with a wall-clock timer (torch CPU ops are
+synchronous) and the table gives milliseconds per step, for decode-only steps and for steps
+that carry prompt tokens.
+
+    .venv/bin/python bench/profile_step.py [--requests 48] [--greedy]
+    PDMESH_CPU_KERNELS=0 .venv/bin/python bench/profile_step.py   # the torch path, to compare
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
+import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from offline_throughput import make_mixed
-
 from pdmesh import LLM, SamplingParams
 
-T = collections.defaultdict(float)
-CUR: list[str] = []
+Totals = collections.defaultdict[str, float]
 
 
-CLOCK = [time.perf_counter]
-
-
-def timed(name, fn):
-    def wrapper(*a, **k):
-        t0 = CLOCK[0]()
+def timed(totals: Totals, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
         try:
-            return fn(*a, **k)
+            return fn(*args, **kwargs)
         finally:
-            T[name] += CLOCK[0]() - t0
+            totals[name] += time.perf_counter() - started
 
     return wrapper
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--no-pack", action="store_true")
-    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.no_pack:
-        import pdmesh.engine.model_runner as mr
-
-        mr.can_pack_linears = lambda *a: False
-    if args.clock == "thread":
-        CLOCK[0] = time.thread_time
-    llm = LLM(
-        "smollm2",
-        kv_cache_memory="2GiB",
-        max_num_batched_tokens=2048,
-        attention_backend=args.backend,
-    )
-    eng = llm.engine
-    vocab = eng.model_config.vocab_size
-    reqs = make_mixed(args.n, vocab, (32, 512), (8, 64), 0)
-    llm.generate({"prompt_token_ids": [100] * 8}, SamplingParams(max_tokens=2), use_tqdm=False)
-    model = eng.model
-    # wrap GEMMs
+def instrument(llm: LLM, totals: Totals) -> Callable[[], str]:
+    """Wrap the parts of one step; returns a function naming the last step's kind."""
+    core = llm.engine.core
+    runner = core.runner
+    model = runner.model
     for layer in model.layers:
-        a, m = layer.self_attn, layer.mlp
-        for name, mod in (
-            ("gemm", a.qkv_proj),
-            ("gemm", a.o_proj),
-            ("gemm", m.gate_up_proj),
-            ("gemm", m.down_proj),
-        ):
-            mod.forward = timed(name, mod.forward)
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            module.forward = timed(totals, "GEMMs (qkv, o, gate_up, down)", module.forward)
+    model.lm_head.forward = timed(totals, "LM head", model.lm_head.forward)
     ops = model.ops
-    for name, label in (("rms_norm", "norm"), ("add_rms_norm", "norm"), ("rope_", "rope"),
-                        ("silu_and_mul", "act")):
-        setattr(ops, name, timed(label, getattr(ops, name)))
-    if model.rope is not None:
-        model.rope.lookup = timed("rope", model.rope.lookup)
-    backend = eng.runner.backend
-    backend.forward = timed("attention", backend.forward)
-    model.lm_head.forward = timed("lm_head", model.lm_head.forward)
-    eng.runner.prepare = timed("input_prep", eng.runner.prepare)
-    eng.runner.execute = timed("model_total", eng.runner.execute)
-    eng.sampler_orig = eng.sampler
-    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    eng._sample = timed("sample", eng._sample)
-    step = eng.step
-    stats = {"decode": collections.defaultdict(float), "mixed": collections.defaultdict(float)}
-    counts = collections.Counter()
-    batch_sizes = []
+    for name, label in (("rms_norm", "RMSNorm (+ residual add)"),
+                        ("add_rms_norm", "RMSNorm (+ residual add)"),
+                        ("rope_", "RoPE"), ("silu_and_mul", "SiLU-and-mul")):
+        setattr(ops, name, timed(totals, label, getattr(ops, name)))
+    backend = runner.backend
+    backend.forward = timed(totals, "attention (incl. cache write)", backend.forward)
+    core.scheduler.schedule = timed(totals, "schedule", core.scheduler.schedule)
+    core.sampler = timed(totals, "sampling", core.sampler)
+    execute = timed(totals, "model (total)", runner.execute)
+    runner.execute = execute
+    kind = ["decode"]
+    prepare = timed(totals, "input prep", runner.prepare)
 
-    def step_wrapped():
-        T.clear()
-        t0 = CLOCK[0]()
+    def prepare_and_classify(scheduled: Any) -> Any:
+        kind[0] = ("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "prompt")
+        return prepare(scheduled)
+
+    runner.prepare = prepare_and_classify
+    return lambda: kind[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--greedy", action="store_true")
+    args = ap.parse_args()
+    llm = LLM("smollm2", max_num_seqs=16)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]}
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0 if args.greedy else 0.2, top_p=1.0 if args.greedy
+                            else 0.9, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm: kernels built, caches touched
+
+    totals: Totals = collections.defaultdict(float)
+    kind_of_last = instrument(llm, totals)
+    per_kind: dict[str, Totals] = {k: collections.defaultdict(float) for k in ("decode", "prompt")}
+    steps: collections.Counter[str] = collections.Counter()
+    step = llm.engine.step
+
+    def step_and_record() -> Any:
+        totals.clear()
+        started = time.perf_counter()
         out = step()
-        total = CLOCK[0]() - t0
-        sched_decode = eng.runner.last_kind if hasattr(eng.runner, "last_kind") else None
-        del sched_decode
-        kind = KIND[0]
-        counts[kind] += 1
-        d = stats[kind]
-        d["step_total"] += total
-        for k, v in T.items():
-            d[k] += v
+        elapsed = time.perf_counter() - started
+        kind = kind_of_last()
+        steps[kind] += 1
+        per_kind[kind]["step"] += elapsed
+        for name, value in totals.items():
+            per_kind[kind][name] += value
         return out
 
-    KIND = ["decode"]
-    prep = eng.runner.prepare
-
-    def prep_kind(scheduled):
-        KIND[0] = "decode" if all(s.num_new_tokens == 1 for s in scheduled) else "mixed"
-        if KIND[0] == "decode":
-            batch_sizes.append(len(scheduled))
-        return prep(scheduled)
-
-    eng.runner.prepare = prep_kind
-    eng.step = step_wrapped
-    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-    t0 = time.perf_counter()
+    llm.engine.step = step_and_record  # type: ignore[method-assign]
+    started = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    out_tokens = sum(o for _, o in reqs)
-    print(
-        f"torch threads={torch.get_num_threads()} backend={backend.name} wall={wall:.2f}s "
-        f"out_tok/s={out_tokens / wall:.1f} steps={dict(counts)} "
-        f"mean decode batch={sum(batch_sizes) / max(1, len(batch_sizes)):.1f}"
-    )
-    for kind in ("decode", "mixed"):
-        n = counts[kind]
-        if not n:
-            continue
-        d = stats[kind]
-        model_inner = d["gemm"] + d["attention"] + d["norm"] + d["rope"] + d["lm_head"]
-        rows = [
-            ("schedule", d["schedule"]),
-            ("input prep", d["input_prep"]),
-            ("GEMMs (qkv/o/gate_up/down)", d["gemm"]),
-            ("attention (incl. cache write)", d["attention"]),
-            ("RMSNorm", d["norm"]),
-            ("RoPE", d["rope"]),
-            ("LM head", d["lm_head"]),
-            ("other model Python/ops", d["model_total"] - model_inner),
-            ("sampling", d["sample"]),
-            (
-                "engine bookkeeping",
-                d["step_total"] - d["schedule"] - d["input_prep"] - d["model_total"] - d["sample"],
-            ),
-        ]
-        print(f"\n{kind} steps: {n}, {1000 * d['step_total'] / n:.2f} ms/step")
-        for name, v in rows:
-            print(f"  {name:<32} {1000 * v / n:8.3f} ms  {100 * v / d['step_total']:5.1f}%")
+    wall = time.perf_counter() - started
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, backend="
+          f"{llm.engine.core.runner.backend.name}, {args.requests} requests, "
+          f"{'greedy' if args.greedy else 'temperature 0.2 / top-p 0.9'}: {wall:.1f} s, "
+          f"{args.requests * 64 / wall:.1f} out tok/s\n")
+    parts = ["GEMMs (qkv, o, gate_up, down)", "LM head", "attention (incl. cache write)",
+             "RMSNorm (+ residual add)", "RoPE", "SiLU-and-mul"]
+    print("| part | decode-only step, ms | step with prompt tokens, ms |")
+    print("|---|---:|---:|")
+    rows: list[tuple[str, Callable[[Totals], float]]] = [(p, lambda d, p=p: d[p]) for p in parts]
+    rows += [
+        ("other model ops (embedding, RoPE tables, Python)",
+         lambda d: d["model (total)"] - sum(d[p] for p in parts)),
+        ("sampling", lambda d: d["sampling"]),
+        ("schedule + input prep + bookkeeping",
+         lambda d: d["step"] - d["model (total)"] - d["sampling"]),
+        ("**step**", lambda d: d["step"]),
+    ]
+    for name, value in rows:
+        cells = [f"{1000 * value(per_kind[k]) / steps[k]:.1f}" if steps[k] else "-"
+                 for k in ("decode", "prompt")]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    print(f"\nsteps: {steps['decode']} decode-only, {steps['prompt']} with prompt tokens")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,17 @@ colocated mesh, a 2-token request beside one big prompt being tokenized:
 | 2, libgomp default | 0.10 s | 1.1-1.9 s |
 | 1 | 0.14 s | 0.17 s |
 | 2, GOMP_SPINCOUNT=1000 | 0.15 s | 0.20 s |
+| 2, GOMP_SPINCOUNT=10000 | | 0.32-0.37 s |
+| 2, GOMP_SPINCOUNT=30000 | | 0.47-0.70 s |
 
-and at vLLM `bench serve` concurrency 16 the short spin kept the throughput (78.0 vs 78.5 out
-tok/s) where one thread lost a third of it (56.4). So a core process gets, unless told
-otherwise (`--cpu-threads`, OMP_NUM_THREADS, GOMP_SPINCOUNT / OMP_WAIT_POLICY):
+A spin must still cover the gaps between one step's parallel regions (a GEMM, then some
+Python, then the next GEMM): once the engine's other work got fast, at vLLM `bench serve`
+concurrency 16 a 1000-spin core lost 13 % of its throughput to waking its threads (81.4 vs
+94.1 out tok/s with 10,000 spins, TPOT p50 at 1 req/s 114 vs 84 ms), and 30,000 spins gained
+another 10 % but let one tokenizing prompt hold up a small request as long as tokenizing it.
+One thread loses a third of the throughput. 10,000 spins (~0.3 ms) is the balance. So a core
+process gets, unless told otherwise (`--cpu-threads`, OMP_NUM_THREADS, GOMP_SPINCOUNT /
+OMP_WAIT_POLICY):
 - on a CPU device every CPU it may run on, with a short spin;
 - on CUDA one thread: the device computes, the host prepares small inputs, and every engine
   of a multi-GPU node would otherwise start one thread per CPU (vLLM's workers do the same).
@@ -26,8 +33,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-SHORT_SPIN = "1000"
-"""GOMP_SPINCOUNT for a core process: spin ~microseconds, then sleep."""
+SHORT_SPIN = "10000"
+"""GOMP_SPINCOUNT for a core process: spin a fraction of a millisecond, then sleep."""
 
 
 def usable_cpus() -> int:
