@@ -354,7 +354,7 @@ def bench_shape(shape: str, workdir: Path, tokenizer_dir: Path, args: argparse.N
               seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=max(256, args.decode_batch),
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              **memory)
+              async_scheduling=args.async_scheduling, **memory)
     dtype = EngineConfig(dtype=args.dtype).torch_dtype(device)
     weights = weight_bytes_per_token(llm.engine.model_config, dtype)
     result = ShapeResult(shape, device_name(device), str(dtype).removeprefix("torch."), weights)
@@ -483,6 +483,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on for CUDA)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-cache-memory", default="512MiB", help="CPU only")

@@ -70,6 +70,10 @@ class EngineConfig:
     load_format: Literal["auto", "dummy"] = "auto"
     # vLLM's --enforce-eager: never capture CUDA graphs (on CPU there are none anyway).
     enforce_eager: bool = False
+    # vLLM's --async-scheduling: launch the next step before the current one's sampled ids
+    # reach the host (engine/in_flight.py). None: on for CUDA, off on CPU (where the host is
+    # the device and there is nothing to overlap).
+    async_scheduling: bool | None = None
     # Serving only: run the engine core (scheduler, KV cache, model) in a process of its own,
     # so the service's gRPC threads never hold its GIL. The offline LLM keeps it in-process.
     engine_core_process: bool = True
@@ -118,6 +122,11 @@ class EngineConfig:
                     f"{(total - free) / 2**30:.1f} GiB are in use already")
             return budget
         return parse_memory(self.kv_cache_memory, free)
+
+    def use_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling is None:
+            return device.type == "cuda"
+        return self.async_scheduling
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

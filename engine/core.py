@@ -36,6 +36,7 @@ from pdmesh.engine.core_types import (
     RawLogprob,
     SampleDelta,
 )
+from pdmesh.engine.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.kv_cache_manager import KVCacheManager, request_kv_blocks
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from pdmesh.engine.memory import lazy_zeros
@@ -171,6 +172,8 @@ class EngineCore:
         self.requests: dict[str, CoreRequest] = {}
         self._pending_outputs: set[str] = set()  # changed outside step() (commands)
         self._grammar_compiler: GrammarCompiler | None = None  # built on first structured output
+        self.async_scheduling = config.use_async_scheduling(self.device)
+        self._in_flight: InFlightStep | None = None  # async scheduling: a step not landed yet
         self.num_steps = 0
         self._info = self._make_info()
 
@@ -356,7 +359,8 @@ class EngineCore:
             self._pending_outputs.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+        return (self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+                or self._in_flight is not None)
 
     # -- KV export / import (the two roles of the mesh) ---------------------------------------
     def read_kv(self, request_id: str) -> torch.Tensor:
@@ -520,20 +524,31 @@ class EngineCore:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        """Schedule and run one step; the outputs of every request it (or a command) changed.
+
+        With async scheduling the step's sampled tokens may stay in flight until the next
+        call (engine/in_flight.py): this call then lands the previous step's tokens after
+        launching its own, so the device is never left waiting for the host.
+        """
         touched: dict[str, CoreRequest] = {}
         for request_id in self._pending_outputs:
             if request_id in self.requests:
                 touched[request_id] = self.requests[request_id]
         self._pending_outputs.clear()
+        previous, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if previous is not None:
+                self._land(previous, touched)
+                return [self._make_output(state) for state in touched.values()]
             pinned = any(s.kv_export is not None for s in self.requests.values())
             if self.scheduler.num_unfinished and not self.scheduler.running and not pinned:
                 raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
             return [self._make_output(state) for state in touched.values()]
         self.num_steps += 1
         started = time.monotonic()
-        inputs = self.runner.prepare(sched.scheduled)
+        inputs = self.runner.prepare(
+            sched.scheduled, previous.pending() if previous is not None else None)
         logits = self.runner.execute(inputs)
         to_sample: list[Sequence] = []
         for entry in inputs.order:
@@ -550,9 +565,58 @@ class EngineCore:
                 seq.want_prompt_logprobs = False
             if seq.seq_id in inputs.sample_index:
                 to_sample.append(seq)
-        if to_sample:
+        overlap = bool(to_sample) and self.async_scheduling and not inputs.prompt_logits \
+            and all(may_overlap(seq) for seq in to_sample)
+        if overlap:
+            self._in_flight = self._launch_samples(to_sample, logits, inputs.sample_index)
+        if previous is not None:  # its tokens come before this step's
+            self._land(previous, touched)
+            to_sample = [seq for seq in to_sample if not seq.status.is_finished]
+        if to_sample and not overlap:
             self._sample(to_sample, logits, inputs.sample_index)
         return [self._make_output(state) for state in touched.values()]
+
+    def _launch_samples(
+        self, seqs: list[Sequence], logits: torch.Tensor, sample_index: dict[str, int]
+    ) -> InFlightStep:
+        """Sample on the device and leave the ids in flight (every seq passed `may_overlap`:
+        one row each, nothing read back from the host)."""
+        rows = [sample_index[seq.seq_id] for seq in seqs]
+        meta = SamplingMetadata(
+            params=[seq.params for seq in seqs],
+            generators=[seq.generator for seq in seqs],
+            prompt_token_ids=[seq.prompt_token_ids for seq in seqs],
+            output_token_ids=[seq.output_token_ids for seq in seqs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        ids = self.sampler.sample_ids(self._gather_rows(logits, rows), meta)
+        return InFlightStep.launch(seqs, ids)
+
+    def _land(self, step: InFlightStep, touched: dict[str, CoreRequest]) -> None:
+        """Record a launched step's tokens; sequences that ended meanwhile (aborted, stopped
+        by a stop string, or by their token of the step before) discard theirs."""
+        now = time.monotonic()
+        for seq, token_id in step.land():
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.status.is_finished:
+                continue
+            touched[state.request_id] = state
+            if state.first_token_time is None:
+                state.first_token_time = now
+            self._append_token(seq, token_id, None)
+
+    def drop_in_flight(self) -> None:
+        """After a failed step: forget the step in flight (its requests are being failed)."""
+        if self._in_flight is not None:
+            self._in_flight.drop()
+            self._in_flight = None
+
+    @staticmethod
+    def _gather_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if rows == list(range(logits.shape[0])):
+            return logits  # one row per sequence, in order: nothing to gather
+        # a host tensor copied without blocking: no sync on CUDA
+        return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
 
     def _record_prompt_logprobs(
         self, state: CoreRequest, seq: Sequence, logits: torch.Tensor
@@ -590,11 +654,7 @@ class EngineCore:
             output_token_ids=[o[0].output_token_ids for o in owners],
             eos_token_ids=self.eos_token_ids,
         )
-        if rows == list(range(logits.shape[0])):
-            row_logits = logits  # one row per sequence, in order: nothing to gather
-        else:  # a host tensor copied without blocking: no sync on CUDA
-            row_logits = logits.index_select(0, torch.tensor(rows).to(logits.device,
-                                                                      non_blocking=True))
+        row_logits = self._gather_rows(logits, rows)
         if any(o[0].grammar is not None for o in owners):  # fan-out rows share the parent's
             row_logits = apply_bitmasks(row_logits, [o[0].grammar for o in owners])
         sampled = self.sampler(row_logits, meta)

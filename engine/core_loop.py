@@ -157,6 +157,7 @@ class CoreLoop:
         return core.num_steps != steps_before or bool(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
+        self.core.drop_in_flight()
         ids = list(self.core.requests)
         for request_id in ids:
             with contextlib.suppress(Exception):

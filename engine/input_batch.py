@@ -15,6 +15,11 @@ padding it into nested lists and calling `torch.tensor(...)` on each list, every
   event, so a step can be prepared while the previous one's copy is still in flight. On CPU
   the staging buffer is the step's input: no copy at all.
 
+With async scheduling a step is prepared before the previous one's sampled ids reach the
+host: a decode row whose input is such an in-flight token (`Sequence.num_pending`) is staged
+as 0 and names its source row in the previous step's device tensor of sampled ids
+(`PendingTokens`); the model runner gathers those ids on the device before the forward.
+
 Row order in a step is what attention backends expect: decodes first (one token each), then
 prompt chunks; `StepInputs` keeps the bookkeeping the engine core reads (`order`,
 `sample_index`, `prompt_logits`).
@@ -22,6 +27,7 @@ prompt chunks; `StepInputs` keeps the bookkeeping the engine core reads (`order`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +36,14 @@ import torch
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.kernels.backend import AttentionMetadata
+
+
+@dataclass
+class PendingTokens:
+    """The sampled ids of a step still in flight: on the device, and each sequence's row."""
+
+    ids: torch.Tensor  # [rows] int64 on the device
+    row_of: Mapping[str, int]  # seq_id -> row of `ids`
 
 
 @dataclass
@@ -43,6 +57,18 @@ class StepInputs:
     sample_index: dict[str, int]  # seq_id -> index into logits of its sampling row
     prompt_logits: dict[str, tuple[int, int]]  # seq_id -> (first, end) index into logits
     logits_index: torch.Tensor | None = None  # `logits_rows` on the device (None: build it)
+    # Rows of `input_ids` still to be gathered from an in-flight step's sampled ids, and
+    # their sources in `pending_ids` (async scheduling); None when every input is known.
+    pending_ids: torch.Tensor | None = None
+    pending_dst: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
+
+    def fill_pending(self) -> None:
+        """Write the in-flight tokens into `input_ids`, on the device, without a sync."""
+        if self.pending_ids is not None:
+            assert self.pending_dst is not None and self.pending_src is not None
+            self.input_ids.index_copy_(0, self.pending_dst,
+                                       self.pending_ids.index_select(0, self.pending_src))
 
 
 @dataclass
@@ -158,9 +184,9 @@ class InputBatch:
 
     # -- staging -------------------------------------------------------------------------------
     def _capacity(self) -> int:
-        # ids, positions, slots, logits rows: one per token; seq lens: one per sequence; the
-        # step's block table: sequences x widest row.
-        return 4 * self._max_tokens + self._max_seqs * (1 + self._tables.shape[1])
+        # ids, positions, slots, logits rows: one per token; seq lens and the two pending
+        # lists: one per sequence; the step's block table: sequences x widest row.
+        return 4 * self._max_tokens + self._max_seqs * (3 + self._tables.shape[1])
 
     def _new_staging(self) -> _Staging:
         return _Staging(self._capacity(), self.device)
@@ -179,7 +205,9 @@ class InputBatch:
         return staging
 
     # -- the step ------------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+    def prepare(
+        self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None
+    ) -> StepInputs:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
@@ -193,17 +221,38 @@ class InputBatch:
         logits = _logits_rows(order, starts, row_start)
         width = max((self._row_blocks[r] for r in rows), default=1) or 1
 
-        # Packed layout: ids | positions | slots | seq lens | logits rows | block table.
+        # Decode rows whose input token is still in flight (async scheduling).
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
+        for i in range(nd):
+            seq = order[i].seq
+            if starts[i] >= len(seq.token_ids):
+                if pending is None or seq.seq_id not in pending.row_of:
+                    raise RuntimeError(f"{seq.seq_id}: its input token is in flight but no "
+                                       "step in flight sampled it")
+                pending_dst.append(i)
+                pending_src.append(pending.row_of[seq.seq_id])
+        num_pending = len(pending_dst)
+
+        # Packed layout: ids | positions | slots | seq lens | logits rows | block table |
+        # pending destinations | pending sources.
         o_pos, o_slots = num_tokens, 2 * num_tokens
         o_lens = 3 * num_tokens
         o_rows = o_lens + num_seqs
         o_table = o_rows + len(logits.rows)
-        used = o_table + num_seqs * width
+        o_pend = o_table + num_seqs * width
+        used = o_pend + 2 * num_pending
         staging = self._take_staging(num_tokens, num_seqs, used)
         buf = staging.np
 
         ids = buf[:num_tokens]
-        ids[:nd] = [e.seq.token_ids[s] for e, s in zip(decodes, starts[:nd], strict=True)]
+        if num_pending:
+            ids[:nd] = [e.seq.token_ids[s] if s < len(e.seq.token_ids) else 0
+                        for e, s in zip(decodes, starts[:nd], strict=True)]
+            buf[o_pend : o_pend + num_pending] = pending_dst
+            buf[o_pend + num_pending : used] = pending_src
+        else:
+            ids[:nd] = [e.seq.token_ids[s] for e, s in zip(decodes, starts[:nd], strict=True)]
         for i in range(nd, num_seqs):
             begin, start, n = row_start[i], starts[i], counts[i]
             ids[begin : begin + n] = order[i].seq.token_ids[start : start + n]
@@ -223,10 +272,10 @@ class InputBatch:
         np.add(blocks * bs, positions % bs, out=buf[o_slots:o_lens])
         np.add(starts_np, counts_np, out=buf[o_lens:o_rows])
         buf[o_rows:o_table] = logits.rows
-        buf[o_table:used].reshape(num_seqs, width)[:] = self._tables[rows_np, :width]
+        buf[o_table:o_pend].reshape(num_seqs, width)[:] = self._tables[rows_np, :width]
 
         dev = staging.send(used)
-        table = dev[o_table:used].view(num_seqs, width)
+        table = dev[o_table:o_pend].view(num_seqs, width)
         seq_lens = buf[o_lens:o_rows].tolist()
         meta = AttentionMetadata(
             slot_mapping=dev[o_slots:o_lens],
@@ -237,7 +286,7 @@ class InputBatch:
             prefill_seq_lens=seq_lens[nd:],
             prefill_block_tables=table[nd:],
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=dev[:num_tokens],
             positions=dev[o_pos:o_slots],
             meta=meta,
@@ -248,6 +297,12 @@ class InputBatch:
             prompt_logits=logits.prompt_logits,
             logits_index=dev[o_rows:o_table],
         )
+        if num_pending:
+            assert pending is not None
+            inputs.pending_ids = pending.ids
+            inputs.pending_dst = dev[o_pend : o_pend + num_pending]
+            inputs.pending_src = dev[o_pend + num_pending : used]
+        return inputs
 
 
 def _logits_rows(order: list[ScheduledSeq], starts: list[int], row_start: list[int]) -> _Logits:
@@ -259,7 +314,7 @@ def _logits_rows(order: list[ScheduledSeq], starts: list[int], row_start: list[i
     for entry, start, begin in zip(order, starts, row_start, strict=True):
         seq, n = entry.seq, entry.num_new_tokens
         end = start + n
-        sample_row = begin + n - 1 if end == seq.num_tokens else None
+        sample_row = begin + n - 1 if end == seq.num_tokens + seq.num_pending else None
         if seq.want_prompt_logprobs and start < seq.num_prompt_tokens:
             first = len(rows)
             rows += range(begin, begin + min(end, seq.num_prompt_tokens) - start)

@@ -15,14 +15,14 @@ import logging
 import torch
 
 from pdmesh.engine.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
-from pdmesh.engine.input_batch import InputBatch, StepInputs
+from pdmesh.engine.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.kernels.backend import AttentionBackend
 from pdmesh.kernels.layer_ops import select_layer_ops
 
-__all__ = ["ModelRunner", "StepInputs"]
+__all__ = ["ModelRunner", "PendingTokens", "StepInputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,14 @@ class ModelRunner:
         elif device.type == "cuda":
             logger.info("cuda graphs off: %s", why_not)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        return self.batch.prepare(scheduled)
+    def prepare(
+        self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None
+    ) -> StepInputs:
+        return self.batch.prepare(scheduled, pending)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model; returns float32 logits `[len(logits_rows), vocab]`."""
+        inputs.fill_pending()
         graphs = self.cuda_graphs
         bucket = graphs.bucket_for(inputs) if graphs is not None else None
         if graphs is not None and bucket is not None:

@@ -101,27 +101,29 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
+        """One token per row on the host, with logprobs for the rows that asked."""
+        token_ids = self.sample_ids(logits, meta)
+        sampled = [SampledToken(token_id=t) for t in token_ids.tolist()]
+        logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
+        if logprob_rows:  # from the raw logits: sample_ids processed a copy of them
+            picked = logits.index_select(0, _index(logprob_rows, logits.device))
+            raw_logprobs = torch.log_softmax(picked.float(), dim=-1)
+            _attach_logprobs(sampled, raw_logprobs, logprob_rows, token_ids, meta)
+        return sampled
+
+    def sample_ids(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sampled ids `[B]` on the logits' device. Nothing here waits for the device
+        (save a top-p row's support width on the rare min-p path), so async scheduling can
+        launch the next step before these ids reach the host."""
         if logits.dim() != 2 or logits.shape[0] != len(meta.params):
             raise ValueError(
                 f"logits must be [B, V] with B={len(meta.params)} rows, got {tuple(logits.shape)}"
             )
         if _is_plain_greedy_batch(meta):
-            return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
-
-        logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
-        raw_logprobs = None
-        if logprob_rows:
-            picked = logits.index_select(0, _index(logprob_rows, logits.device))
-            raw_logprobs = torch.log_softmax(picked.float(), dim=-1)
-
+            return logits.argmax(dim=-1)
         processed = logits.to(torch.float32, copy=True)
         _apply_logit_processing(processed, meta)
-        token_ids = self._pick(processed, meta)
-
-        sampled = [SampledToken(token_id=t) for t in token_ids.tolist()]
-        if raw_logprobs is not None:
-            _attach_logprobs(sampled, raw_logprobs, logprob_rows, token_ids, meta)
-        return sampled
+        return self._pick(processed, meta)
 
     def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; the rest sample from their masked distribution."""

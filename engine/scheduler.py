@@ -166,7 +166,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or seq.pending_reaches_length(self.max_model_len):
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
@@ -195,6 +195,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting.peek()
+            if seq.num_pending:  # preempted with a token in flight: admitted once it lands
+                break
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached_tokens = len(cached) * self.kv.block_size
             remaining = seq.num_tokens - seq.num_computed_tokens - num_cached_tokens

@@ -60,6 +60,9 @@ class Sequence:
     want_prompt_logprobs: bool = False  # until every prompt position's logprobs are recorded
     scheduled_once: bool = False
     grammar: GrammarMatcher | None = None  # structured output: where this sample is in it
+    # Async scheduling: tokens sampled by a step still in flight, not yet in `token_ids`.
+    # They count as uncomputed (the next step computes them, its input read on the device).
+    num_pending: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -79,7 +82,17 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    def pending_reaches_length(self, max_model_len: int) -> bool:
+        """Its in-flight token is its last one by length (max_tokens or the context): no
+        step need compute past it."""
+        if not self.num_pending:
+            return False
+        total = len(self.token_ids) + self.num_pending
+        max_tokens = self.params.max_tokens
+        return total >= max_model_len or (
+            max_tokens is not None and total - self.num_prompt_tokens >= max_tokens)
 
     @property
     def is_prefilling(self) -> bool:

@@ -70,6 +70,9 @@ class EngineServiceConfig:
         "gets the rest (replaces --kv-cache-memory)"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "never capture CUDA graphs for decode steps (vLLM's flag; no effect on CPU)"))
+    async_scheduling: bool | None = field(default=None, metadata=_help(
+        "launch each step before the previous one's sampled tokens reach the host (vLLM's "
+        "flag); unset: on for CUDA, off on CPU"))
     load_format: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
         "(benchmarks)"))
@@ -158,6 +161,7 @@ class EngineServiceConfig:
             hash_algorithm=self.hash_algorithm,
             hash_root_seed=self.hash_root_seed,
             enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling,
             load_format=self.load_format,  # type: ignore[arg-type]
             engine_core_process=self.engine_core_process,
             cpu_threads=self.cpu_threads,

@@ -95,6 +95,9 @@ class MeshConfig:
     seed: int = field(default=0, metadata=_help("engines' seed for unseeded requests"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "never capture CUDA graphs for decode steps (no effect on CPU)"))
+    async_scheduling: bool | None = field(default=None, metadata=_help(
+        "launch each engine step before the previous one's tokens reach the host; unset: on "
+        "for CUDA, off on CPU"))
     engine_core_process: bool = field(default=True, metadata=_help(
         "run each engine's core (scheduler, KV cache, model) in its own process"))
     cpu_threads: int | None = field(default=None, metadata=_help(
@@ -313,6 +316,8 @@ class LocalMesh:
             argv += ["--no-enable-prefix-caching"]
         if c.enforce_eager:
             argv += ["--enforce-eager"]
+        if c.async_scheduling is not None:
+            argv += ["--async-scheduling" if c.async_scheduling else "--no-async-scheduling"]
         if not c.engine_core_process:
             argv += ["--no-engine-core-process"]
         if c.gpu_memory_utilization is not None:

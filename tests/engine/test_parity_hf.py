@@ -109,6 +109,26 @@ def test_preemption_matches(reference):
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
+# Async scheduling (on by default on CUDA) must not change a token: the next step reads the
+# in-flight token on the device, and stop checks land one step later.
+@pytest.mark.parametrize("budget", [512, 16], ids=["batched", "small-chunks"])
+def test_async_scheduling_matches(reference, budget):
+    llm = LLM("smollm2", kv_cache_memory="128MiB", max_num_batched_tokens=budget,
+              enable_prefix_caching=False, async_scheduling=True)
+    assert_same(llm.generate(PROMPTS, greedy()), reference)
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_async_scheduling_under_preemption_matches(reference):
+    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
+    llm = LLM("smollm2", kv_cache_memory=16 * bytes_per_block, max_num_batched_tokens=256,
+              async_scheduling=True)
+    outs = llm.generate(PROMPTS, greedy())
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_same(outs, reference)
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
 def test_prefill_logits_match_transformers(llm, hf_model, hf_tokenizer):
     prompt = PROMPTS[3]
     out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
