@@ -40,6 +40,7 @@ from pdmesh.engine.core_protocol import (
     ReleaseKV,
     Reply,
     Result,
+    SetGrammarVocabulary,
     Shutdown,
     StopSequences,
     events_from_wire,
@@ -56,6 +57,7 @@ from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.structured_output import grammar_vocabulary
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 
@@ -103,6 +105,8 @@ class AsyncEngine:
         self._closed = False  # no new work: shut down, or the core died
         self._shut_down = False
         self._core_gone = False
+        self._grammar_lock = asyncio.Lock()
+        self._grammar_sent = False
         if engine is not None:
             self._link: Any = ThreadCoreLink(engine.core, self._on_reply, self._on_dead,
                                              name=name)
@@ -322,6 +326,8 @@ class AsyncEngine:
         request_id = cmd.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if params.structured_output is not None:
+            await self._send_grammar_vocabulary()
         stream = _Stream(request_id)
         self._streams[request_id] = stream
         # Tracked before the core sees it: its first outputs may arrive right behind the reply.
@@ -357,6 +363,18 @@ class AsyncEngine:
             if not finished and self._streams.get(request_id) is stream:
                 # The consumer left early (client cancel, error): free the request's blocks.
                 self.abort_nowait(request_id)
+
+    async def _send_grammar_vocabulary(self) -> None:
+        """Before the first structured request: the core compiles grammars against our
+        tokenizer's vocabulary, built here off the event loop (importing xgrammar and reading
+        the vocabulary take seconds) and sent once; the commands behind it find it there."""
+        async with self._grammar_lock:
+            if self._grammar_sent:
+                return
+            vocabulary = await asyncio.to_thread(
+                grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
+            await self._call(SetGrammarVocabulary(vocabulary))
+            self._grammar_sent = True
 
     def _end_stream(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -3,8 +3,9 @@
 One `EngineCore` owns one model, one paged KV cache, the scheduler and the sampler. It deals
 in token ids only: tokenizing prompts, decoding text, stop strings and logprob formatting
 belong to the output processor, which runs outside the core's loop (in another process when
-serving). The one exception is structured output: grammar matchers need the vocabulary, so the
-core loads the tokenizer lazily, the first time a request asks for a grammar.
+serving). Grammar matchers need the vocabulary: the serving side, which has the tokenizer,
+sends it once (`set_grammar_vocabulary`, xgrammar's own serialized form) before the first
+request that asks for a grammar; the core never loads a tokenizer.
 
 Requests can leave after prefill with their KV pinned (`export_kv`, the prefill role) or start
 from KV written in from outside (`add_imported_request`, the decode role), or from output
@@ -320,13 +321,21 @@ class EngineCore:
 
     def _grammars(self) -> GrammarCompiler:
         if self._grammar_compiler is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            self._grammar_compiler = GrammarCompiler(
-                tokenizer, self.model_config.vocab_size, self.eos_token_ids
-            )
+            raise ValueError("structured_output: this engine has no grammar vocabulary yet "
+                             "(its serving side sends one before the first structured request)")
         return self._grammar_compiler
+
+    @property
+    def has_grammar_vocabulary(self) -> bool:
+        return self._grammar_compiler is not None
+
+    def set_grammar_vocabulary(self, vocabulary: str) -> None:
+        """The vocabulary grammars compile against (`structured_output.grammar_vocabulary`)."""
+        compiler = GrammarCompiler(vocabulary)
+        if compiler.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"grammar vocabulary: {compiler.vocab_size} tokens, but the model "
+                             f"has {self.model_config.vocab_size}")
+        self._grammar_compiler = compiler
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; every block it holds is returned."""

@@ -32,6 +32,7 @@ from pdmesh.engine.core_protocol import (
     ReleaseKV,
     Reply,
     Result,
+    SetGrammarVocabulary,
     Shutdown,
     StopSequences,
     events_to_wire,
@@ -84,6 +85,8 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
         return core.release_kv(cmd.request_id)
     elif isinstance(cmd, KVSnapshot):
         return core.kv_snapshot()
+    elif isinstance(cmd, SetGrammarVocabulary):
+        core.set_grammar_vocabulary(cmd.vocabulary)
     else:
         raise ValueError(f"unknown command {type(cmd).__name__}")
     return None

@@ -72,12 +72,19 @@ class KVSnapshot(msgspec.Struct, tag=True):
     pass
 
 
+class SetGrammarVocabulary(msgspec.Struct, tag=True):
+    """The vocabulary grammars compile against (xgrammar's TokenizerInfo JSON), sent once
+    before the first structured request: the core has no tokenizer of its own."""
+
+    vocabulary: str
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
 Command = (AddRequest | AddImported | AddResumed | Abort | StopSequences | ReadKV | ReleaseKV
-           | KVSnapshot | Shutdown)
+           | KVSnapshot | SetGrammarVocabulary | Shutdown)
 
 
 class Call(msgspec.Struct):

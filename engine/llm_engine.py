@@ -18,6 +18,7 @@ from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.structured_output import grammar_vocabulary
 
 __all__ = ["KVCacheFullError", "LLMEngine", "load_tokenizer", "tokenize_prompt"]
 
@@ -66,6 +67,7 @@ class LLMEngine:
         """Queue a request. With `export_kv`, it stops after its first token with KV pinned."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
+        self._ensure_grammar_vocabulary(params)
         state = self.core.add_request(request_id, ids, params, priority=priority,
                                       cache_salt=cache_salt, export_kv=export_kv)
         self.processor.add_request(request_id, text, ids, params, export_kv=export_kv)
@@ -86,6 +88,7 @@ class LLMEngine:
     ) -> CoreRequest:
         """Continue decoding a request whose prompt KV was computed elsewhere
         (`EngineCore.add_imported_request`)."""
+        self._ensure_grammar_vocabulary(params)
         state = self.core.add_imported_request(
             request_id, prompt_token_ids, first_token_ids, kv, params, priority=priority,
             cache_salt=cache_salt, num_cached_tokens=num_cached_tokens)
@@ -109,10 +112,18 @@ class LLMEngine:
         (`EngineCore.add_resumed_request`)."""
         if output_logprobs is not None and len(output_token_ids) == params.n:
             check_given_logprobs(output_token_ids, output_logprobs, params.n)
+        self._ensure_grammar_vocabulary(params)
         state = self.core.add_resumed_request(request_id, prompt_token_ids, output_token_ids,
                                               params, priority=priority, cache_salt=cache_salt)
         self._track(request_id, prompt_token_ids, params, output_token_ids, output_logprobs)
         return state
+
+    def _ensure_grammar_vocabulary(self, params: SamplingParams) -> None:
+        """The core compiles grammars from our tokenizer's vocabulary: hand it over once, the
+        first time a request asks for a grammar."""
+        if params.structured_output is not None and not self.core.has_grammar_vocabulary:
+            self.core.set_grammar_vocabulary(grammar_vocabulary(
+                self.tokenizer, self.core.model_config.vocab_size, self.eos_token_ids))
 
     def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                given: list[list[int]], given_logprobs: list[list[TokenLogprobs | None]] | None,

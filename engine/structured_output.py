@@ -4,10 +4,12 @@ Three pieces, one concept. `StructuredOutput` is the request's spec (plain data,
 `SamplingParams`). `validate` compiles the spec without a tokenizer, so the router can refuse a
 schema or regex that cannot compile before any engine sees it. `GrammarCompiler` (one per
 engine) compiles a spec against the engine's own vocabulary and hands out one
-`GrammarMatcher` per sequence; the engine masks each constrained row's logits with the
-matcher's allowed-token bitmask before sampling (`apply_bitmasks`) and advances the matcher
-with every token the sequence records, sampled here or replayed from elsewhere (P/D first
-tokens, resumed requests), so every instance walks the grammar from the same tokens.
+`GrammarMatcher` per sequence. The engine core has no tokenizer: its serving side sends it
+the vocabulary once (`grammar_vocabulary`) before the first structured request. The engine
+masks each constrained row's logits with the matcher's allowed-token bitmask before sampling
+(`apply_bitmasks`) and advances the matcher with every token the sequence records, sampled
+here or replayed from elsewhere (P/D first tokens, resumed requests), so every instance walks
+the grammar from the same tokens.
 
 xgrammar is imported lazily: it costs ~2 s to import and most processes (gateway, requests
 without a grammar) never need it.
@@ -131,16 +133,32 @@ class GrammarMatcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def grammar_vocabulary(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> str:
+    """The vocabulary as grammars see it (xgrammar's `TokenizerInfo`, as its own JSON), built
+    where the tokenizer lives: the engine core compiles grammars from it and never loads a
+    tokenizer. `vocab_size` is the model's (its logits' width), which may exceed the
+    tokenizer's."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+    )
+    return str(info.serialize_json())
+
+
 class GrammarCompiler:
     """Compiles specs against one engine's vocabulary; an LRU keeps recent ones by spec."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, vocabulary: str) -> None:
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
-        )
-        self.vocab_size = vocab_size
+        try:
+            info = xgr.TokenizerInfo.deserialize_json(vocabulary)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError on bad input
+            detail = _NATIVE_PREFIX.sub("", " ".join(str(exc).split())) or type(exc).__name__
+            raise ValueError(f"grammar vocabulary: not a serialized xgrammar TokenizerInfo "
+                             f"({detail})") from None
+        self.vocab_size = int(info.vocab_size)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, Any], xgrammar.CompiledGrammar] = OrderedDict()
 

@@ -118,3 +118,29 @@ def test_codec_maps_the_wire_oneof() -> None:
     empty.structured_output.SetInParent()
     with pytest.raises(SamplingError, match="names no kind"):
         sampling_from_proto(empty)
+
+
+def test_the_core_compiles_grammars_only_from_a_vocabulary_it_was_sent(llm: LLM,
+                                                                       hf_tokenizer) -> None:
+    """The engine core has no tokenizer: without the vocabulary a structured request is a
+    clear error, and a vocabulary that is not one, or of another model, is refused."""
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.engine.core import EngineCore
+    from pdmesh.engine.structured_output import grammar_vocabulary
+
+    eos = llm.engine.eos_token_ids
+    core = EngineCore(EngineConfig(model="smollm2", kv_cache_memory="16MiB"), eos)
+    params = SamplingParams(max_tokens=4, structured_output=StructuredOutput(choice=("a", "b")))
+    with pytest.raises(ValueError, match="no grammar vocabulary"):
+        core.add_request("r", [1, 2, 3], params)
+    assert core.num_free_blocks == core.num_total_blocks and not core.requests
+    with pytest.raises(ValueError, match="not a serialized xgrammar TokenizerInfo"):
+        core.set_grammar_vocabulary("{")
+    vocab = core.model_config.vocab_size
+    with pytest.raises(ValueError, match="tokens, but the model has"):
+        core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab + 64, eos))
+    core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab, eos))
+    core.add_request("r", [1, 2, 3], params)
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.num_free_blocks == core.num_total_blocks
