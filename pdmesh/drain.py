@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
@@ -56,16 +56,28 @@ class DrainGate(grpc.aio.ServerInterceptor):
                 self._idle.set()
         return self._idle
 
-    @contextlib.contextmanager
-    def _track(self) -> Iterator[None]:
+    def _enter(self, context: grpc.aio.ServicerContext) -> Callable[[], None]:
+        """Count one call in; returns the (idempotent) way out. The call also leaves when gRPC
+        ends the RPC (done callback): a streaming handler whose client cancelled while the
+        server was writing is left suspended at a `yield`, and its `finally` would run only
+        when the garbage collector gets to the generator — in an idle, draining process that
+        can be never, and the drain then waited out its whole timeout."""
         self._inflight += 1
         self._idle_event().clear()
-        try:
-            yield
-        finally:
+        left = False
+
+        def leave(*_: Any) -> None:
+            nonlocal left
+            if left:
+                return
+            left = True
             self._inflight -= 1
             if not self._inflight:
                 self._idle_event().set()
+
+        with contextlib.suppress(AttributeError, RuntimeError):
+            context.add_done_callback(leave)
+        return leave
 
     async def intercept_service(
         self,
@@ -93,8 +105,11 @@ class DrainGate(grpc.aio.ServerInterceptor):
         async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if self.closed:
                 await self._refusal(context)
-            with self._track():
+            leave = self._enter(context)
+            try:
                 return await behavior(request, context)
+            finally:
+                leave()
 
         return gated
 
@@ -107,20 +122,24 @@ class DrainGate(grpc.aio.ServerInterceptor):
                                 ) -> AsyncIterator[Any]:
                 if self.closed:
                     await self._refusal(context)
-                with self._track():
-                    responses = behavior(request, context)
-                    try:
-                        async for response in responses:
-                            yield response
-                    finally:
-                        await responses.aclose()  # its cleanup runs now, not at GC
+                leave = self._enter(context)
+                responses = behavior(request, context)
+                try:
+                    async for response in responses:
+                        yield response
+                finally:
+                    leave()
+                    await responses.aclose()  # its cleanup runs now, not at GC
 
             return gated_gen
 
         async def gated(request: Any, context: grpc.aio.ServicerContext) -> None:
             if self.closed:
                 await self._refusal(context)
-            with self._track():
+            leave = self._enter(context)
+            try:
                 await behavior(request, context)
+            finally:
+                leave()
 
         return gated

@@ -267,9 +267,43 @@ def install_shutdown_signals(stop: asyncio.Event, drain_timeout_s: float | None 
             bound = drain_timeout_s + TEARDOWN_BOUND_S
             logger.info("%s: draining; exit forced after %gs", sig.name, bound)
             arm_exit_watchdog(bound)
+            # Before it: which coroutines are still waiting, if the loop itself still turns
+            # (a thread dump shows only an idle loop then).
+            loop.call_later(max(0.0, bound - TASK_DUMP_LEAD_S), dump_tasks)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+
+
+TASK_DUMP_LEAD_S = 2.0
+"""How long before the exit watchdog fires the pending coroutines are written out."""
+
+
+def dump_tasks(file: Any = None) -> None:
+    """Every pending asyncio task's stack to stderr: where a stuck shutdown awaits."""
+    out = file or sys.stderr
+    tasks = [t for t in asyncio.all_tasks() if not t.done()]
+    print(f"shutdown still waiting on {len(tasks)} asyncio task(s):", file=out)
+    for task in tasks:
+        print(f"-- {task.get_name()}: {task.get_coro()!r}", file=out)
+        task.print_stack(file=out)
+    out.flush()
+
+
+async def await_bounded(what: str, awaitable: Any, timeout_s: float) -> bool:
+    """Await one teardown step for at most `timeout_s`; past it, log which step is stuck and
+    go on without it (it is left running, not awaited again: a step that swallows its
+    cancellation would hang `wait_for` too). True when it finished in time."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        logger.warning("shutdown: %s did not finish within %gs; going on without it", what,
+                       timeout_s)
+        task.print_stack(file=sys.stderr)
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("shutdown: %s failed: %r", what, task.exception())
+    return True
 
 
 def arm_exit_watchdog(after_s: float) -> None:

@@ -43,6 +43,7 @@ from pdmesh.grpc_common import (
     DRAINING,
     REFUSED_KEY,
     GrpcServer,
+    await_bounded,
     install_shutdown_signals,
 )
 from pdmesh.kvstore.instance_registry import InstanceRegistry
@@ -511,12 +512,15 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         process_registry().unregister(collector)
         if endpoint is not None:
             endpoint.close()
-        await server.stop(grace_s=1.0)  # cancels what is left: their cleanup frees KV
-        await orchestrator.drain()
-        await pool.stop()
+        # Each step bounded: a library stuck in its close must not keep the process (and its
+        # port) past the drain deadline; the log names the step that hung. Together they stay
+        # inside TEARDOWN_BOUND_S, before the exit watchdog.
+        await await_bounded("the gRPC server's stop", server.stop(grace_s=1.0), 3.0)
+        await await_bounded("cleanup calls", orchestrator.drain(timeout_s=2.0), 2.5)
+        await await_bounded("the instance pool's stop", pool.stop(), 1.5)
         tokenizer.close()
         if conn is not None:
-            await conn.aclose()
+            await await_bounded("the Redis connection's close", conn.aclose(), 1.0)
 
 
 async def _refuse_draining(context: grpc.aio.ServicerContext) -> None:

@@ -6,6 +6,7 @@ coroutine writing with context.write) keep working through the gate."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import grpc
 import pytest
 
 from pdmesh.grpc_common import DRAINING, GrpcServer, refused_reason
-from pdmesh.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 DECODE = "/pdmesh.v1.Decode/Decode"
 GENERATE = "/pdmesh.v1.Router/Generate"
@@ -112,6 +113,40 @@ async def test_drain_timeout_returns_what_still_runs() -> None:
         await server.stop(grace_s=0)
 
 
+class FloodDecode(engine_pb2_grpc.DecodeServicer):
+    """Streams 1 MB messages until cancelled: the server ends up blocked writing to a client
+    that stopped reading."""
+
+    async def Decode(self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
+        big = engine_pb2.DecodeResponse(delta=common_pb2.SequenceDelta(text="x" * (1 << 20)))
+        for _ in range(1000):
+            yield big
+
+
+@pytest.mark.anyio
+async def test_a_stream_cancelled_while_the_server_writes_leaves_the_gate() -> None:
+    """The client stops reading and cancels while the server waits to write: the call leaves
+    the gate when gRPC ends the RPC (its done callback), whatever state the handler's
+    generator is left in; with the garbage collector off, nothing relies on it."""
+    server = GrpcServer(["pdmesh.v1.Decode"], drain_methods=[DECODE],
+                        max_message_bytes=4 << 20)
+    engine_pb2_grpc.add_DecodeServicer_to_server(FloodDecode(), server.server)
+    address = await server.start()
+    gc.disable()
+    try:
+        options = [("grpc.max_receive_message_length", 4 << 20)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            for _ in range(3):
+                call = engine_pb2_grpc.DecodeStub(channel).Decode(engine_pb2.DecodeRequest())
+                await call.read()  # the next 1 MB messages overflow the flow-control window
+                call.cancel()
+                assert await server.gate.wait_idle(5) == 0
+    finally:
+        gc.enable()
+        await server.stop(grace_s=0)
+
+
 # -- the exit watchdog: a process never outlives its drain deadline by more than a bound -------
 _SERVICE = """
 import asyncio, sys, time
@@ -153,3 +188,37 @@ def test_a_clean_shutdown_is_not_touched_by_the_watchdog() -> None:
     done = _signal_service("clean")
     assert done.returncode == 0
     assert "Timeout" not in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_stuck_teardown_step_is_bounded_and_named(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    """`await_bounded` gives up on a step that never ends (even one that swallows its
+    cancellation, as a buggy client library may) and names it; a step that ends is awaited."""
+    import io
+    import logging
+
+    from pdmesh.grpc_common import await_bounded, dump_tasks
+
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # swallowed
+
+    async def quick() -> int:
+        return 1
+
+    with caplog.at_level(logging.WARNING, logger="pdmesh.grpc_common"):
+        assert not await await_bounded("the stubborn close", stubborn(), 0.2)
+        assert await await_bounded("the quick close", quick(), 5.0)
+    assert "the stubborn close did not finish within 0.2s" in caplog.text
+    assert "quick" not in caplog.text
+    out = io.StringIO()
+    dump_tasks(out)
+    assert "stubborn" in out.getvalue()  # still pending: where a stuck shutdown waits
+    release.set()
+    await asyncio.sleep(0)
