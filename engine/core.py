@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,15 @@ class EngineCore:
                              "(its serving side sends one before the first structured request)")
         return self._grammar_compiler
 
+    def prepare_grammar(self, params: SamplingParams) -> Future[Any] | None:
+        """Start compiling a request's grammar off the step loop; the future to wait for
+        before adding it, or None when adding it now would not compile anything (no grammar,
+        already compiled, or no vocabulary yet: `add_request` then refuses it)."""
+        if params.structured_output is None or self._grammar_compiler is None:
+            return None
+        future = self._grammar_compiler.prepare(params.structured_output)
+        return None if future.done() else future
+
     @property
     def has_grammar_vocabulary(self) -> bool:
         return self._grammar_compiler is not None
@@ -335,6 +345,8 @@ class EngineCore:
         if compiler.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"grammar vocabulary: {compiler.vocab_size} tokens, but the model "
                              f"has {self.model_config.vocab_size}")
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
         self._grammar_compiler = compiler
 
     def abort_request(self, request_id: str) -> bool:

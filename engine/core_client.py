@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core import EngineCore
-from pdmesh.engine.core_loop import CoreLoop
+from pdmesh.engine.core_loop import CommandQueue, CoreLoop, take_queued
 from pdmesh.engine.core_protocol import (
     ENCODER,
     REPLY_DECODER,
@@ -56,19 +56,12 @@ class _LoopTransport:
     """`CoreLoop`'s transport when the core runs on a thread: a queue in, the event loop out."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_reply: OnReply) -> None:
-        self.commands: queue.SimpleQueue[tuple[Call, torch.Tensor | None]] = queue.SimpleQueue()
+        self.commands: CommandQueue = queue.SimpleQueue()
         self._loop = loop
         self._on_reply = on_reply
 
     def receive(self, block: bool) -> list[tuple[Call, torch.Tensor | None]]:
-        calls = []
-        try:
-            calls.append(self.commands.get(block=block))
-            while True:
-                calls.append(self.commands.get_nowait())
-        except queue.Empty:
-            pass
-        return calls
+        return take_queued(self.commands, block)
 
     def send(self, reply: Reply, tensor: torch.Tensor | None = None) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more

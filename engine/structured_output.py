@@ -4,8 +4,10 @@ Three pieces, one concept. `StructuredOutput` is the request's spec (plain data,
 `SamplingParams`). `validate` compiles the spec without a tokenizer, so the router can refuse a
 schema or regex that cannot compile before any engine sees it. `GrammarCompiler` (one per
 engine) compiles a spec against the engine's own vocabulary and hands out one
-`GrammarMatcher` per sequence. The engine core has no tokenizer: its serving side sends it
-the vocabulary once (`grammar_vocabulary`) before the first structured request. The engine
+`GrammarMatcher` per sequence; it compiles on its own thread (`prepare`), so a new schema
+does not stall the engine's step loop for every running sequence. The engine core has no
+tokenizer: its serving side sends it the vocabulary once (`grammar_vocabulary`) before the
+first structured request. The engine
 masks each constrained row's logits with the matcher's allowed-token bitmask before sampling
 (`apply_bitmasks`) and advances the matcher with every token the sequence records, sampled
 here or replayed from elsewhere (P/D first tokens, resumed requests), so every instance walks
@@ -17,10 +19,14 @@ without a grammar) never need it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -35,6 +41,13 @@ _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false:
 
 GRAMMAR_CACHE_SIZE = 128
 """Compiled grammars kept per engine (and tokenizer-free grammars per process), by spec."""
+
+GRAMMAR_COMPILE_NICE = 10
+"""The compile thread's nice value. Where the step's threads use every core (a CPU engine), a
+compile at their priority slows each step several times over (OpenMP regions wait for the
+thread it displaced); at 10 the running streams barely notice and a new schema takes about
+twice as long to admit (bench/grammar_stall.py). With spare cores (a GPU host) it changes
+nothing."""
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -147,7 +160,8 @@ def grammar_vocabulary(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable
 
 
 class GrammarCompiler:
-    """Compiles specs against one engine's vocabulary; an LRU keeps recent ones by spec."""
+    """Compiles specs against one engine's vocabulary on a worker thread (xgrammar releases
+    the GIL while it compiles); an LRU keeps recent ones, by spec, as futures."""
 
     def __init__(self, vocabulary: str) -> None:
         import xgrammar as xgr
@@ -159,22 +173,57 @@ class GrammarCompiler:
             raise ValueError(f"grammar vocabulary: not a serialized xgrammar TokenizerInfo "
                              f"({detail})") from None
         self.vocab_size = int(info.vocab_size)
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, Any], xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiler = xgr.GrammarCompiler(info, max_threads=_compile_threads(),
+                                             cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, Any], Future[xgrammar.CompiledGrammar]] = \
+            OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def prepare(self, spec: StructuredOutput) -> Future[xgrammar.CompiledGrammar]:
+        """The spec's compiled grammar, started on the worker thread unless cached. A spec
+        that fails to compile stays cached as its failure (compiling again fails again)."""
+        future = self._cache.get(spec.key)
+        if future is not None:
+            self._cache.move_to_end(spec.key)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
+                                                initializer=_background_priority)
+        future = self._executor.submit(self._compile, spec.key)
+        self._cache[spec.key] = future
+        if len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, key: tuple[str, Any]) -> xgrammar.CompiledGrammar:
+        return self._compiler.compile_grammar(_grammar(key))
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        compiled = self._cache.get(spec.key)
-        if compiled is None:
-            compiled = self._compiler.compile_grammar(_grammar(spec.key))
-            self._cache[spec.key] = compiled
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(spec.key)
-        return compiled
+        """Blocks until compiled; the spec's ValueError if it does not compile."""
+        return self.prepare(spec).result()
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         return GrammarMatcher(self.compile(spec))
+
+    def close(self) -> None:
+        """Stop the worker thread once any compile in progress ends; queued ones are dropped."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def _compile_threads() -> int:
+    """Half the cores this process may use (at most 8): the rest stay with the step."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(8, cores // 2))
+
+
+def _background_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # Linux: each thread has its own
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_COMPILE_NICE)
 
 
 def apply_bitmasks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
