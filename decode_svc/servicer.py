@@ -179,9 +179,16 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             )
         last: RequestOutput | None = None
         finished = False
+        # Prefilled here: the prompt's logprobs go out before the first delta (DecodeResponse).
+        prompt_k = params.prompt_logprobs if remote is None else None
         try:
             async for out in outputs:
                 last = out
+                if prompt_k is not None and out.prompt_logprobs is not None:
+                    entries = prompt_logprobs_to_proto(out.prompt_logprobs, prompt, prompt_k)
+                    prompt_k = None
+                    yield engine_pb2.DecodeResponse(
+                        prompt_logprobs=common_pb2.PromptLogprobs(entries=entries))
                 if remote is None and not timing.prefill_ms and out.metrics.get("ttft_s"):
                     timing.prefill_ms = out.metrics["ttft_s"] * 1e3
                 if seen.queue_s is None:

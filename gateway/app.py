@@ -373,7 +373,7 @@ class OpenAIServing:
                     states.setdefault(p * gen.n + resp.delta.index, SequenceState()).add(
                         resp.delta
                     )
-                else:
+                elif resp.HasField("result"):
                     gen.usage.add(resp.result.usage)
                     prompt_logprobs[p] = list(resp.result.prompt_logprobs)
 
@@ -435,9 +435,10 @@ class OpenAIServing:
             if gen.kind == "chat":
                 for i in range(len(gen.calls) * gen.n):
                     yield _sse_chunk(gen, i, text=None, role=True)
-            elif gen.echo is not None:
+            elif gen.echo is not None and gen.echo_first_tokens is None:
                 for i in range(len(gen.calls) * gen.n):
                     yield _sse_chunk(gen, i, text=gen.echo[i // gen.n])
+            echoed: set[int] = set()  # echo with logprobs: prompts whose echo went out
             ended = 0
             while ended < len(pumps):
                 p, item = await queue.get()
@@ -449,6 +450,17 @@ class OpenAIServing:
                     break
                 if item.HasField("result"):
                     gen.usage.add(item.result.usage)
+                    continue
+                if gen.echo_first_tokens is not None and p not in echoed:
+                    # The prompt's logprobs come before its first delta; without them (an
+                    # instance that does not send them) the echo goes out without logprobs.
+                    echoed.add(p)
+                    entries = list(item.prompt_logprobs.entries) \
+                        if item.HasField("prompt_logprobs") else None
+                    for chunk, index, offset in _echo_chunks(gen, p, entries):
+                        offsets[index] = offset
+                        yield chunk
+                if item.HasField("prompt_logprobs"):
                     continue
                 delta = item.delta
                 gen.saw_delta(delta)
@@ -509,6 +521,25 @@ def _read_tools(reader: OutputStream, delta: common_pb2.SequenceDelta) -> Stream
         events.content += rest.content
         events.tool_calls += rest.tool_calls
     return events
+
+
+def _echo_chunks(
+    gen: Generation, p: int, prompt_logprobs: list[common_pb2.TokenLogprob] | None,
+) -> list[tuple[str, int, int]]:
+    """Completions `echo` with logprobs, streamed: prompt `p`'s text as the first chunk of
+    each of its choices, with the prompt tokens' logprobs (as vLLM streams them), and where
+    each choice's output text starts (its logprobs' text_offset)."""
+    assert gen.echo is not None and gen.echo_first_tokens is not None
+    text = gen.echo[p]
+    out = []
+    for index in range(p * gen.n, (p + 1) * gen.n):
+        logprobs = None
+        if prompt_logprobs is not None:
+            logprobs = echo_logprobs(gen.echo_first_tokens[p], prompt_logprobs, [], len(text))
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=None).model_dump(mode="json")
+        out.append((f"data: {_json(_chunk_envelope(gen, [choice]))}\n\n", index, len(text)))
+    return out
 
 
 def _sse_chunk(

@@ -234,14 +234,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not contain an empty token list")
         return prompt
 
-    @model_validator(mode="after")
-    def _echo_logprobs_not_streamed(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None and self.stream:
-            raise ValueError("echo together with logprobs is not supported when streaming (the "
-                             "prompt's logprobs arrive with the end of the stream); set stream "
-                             "to false or drop one of them")
-        return self
-
     @property
     def echo_logprobs(self) -> bool:
         """echo with logprobs: the prompt's tokens and logprobs come first (vLLM)."""

@@ -57,7 +57,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -503,6 +503,7 @@ class _Run:
         self.timings: list[common_pb2.Timing] = []
         self.prefill_resp: engine_pb2.PrefillResponse | None = None
         self.migrations = 0  # times the decode stream moved to another instance
+        self.prompt_logprobs_sent = False
 
     async def _emit(self, delta: common_pb2.SequenceDelta) -> None:
         self.out.add(delta)
@@ -511,6 +512,17 @@ class _Run:
         if self.req.stream:
             self.sent = True
             await self._send(router_pb2.GenerateResponse(delta=delta))
+
+    async def _send_prompt_logprobs(self, entries: Iterable[common_pb2.TokenLogprob]) -> None:
+        """A streamed request that asked for prompt logprobs gets them once, before its first
+        delta, from whichever instance computed the prompt first (a re-routed or migrated
+        decode computes them again: those are not sent)."""
+        if not self.req.stream or self.prompt_logprobs_sent or \
+                not self.req.sampling.HasField("prompt_logprobs"):
+            return
+        self.prompt_logprobs_sent = True
+        await self._send(router_pb2.GenerateResponse(
+            prompt_logprobs=common_pb2.PromptLogprobs(entries=entries)))
 
     def _served_by(self) -> router_pb2.ServedBy:
         decode_id = self.plan.decode.instance_id
@@ -763,6 +775,7 @@ class _Run:
         self.prefill_resp = resp
         self.timings.append(resp.timing)
         try:
+            await self._send_prompt_logprobs(resp.prompt_logprobs)
             for delta in resp.first:
                 await self._emit(delta)
         except BaseException:
@@ -817,6 +830,8 @@ class _Run:
                     await self._emit(resp.delta)
                 elif resp.HasField("result"):
                     result = resp.result
+                elif resp.HasField("prompt_logprobs"):
+                    await self._send_prompt_logprobs(resp.prompt_logprobs.entries)
         except asyncio.CancelledError:
             call.cancel()
             self._cleanup_after_decode(instance, remote, "client cancelled")

@@ -159,9 +159,6 @@ def test_completions_echo(mesh: Mesh, client: openai.OpenAI, hf_tokenizer: objec
     ids = hf_tokenizer("The sky is")["input_ids"]  # type: ignore[operator]
     echoed = client.completions.create(model=mesh.model, prompt=ids, max_tokens=2, echo=True)
     assert echoed.choices[0].text.startswith("The sky is")
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=2, echo=True,
-                                  logprobs=1, stream=True)
 
 
 def test_completions_echo_with_logprobs(mesh: Mesh, client: openai.OpenAI,
@@ -183,6 +180,36 @@ def test_completions_echo_with_logprobs(mesh: Mesh, client: openai.OpenAI,
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset[len(prompt_ids)] == len(PROMPT)
     assert all(len(top) >= 1 for top in lp.top_logprobs[1:] if top is not None)
+
+
+def test_completions_echo_with_logprobs_streamed(mesh: Mesh, client: openai.OpenAI) -> None:
+    """Streamed, each choice opens with its prompt's text and the prompt tokens' logprobs
+    (they reach the gateway before the first token); all chunks of a choice together equal
+    the unstreamed answer, offsets included. Two prompts, two choices each."""
+    prompts = [PROMPT, "The sky is"]
+    kwargs = dict(model=mesh.model, prompt=prompts, max_tokens=3, echo=True, logprobs=2, n=2,
+                  temperature=0.0)
+    whole = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            chunks.setdefault(c.index, []).append(c)
+    assert sorted(chunks) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        parts = chunks[choice.index]
+        assert parts[0].text == prompts[choice.index // 2]  # the echo comes first, alone
+        assert parts[0].logprobs is not None and parts[0].logprobs.token_logprobs[0] is None
+        assert "".join(c.text for c in parts) == choice.text
+        streamed = [c.logprobs for c in parts if c.logprobs is not None]
+        want = choice.logprobs
+        assert want is not None
+        assert [t for lp in streamed for t in lp.tokens] == want.tokens
+        assert [o for lp in streamed for o in lp.text_offset] == want.text_offset
+        got = [x for lp in streamed for x in lp.token_logprobs]
+        assert got[0] is None and want.token_logprobs[0] is None
+        assert got[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-3)
+        assert [sorted(t) if t else t for lp in streamed for t in lp.top_logprobs] == \
+            [sorted(t) if t else t for t in want.top_logprobs]
 
 
 def test_x_request_id_in_and_out(mesh: Mesh) -> None:

@@ -98,7 +98,6 @@ def test_chat_request_joins_text_parts_and_prefers_max_completion_tokens() -> No
         {"prompt": []},
         {"prompt": [[1], []]},
         {"prompt": "x", "n": 0},
-        {"prompt": "x", "echo": True, "logprobs": 1, "stream": True},  # not streamed
         {"prompt": "x", "logit_bias": {"abc": 1.0}},
         {"prompt": "x", "stream_options": {"include_usage": True}},  # needs stream
     ],

@@ -71,12 +71,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("delta", "result")
+    __slots__ = ("delta", "result", "prompt_logprobs")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SequenceDelta
     result: GenerateResult
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class ServedBy(_message.Message):
     __slots__ = ("prefill_instance_id", "decode_instance_id")
