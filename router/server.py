@@ -26,7 +26,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -134,7 +134,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             kind=SpanKind.SERVER,
             attributes={"pdmesh.request_id": request_id},
         ) as span:
-            status = _CallStatus()
+            status = _CallStatus(lambda code: self.metrics.requests.labels(code).inc())
             try:
                 await self._generate_call(request, request_id, received, context, status)
             except asyncio.CancelledError:
@@ -146,8 +146,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     status.code = grpc.StatusCode.UNKNOWN
                 raise
             finally:
+                status.settle(status.code)
                 code = status.code
-                self.metrics.requests.labels(code.name).inc()
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
                 logger.info(
                     "request_id=%s code=%s e2e_ms=%.1f",
@@ -351,9 +351,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 @dataclass
 class _CallStatus:
-    """The status one Generate call ends with (context.abort raises, so it is noted first)."""
+    """The status one Generate call ends with, counted once, as soon as it is known: an abort
+    sends the status to the client before the handler unwinds, and the client may read the
+    metrics right after it."""
 
+    count: Callable[[str], None]
     code: grpc.StatusCode = grpc.StatusCode.OK
+    counted: bool = False
+
+    def settle(self, code: grpc.StatusCode) -> None:
+        self.code = code
+        if not self.counted:
+            self.counted = True
+            self.count(code.name)
 
 
 async def _abort(
@@ -364,7 +374,7 @@ async def _abort(
     trailing_metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Abort the call, noting the status for the metrics and the current span first."""
-    status.code = code
+    status.settle(code)
     span = trace.get_current_span()
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     mark_error(span, f"{code.name}: {details}")
