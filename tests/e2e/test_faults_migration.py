@@ -7,10 +7,16 @@ and seeded mixed, one with n = 2) run once undisturbed — the reference — and
 decode instance killed when every stream has received a few tokens. Each stream of the second
 run must carry the reference's tokens, text, finish reasons and usage: no duplicate, missing or
 reordered token, no error event. Afterwards the surviving engines hold no block.
+
+The two runs batch differently, and float32 logits move by ~1e-5 with the batch, so a stream
+may legitimately part from the reference where two candidates are that close: such a divergence
+is accepted only when it is a near-tie under the request's own sampling (tests/near_tie.py);
+a lost, duplicated or misaligned token or a random stream resumed at the wrong draw is not.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,8 +27,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdmesh.engine.model_store import resolve_model
 from pdmesh.router.local_mesh import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from tests.near_tie import TOLERANCE, Pick, first_divergence, near_tie_gap
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,15 +46,17 @@ PROMPTS = [
 
 
 def sampling(i: int) -> common_pb2.SamplingParams:
-    """Request i: greedy (even), seeded (odd); request 7 samples n = 2 seeded sequences."""
+    """Request i: greedy (0, 1, 4, 5) or seeded (2, 3, 6, 7), so that round robin puts both
+    kinds on each decode instance; request 7 samples n = 2 seeded sequences. Every request
+    returns its sampled tokens' logprobs: the near-tie check reads them."""
     if i == 7:
-        return common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=2,
+        return common_pb2.SamplingParams(temperature=0.8, seed=7, n=2, logprobs=0,
                                          max_tokens=MAX_TOKENS, ignore_eos=True)
-    if i % 2:
-        return common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i,
-                                         frequency_penalty=0.3, max_tokens=MAX_TOKENS,
-                                         ignore_eos=True)
-    return common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    if i % 4 >= 2:
+        return common_pb2.SamplingParams(temperature=0.8, seed=100 + i, frequency_penalty=0.3,
+                                         logprobs=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return common_pb2.SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_TOKENS,
+                                     ignore_eos=True)
 
 
 REQUESTS = [(PROMPTS[i % len(PROMPTS)], sampling(i)) for i in range(8)]
@@ -59,6 +69,7 @@ class Stream:
     """What one client saw of one streamed request."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
     text: dict[int, str] = field(default_factory=dict)
     finishes: dict[int, common_pb2.Finish] = field(default_factory=dict)
     result: router_pb2.GenerateResult | None = None
@@ -81,6 +92,8 @@ def run_stream(address: str, prompt: list[int], params: common_pb2.SamplingParam
             if delta.index in stream.finishes:
                 stream.errors.append(f"delta after the finish of sequence {delta.index}")
             stream.tokens.setdefault(delta.index, []).extend(delta.token_ids)
+            stream.logprobs.setdefault(delta.index, []).extend(
+                lp.logprob for lp in delta.logprobs)
             stream.text[delta.index] = stream.text.get(delta.index, "") + delta.text
             if delta.HasField("finish"):
                 stream.finishes[delta.index] = delta.finish
@@ -113,6 +126,27 @@ def scrape(url: str) -> dict[str, float]:
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def assert_same_or_near_tie(i: int, ref: Stream, got: Stream, vocab_size: int,
+                            at_kill: int | None) -> None:
+    """Each sequence of `got` carries the reference's tokens and text, or parts from them at a
+    numerical near-tie (and then still has as many tokens, each with its logprob)."""
+    params = REQUESTS[i][1]
+    assert got.tokens.keys() == ref.tokens.keys(), f"request {i}: sequences differ"
+    for index, want in ref.tokens.items():
+        have = got.tokens[index]
+        where = f"request {i} sequence {index} ({at_kill} tokens of the request at the kill)"
+        assert len(have) == len(want) == len(got.logprobs[index]), f"{where}: token counts"
+        d = first_divergence(have, want)
+        if d is None:
+            assert got.text[index] == ref.text[index], f"{where}: text differs"
+            continue
+        gap = near_tie_gap(params, index, want[:d], Pick(want[d], ref.logprobs[index][d]),
+                           Pick(have[d], got.logprobs[index][d]), vocab_size)
+        assert gap <= TOLERANCE, (
+            f"{where}: token {d} is {have[d]}, the reference's is {want[d]}, and that is no "
+            f"near-tie (gap {gap:.3g}): {have[:d + 3]} vs {want[:d + 3]}")
 
 
 def healthy_decodes(router: router_pb2_grpc.RouterStub) -> list[router_pb2.InstanceStatus]:
@@ -160,11 +194,12 @@ def test_sigkill_decode_mid_stream_every_stream_completes_exactly(mesh: LocalMes
         survivor_id = next(i.instance_id for i in healthy_decodes(router)
                            if i.address == survivor.address)
     assert killed and len(killed[0]) >= 4, f"too few streams still running at the kill: {killed}"
+    vocab_size = json.loads((resolve_model(mesh.config.model) / "config.json").read_text())[
+        "vocab_size"]
     for i, (ref, got) in enumerate(zip(reference, disturbed, strict=True)):
         assert not got.errors, f"request {i}: {got.errors}"
         assert got.result is not None, f"request {i}: no result"
-        assert got.tokens == ref.tokens, f"request {i}: tokens differ"
-        assert got.text == ref.text, f"request {i}: text differs"
+        assert_same_or_near_tie(i, ref, got, vocab_size, killed[0].get(i))
         assert {k: (f.reason, f.WhichOneof("stop_reason")) for k, f in got.finishes.items()} == {
             k: (f.reason, f.WhichOneof("stop_reason")) for k, f in ref.finishes.items()}
         assert got.result.usage == ref.result.usage, f"request {i}: usage differs"
