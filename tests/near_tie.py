@@ -17,6 +17,8 @@ frequency and presence penalties.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -98,3 +100,40 @@ def near_tie_gap(
 ) -> float:
     """How far apart two runs' picks score at the same position: 0 is an exact tie."""
     return abs(score_margin(params, index, output, ref, got, vocab_size))
+
+
+@functools.cache
+def model_vocab_size(model: str) -> int:
+    """The logits' width for `model` (an alias or directory): the random draw's length."""
+    from pdmesh.engine.model_store import resolve_model
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def assert_same_or_near_tie(
+    params: Sampling,
+    want: tuple[dict[int, list[int]], dict[int, list[float]]],
+    got: tuple[dict[int, list[int]], dict[int, list[float]]],
+    vocab_size: int,
+    where: str,
+) -> set[int]:
+    """Each sequence (index -> tokens, index -> their logprobs) of `got` equals `want`'s, or
+    parts from it at a near-tie and then still has as many tokens. The indices that parted."""
+    (want_tokens, want_logprobs), (got_tokens, got_logprobs) = want, got
+    assert got_tokens.keys() == want_tokens.keys(), f"{where}: sequences differ"
+    parted: set[int] = set()
+    for index, expected in want_tokens.items():
+        have = got_tokens[index]
+        at = f"{where} sequence {index}"
+        assert len(have) == len(expected) == len(got_logprobs[index]), f"{at}: token counts"
+        d = first_divergence(have, expected)
+        if d is None:
+            continue
+        gap = near_tie_gap(params, index, expected[:d], Pick(expected[d], want_logprobs[index][d]),
+                           Pick(have[d], got_logprobs[index][d]), vocab_size)
+        assert gap <= TOLERANCE, (
+            f"{at}: token {d} is {have[d]}, the reference's is {expected[d]}, and that is no "
+            f"near-tie (gap {gap:.3g}): {have[:d + 3]} vs {expected[:d + 3]}")
+        parted.add(index)
+    return parted

@@ -16,7 +16,6 @@ a lost, duplicated or misaligned token or a random stream resumed at the wrong d
 
 from __future__ import annotations
 
-import json
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,10 +26,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.engine.model_store import resolve_model
 from pdmesh.router.local_mesh import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
-from tests.near_tie import TOLERANCE, Pick, first_divergence, near_tie_gap
+from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -128,27 +126,6 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def assert_same_or_near_tie(i: int, ref: Stream, got: Stream, vocab_size: int,
-                            at_kill: int | None) -> None:
-    """Each sequence of `got` carries the reference's tokens and text, or parts from them at a
-    numerical near-tie (and then still has as many tokens, each with its logprob)."""
-    params = REQUESTS[i][1]
-    assert got.tokens.keys() == ref.tokens.keys(), f"request {i}: sequences differ"
-    for index, want in ref.tokens.items():
-        have = got.tokens[index]
-        where = f"request {i} sequence {index} ({at_kill} tokens of the request at the kill)"
-        assert len(have) == len(want) == len(got.logprobs[index]), f"{where}: token counts"
-        d = first_divergence(have, want)
-        if d is None:
-            assert got.text[index] == ref.text[index], f"{where}: text differs"
-            continue
-        gap = near_tie_gap(params, index, want[:d], Pick(want[d], ref.logprobs[index][d]),
-                           Pick(have[d], got.logprobs[index][d]), vocab_size)
-        assert gap <= TOLERANCE, (
-            f"{where}: token {d} is {have[d]}, the reference's is {want[d]}, and that is no "
-            f"near-tie (gap {gap:.3g}): {have[:d + 3]} vs {want[:d + 3]}")
-
-
 def healthy_decodes(router: router_pb2_grpc.RouterStub) -> list[router_pb2.InstanceStatus]:
     status = router.GetStatus(router_pb2.GetStatusRequest(), timeout=5)
     return [i for i in status.instances if i.role == engine_pb2.ROLE_DECODE and i.healthy]
@@ -194,12 +171,15 @@ def test_sigkill_decode_mid_stream_every_stream_completes_exactly(mesh: LocalMes
         survivor_id = next(i.instance_id for i in healthy_decodes(router)
                            if i.address == survivor.address)
     assert killed and len(killed[0]) >= 4, f"too few streams still running at the kill: {killed}"
-    vocab_size = json.loads((resolve_model(mesh.config.model) / "config.json").read_text())[
-        "vocab_size"]
+    vocab_size = model_vocab_size(mesh.config.model)
     for i, (ref, got) in enumerate(zip(reference, disturbed, strict=True)):
         assert not got.errors, f"request {i}: {got.errors}"
         assert got.result is not None, f"request {i}: no result"
-        assert_same_or_near_tie(i, ref, got, vocab_size, killed[0].get(i))
+        parted = assert_same_or_near_tie(REQUESTS[i][1], (ref.tokens, ref.logprobs),
+                                         (got.tokens, got.logprobs), vocab_size,
+                                         f"request {i}")
+        for index in ref.text.keys() - parted:
+            assert got.text[index] == ref.text[index], f"request {i} sequence {index}: text"
         assert {k: (f.reason, f.WhichOneof("stop_reason")) for k, f in got.finishes.items()} == {
             k: (f.reason, f.WhichOneof("stop_reason")) for k, f in ref.finishes.items()}
         assert got.result.usage == ref.result.usage, f"request {i}: usage differs"
