@@ -177,6 +177,8 @@ class EngineCore:
         self.async_scheduling = config.use_async_scheduling(self.device)
         self._in_flight: InFlightStep | None = None  # async scheduling: a step not landed yet
         self.num_steps = 0
+        self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
+        self.scheduled_tokens = 0
         self._info = self._make_info()
 
     # -- start-up helpers -------------------------------------------------------------------
@@ -595,6 +597,8 @@ class EngineCore:
             to_sample = [seq for seq in to_sample if not seq.status.is_finished]
         if to_sample and not overlap:
             self._sample(to_sample, logits, inputs.sample_index)
+        self.step_seconds += time.monotonic() - started
+        self.scheduled_tokens += sum(entry.num_new_tokens for entry in inputs.order)
         return [self._make_output(state) for state in touched.values()]
 
     def _launch_samples(
@@ -873,6 +877,9 @@ class EngineCore:
             num_pinned_blocks=pinned,
             prefix_hit_tokens=stats.hits,
             prefix_query_tokens=stats.queries,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            scheduled_tokens=self.scheduled_tokens,
         )
 
     @property

@@ -69,6 +69,10 @@ class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
     num_pinned_blocks: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    # Cumulative since start: steps run, host wall time inside them, tokens they computed.
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    scheduled_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -109,6 +109,9 @@ class EngineService:
             prefix_query_tokens=snap.prefix_query_tokens,
             prefix_hit_tokens=snap.prefix_hit_tokens,
             index_up=index_up,
+            num_steps=snap.num_steps,
+            step_seconds=snap.step_seconds,
+            scheduled_tokens=snap.scheduled_tokens,
         )
 
     def load_figures(self) -> dict[str, float]:

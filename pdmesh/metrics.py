@@ -224,6 +224,9 @@ class EngineState:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     index_up: bool | None  # None: no Redis configured
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    scheduled_tokens: int = 0
 
 
 class EngineCollector:
@@ -264,6 +267,12 @@ class EngineCollector:
                       s.prefix_query_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                       s.prefix_hit_tokens)
+        yield counter("engine_steps", "Steps the engine core ran (one batched forward each)",
+                      s.num_steps)
+        yield counter("engine_step_seconds", "Wall time the engine core spent inside steps; "
+                      "its rate is the fraction of time the engine computes", s.step_seconds)
+        yield counter("engine_scheduled_tokens", "Tokens the engine's steps computed (prompt "
+                      "chunks and decode tokens)", s.scheduled_tokens)
         if s.index_up is not None:
             yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
                         "answers, 0 while unregistered or Redis is unreachable",

@@ -316,6 +316,13 @@ def test_metrics_move_as_the_traffic_implies(observed: Observed) -> None:
     assert grew(prefill, "pdmesh:request_queue_time_seconds_count", "prefill-0") == 2
     assert grew(prefill, "pdmesh:requests_total", "prefill-0", outcome="exported") == 2
     assert metric(decode, "pdmesh:kv_cache_total_blocks") > 0
+    # The cores' step counters (across the core process boundary): both engines computed.
+    for samples, who in ((prefill, "prefill-0"), (decode, "decode-0")):
+        assert grew(samples, "pdmesh:engine_steps_total", who) >= 2
+        assert grew(samples, "pdmesh:engine_step_seconds_total", who) > 0
+    # Prefill computes each prompt's uncached part; decode the tokens after the first.
+    prompts = sum(r[-1].result.usage.prompt_tokens for r in (first, second))
+    assert grew(prefill, "pdmesh:engine_scheduled_tokens_total", "prefill-0") <= prompts
     assert metric(prefill, "pdmesh:index_up") == 1
 
 

@@ -220,3 +220,17 @@ def test_kv_export_import_continues_exactly(llm, params):
     assert final.finished
     assert [o.token_ids for o in final.outputs] == expected
     assert decode.num_free_blocks == decode.num_total_blocks
+
+
+def test_step_counters_count_what_the_steps_computed(llm):
+    """The load snapshot's cumulative step figures (pdmesh:engine_steps_total and friends):
+    an uncached 40-token prompt and 5 tokens out is one prefill step and four decode steps,
+    computing 40 + 4 tokens."""
+    before = llm.engine.core.load()
+    rng = torch.Generator().manual_seed(40)
+    ids = torch.randint(1000, 40000, (40,), generator=rng).tolist()
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=5, ignore_eos=True))
+    after = llm.engine.core.load()
+    assert after.num_steps - before.num_steps == 5
+    assert after.scheduled_tokens - before.scheduled_tokens == 44
+    assert after.step_seconds > before.step_seconds

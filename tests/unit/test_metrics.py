@@ -33,7 +33,8 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
 def state(**overrides: object) -> EngineState:
     values = dict(num_running=2, num_waiting=1, kv_usage=0.25, num_free_blocks=30,
                   num_total_blocks=40, num_pinned_blocks=3, prefix_query_tokens=100,
-                  prefix_hit_tokens=64, index_up=True)
+                  prefix_hit_tokens=64, index_up=True, num_steps=7, step_seconds=0.5,
+                  scheduled_tokens=90)
     values.update(overrides)
     return EngineState(**values)  # type: ignore[arg-type]
 
@@ -59,6 +60,9 @@ def test_every_metric_of_every_service_has_the_prefix_and_its_values() -> None:
     assert got[("pdmesh:prefix_cache_queries_total", role)] == 100
     assert got[("pdmesh:kv_cache_usage_ratio", role)] == 0.25
     assert got[("pdmesh:num_requests_running", role)] == 2
+    assert got[("pdmesh:engine_steps_total", role)] == 7
+    assert got[("pdmesh:engine_step_seconds_total", role)] == 0.5
+    assert got[("pdmesh:engine_scheduled_tokens_total", role)] == 90
     assert got[("pdmesh:index_up", role)] == 1
     assert got[("pdmesh:index_up", frozenset())] == 0
     assert got[("pdmesh:time_per_output_token_seconds_sum", role)] == pytest.approx(0.1)
