@@ -11,6 +11,11 @@ and which module it is in.
     .venv/bin/pip install py-spy                   # once; not a dependency of pdmesh
     python bench/profile_serving.py                 # ~2 min on a quiet machine
     python bench/profile_serving.py --serve-args "--num-prefill 1 --num-decode 1"
+    python bench/profile_serving.py --model /tmp/tiny  # a tiny model: the mesh's own cost
+
+With a model whose steps cost next to nothing (a 2-layer, 64-wide random-weight Llama with
+SmolLM2's tokenizer: `bench/tiny_model.py`), the serving processes become the bottleneck and
+their CPU per streamed token, the column this prints, is what each hop costs by itself.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Proc:
     name: str
     cpu_start: float = 0.0
     cpu_s: float = 0.0
+    load_cpu_s: float = 0.0  # over the whole measured load, for the per-token figure
     samples: Counter[str] = field(default_factory=Counter)
     total_samples: int = 0
 
@@ -161,6 +167,8 @@ def read_raw(path: Path) -> tuple[Counter[str], int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve-args", default="--colocated", help="`pdmesh serve` flags")
+    parser.add_argument("--model", default=None,
+                        help="model alias or HF directory (default: smollm2)")
     parser.add_argument("--port", type=int, default=8012)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -174,7 +182,7 @@ def main() -> None:
     py_spy = shutil.which("py-spy", path=str(ROOT / ".venv/bin")) or shutil.which("py-spy")
     if py_spy is None:
         sys.exit("py-spy not found: .venv/bin/pip install py-spy")
-    model = model_dir()
+    model = args.model or model_dir()
     argv = [str(ROOT / ".venv/bin/pdmesh"), "serve", model, "--port", str(args.port),
             "--served-model-name", "smollm2", *shlex.split(args.serve_args)]
     out_dir = Path(tempfile.mkdtemp(prefix="pdmesh-profile-"))
@@ -195,18 +203,22 @@ def main() -> None:
     print(f"\n`pdmesh serve {args.serve_args}`: {args.requests} streamed requests at "
           f"concurrency {args.concurrency}, 256 in / 64 out: {tokens} tokens in {elapsed:.1f} s "
           f"= {tokens / elapsed:.1f} out tok/s; profile window {args.window_s:.0f} s\n")
-    print("| process | CPU s / window s | py-spy samples | top functions (self time) |")
-    print("|---|---|---|---|")
+    print("| process | CPU s / window s | CPU ms / out token | py-spy samples "
+          "| top functions (self time) |")
+    print("|---|---|---|---|---|")
     for p in sorted(procs, key=lambda p: -p.cpu_s):
         top = ", ".join(f"{name} {count / p.total_samples:.0%}"
                         for name, count in p.samples.most_common(args.top)) or "-"
-        print(f"| {p.name} | {p.cpu_s / args.window_s:.2f} | {p.total_samples} | {top} |")
+        per_token = p.load_cpu_s / max(tokens, 1) * 1e3
+        print(f"| {p.name} | {p.cpu_s / args.window_s:.2f} | {per_token:.3f} "
+              f"| {p.total_samples} | {top} |")
     print(f"\nraw stacks: {out_dir}")
 
 
 def run_profiled(args: argparse.Namespace, py_spy: str, procs: list[Proc], base_url: str,
                  out_dir: Path, vocab: int) -> tuple[int, float]:
     async def go() -> tuple[int, float]:
+        at_start = {p.pid: cpu_seconds(p.pid) for p in procs}
         task = asyncio.ensure_future(load(base_url, args.requests, args.concurrency, vocab, 7))
         await asyncio.sleep(5.0)
         spies = []
@@ -223,7 +235,10 @@ def run_profiled(args: argparse.Namespace, py_spy: str, procs: list[Proc], base_
             p.cpu_s = cpu_seconds(p.pid) - p.cpu_start
         for spy in spies:
             await asyncio.to_thread(spy.wait, 60)
-        return await task
+        done = await task
+        for p in procs:
+            p.load_cpu_s = cpu_seconds(p.pid) - at_start[p.pid]
+        return done
 
     tokens, elapsed = asyncio.run(go())
     for p in procs:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,15 +102,17 @@ def serve_and_bench(label: str, argv: list[str], port: int, model: str,
 
 
 def offline_ceiling(model: str, max_num_seqs: int) -> float:
-    """Output tok/s of `LLM.generate` on the bench client's shapes (same engine, no serving)."""
-    from pdmesh import LLM, SamplingParams
+    """Output tok/s of `LLM.generate` on the bench client's shapes (same engine, no serving),
+    sampling as the served requests do: the client sends no sampling fields, so the server
+    applies the model's generation config (SmolLM2: temperature 0.2, top-p 0.9)."""
+    from pdmesh import LLM
 
     llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=2048)
     rng = random.Random(7)
     vocab = llm.engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": [rng.randint(100, vocab - 1) for _ in range(256)]}
                for _ in range(48)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = replace(llm.get_default_sampling_params(), max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

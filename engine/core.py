@@ -38,6 +38,7 @@ from pdmesh.engine.core_types import (
     RawLogprob,
     SampleDelta,
 )
+from pdmesh.engine.host_allocator import keep_temporaries_on_heap
 from pdmesh.engine.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.kv_cache_manager import KVCacheManager, request_kv_blocks
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
@@ -124,6 +125,8 @@ class EngineCore:
         self.dtype = config.torch_dtype(self.device)
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cpu":
+            keep_temporaries_on_heap()  # engine/host_allocator.py: no page faults per step
         torch.manual_seed(config.seed)
         self.eos_token_ids = set(eos_token_ids)
         max_positions = self._max_positions()

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from pdmesh.engine.core import child_seed
-from pdmesh.engine.sampler import make_generator, skip_one_draw
+from pdmesh.engine.sampler import make_generator, race_noise, skip_one_draw
 
 TOLERANCE = 1e-3  # in score units; batch effects are ~1e-5
 
@@ -47,15 +47,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def race_noise(seed: int, index: int, position: int, vocab_size: int) -> torch.Tensor:
+def drawn_noise(seed: int, index: int, position: int, vocab_size: int) -> torch.Tensor:
     """The exponential draw a seeded sequence's `position`-th token raced against (CPU)."""
     generator = make_generator(child_seed(seed, index), "cpu")
     assert generator is not None
     for _ in range(position):
         skip_one_draw(generator, vocab_size)
-    noise = torch.empty(vocab_size, dtype=torch.float32)
-    noise.exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return race_noise(vocab_size, generator)
 
 
 class Sampling(Protocol):
@@ -90,7 +88,7 @@ def score_margin(
         other.logprob - _penalty(params, other.token_id, output))
     if params.temperature == 0.0:
         return diff
-    noise = race_noise(params.seed, index, len(output), vocab_size)
+    noise = drawn_noise(params.seed, index, len(output), vocab_size)
     return (diff / params.temperature
             - math.log(float(noise[pick.token_id])) + math.log(float(noise[other.token_id])))
 

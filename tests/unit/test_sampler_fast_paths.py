@@ -1,5 +1,6 @@
 """The sampler's shortcuts give what the long way gives: top-p on a partial top-k keeps the same
-tokens as the full sort, and the race on the support draws from the same distribution."""
+tokens as the full sort, and the draws (on the candidates, on the full row, seeded or not)
+follow the masked distribution and never pick a masked token."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import pytest
 import torch
 
 import pdmesh.engine.sampler as sampler_module
-from pdmesh.engine.sampler import Sampler, SamplingMetadata, sampling_probs
+from pdmesh.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    inverse_transform,
+    make_generator,
+    race_noise,
+    sampling_probs,
+)
 from pdmesh.engine.sampling_params import SamplingParams
 
 
@@ -34,16 +42,20 @@ def test_candidate_top_p_equals_the_full_sort(monkeypatch: pytest.MonkeyPatch,
     torch.testing.assert_close(full, fast)
 
 
-@pytest.mark.parametrize("row", [
-    SamplingParams(temperature=0.8, top_p=0.9),  # the race on the candidates
-    SamplingParams(temperature=0.8, top_k=20),  # the same, candidates from top-k
-    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02),  # min-p: the race on the support
-], ids=["top_p", "top_k", "min_p"])
-def test_race_on_the_support_draws_the_masked_distribution(row: SamplingParams) -> None:
+@pytest.mark.parametrize(("row", "seeded"), [
+    (SamplingParams(temperature=0.8, top_p=0.9), False),  # inverse transform on candidates
+    (SamplingParams(temperature=0.8, top_k=20), False),  # the same, candidates from top-k
+    (SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02), False),  # on the full row
+    (SamplingParams(temperature=1.3), False),  # no mask: the full row
+    (SamplingParams(temperature=0.8, top_p=0.9, seed=1), True),  # the seeded race
+    (SamplingParams(temperature=1.3, seed=1), True),
+], ids=["top_p", "top_k", "min_p", "plain", "seeded_top_p", "seeded_plain"])
+def test_draws_follow_the_masked_distribution(row: SamplingParams, seeded: bool) -> None:
     vocab, draws = 50, 6000
     logits = _logits(1, vocab, 1.5, seed=2).expand(draws, vocab).contiguous()
     params = [row] * draws
-    meta = SamplingMetadata(params, [None] * draws, [[1]] * draws, [[]] * draws, set())
+    generators = [make_generator(10_000 + i) if seeded else None for i in range(draws)]
+    meta = SamplingMetadata(params, generators, [[1]] * draws, [[]] * draws, set())
     tokens = torch.tensor([t.token_id for t in Sampler(seed=3)(logits, meta)])
     want = sampling_probs(logits[:1].clone(), params[:1])[0]
     got = torch.bincount(tokens, minlength=vocab).float() / draws
@@ -51,3 +63,31 @@ def test_race_on_the_support_draws_the_masked_distribution(row: SamplingParams) 
     # Each token's frequency within 5 standard errors of its probability.
     sigma = (want * (1 - want) / draws).sqrt()
     assert bool(((got - want).abs() <= 5 * sigma + 1e-9).all())
+
+
+def test_inverse_transform_never_picks_a_zero_probability_column() -> None:
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0],
+                          [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],
+                          [0.0, 0.0, 0.0, 1e-30, 0.0, 0.0, 0.0]])
+    below_one = 1.0 - 2.0 ** -53  # the largest uniform torch.rand can return in float64
+    # 0.5 lands on row 1's boundary exactly: the next column with mass takes it.
+    for u, want in ((0.0, [2, 0, 3]), (0.25, [2, 0, 3]), (0.5, [4, 6, 3]),
+                    (below_one, [4, 6, 3])):
+        uniforms = torch.full((3, 1), u, dtype=torch.float64)
+        assert inverse_transform(probs, uniforms).tolist() == want, u
+    # u = 1 (beyond torch.rand's range) runs past the end: never onto the zero tail, but onto
+    # the row's first column with mass.
+    ones = torch.ones((3, 1), dtype=torch.float64)
+    assert inverse_transform(probs, ones).tolist() == [2, 6, 3]
+    # Unnormalised rows: the mass is the row's total.
+    assert inverse_transform(torch.tensor([[2.0, 0.0, 6.0]]),
+                             torch.tensor([[0.25]], dtype=torch.float64)).tolist() == [2]
+
+
+def test_race_noise_is_unit_exponential_and_never_zero_or_infinite() -> None:
+    generator = make_generator(5)
+    assert generator is not None
+    noise = race_noise(200_000, generator)
+    assert bool(torch.isfinite(noise).all()) and bool((noise > 0).all())
+    assert abs(float(noise.mean()) - 1.0) < 0.01  # Exponential(1): mean 1, sd 1 / sqrt(n)
+    assert abs(float((noise > 1.0).float().mean()) - 0.36788) < 0.005  # P(E > 1) = 1/e
