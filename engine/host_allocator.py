@@ -6,8 +6,9 @@ activations. glibc serves allocations above its mmap threshold (128 KiB at start
 dynamically as large blocks are freed) with fresh mappings, and gives heap memory above its
 trim threshold back to the system on free. Which of the two happens to a given tensor then
 depends on the allocation history, and when it goes wrong every step touches its temporaries'
-pages anew: ~1,600 page faults per sampling call, measured on a 2-CPU VM, which made a batch-16
-top-p draw take 8 ms instead of 3.4 (bench/README.md, "The sampler's cost per step").
+pages anew: 1,700-3,700 page faults per sampling call, measured on a 2-CPU VM, which made a
+batch-16 top-p draw take 8.3 ms instead of 4.0 (bench/README.md, "The sampler's cost per
+step").
 
 So an engine on a CPU device fixes both thresholds (`mallopt`): blocks up to 32 MiB (glibc's
 largest mmap threshold) come from the heap, and up to 256 MiB of free heap is kept for the

@@ -186,23 +186,25 @@ class Sampler:
         return chosen
 
     def _uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
-        """`[rows, 1]` uniforms in [0, 1) from the global generator, in float64 so that a
-        token's chance is its probability to ~1e-16, not to float32's 2^-24 steps."""
-        return torch.rand(rows, 1, dtype=torch.float64, device=device,
+        """`[rows, 1]` uniforms in [0, 1) from the global generator (float32, as the running
+        sums they are compared with: a token's chance is its probability to ~1e-7)."""
+        return torch.rand(rows, 1, dtype=torch.float32, device=device,
                           generator=self.generator)
 
 
 def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of `probs` `[R, W]` (non-negative, each with some mass, need not sum to 1), the
-    first column whose cumulative mass exceeds `uniforms` `[R, 1]` times the row's total: an
-    exact draw. A column of probability 0 adds nothing to a sequentially computed running sum,
-    so it is never the first to exceed the target. A parallel scan (CUDA) need not be
-    monotone to the last bit, and u = 1 would run past the end: a pick of probability 0 is
-    then replaced by the row's first column with mass (where the running sum first leaves
-    0, which no rounding can move), so a masked token is never returned."""
+    first column whose cumulative mass exceeds `uniforms` `[R, 1]` (in [0, 1)) times the
+    row's total: an exact draw. The target is held below the total, and a column of
+    probability 0 adds nothing to a sequentially computed running sum, so the column found
+    has mass. A parallel scan (CUDA) need not be monotone to the last bit: a pick of
+    probability 0 is then replaced by the row's first column with mass (where the running sum
+    first leaves 0, which no rounding can move), so a masked token is never returned."""
     cdf = probs.cumsum(dim=-1)
-    targets = torch.cat([uniforms.to(cdf.dtype) * cdf[:, -1:], torch.zeros_like(uniforms,
-                                                                           dtype=cdf.dtype)], dim=1)
+    total = cdf[:, -1:]
+    below_total = torch.minimum(uniforms.to(cdf.dtype) * total,
+                                torch.nextafter(total, torch.zeros_like(total)))
+    targets = torch.cat([below_total, torch.zeros_like(below_total)], dim=1)
     found = torch.searchsorted(cdf, targets, right=True).clamp_max_(probs.shape[1] - 1)
     picked, first = found[:, :1], found[:, 1:]
     return torch.where(probs.gather(1, picked) > 0, picked, first).squeeze(1)
@@ -337,8 +339,9 @@ def _masked_candidates(
         # Every row keeps at most k_max tokens, and top-p works on the top-k renormalized
         # distribution, so ordering the k_max best suffices: far cheaper than a full sort.
         candidates, order = logits.topk(k_max, dim=-1)
+        coverage = None
     else:
-        candidates, order = _nucleus_candidates(logits, params)
+        candidates, order, coverage = _nucleus_candidates(logits, params)
     width = candidates.shape[1]
 
     positions = torch.arange(width, device=device).unsqueeze(0)
@@ -347,6 +350,8 @@ def _masked_candidates(
 
     if any(p.uses_top_p for p in params):
         probs = torch.softmax(candidates.masked_fill(drop, -torch.inf), dim=-1)
+        if coverage is not None:  # a top-p-only row's mass is its share of the whole row
+            probs = probs * coverage.unsqueeze(1)
         mass_before = probs.cumsum(dim=-1) - probs
         # A row with top_p == 1 must keep everything, even where rounding pushes the running
         # mass to 1.0 before the tail.
@@ -368,9 +373,12 @@ batch-16 row sum on the dev machine). Flooring only ever raises the sum: conserv
 
 def _nucleus_candidates(
     logits: torch.Tensor, params: list[SamplingParams]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The sorted candidates every row's masks can keep: the TOP_P_CANDIDATES best when that
-    provably loses nothing, else the whole vocabulary sorted.
+    provably loses nothing, else the whole vocabulary sorted; and, for the former, each row's
+    coverage: the candidates' share of the row's whole probability mass for a top-p-only row
+    (top-p measures mass against the whole distribution, not against the candidates), 1 for
+    a row whose top-k renormalizes anyway. None when the candidates are the whole row.
 
     It loses nothing when every row either uses top-k with k <= the candidate count, or uses
     top-p only and the candidates' probability under the full row already reaches top_p: every
@@ -382,23 +390,28 @@ def _nucleus_candidates(
     if width == vocab or any(
             (not p.uses_top_p and not p.uses_top_k) or (p.uses_top_k and p.top_k > width)
             for p in params):
-        return logits.sort(dim=-1, descending=True)
+        candidates, order = logits.sort(dim=-1, descending=True)
+        return candidates, order, None
     candidates, order = logits.topk(width, dim=-1)
     top_p_only = [i for i, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
-    if top_p_only:
-        if len(top_p_only) == len(params):
-            full, kept = logits, candidates
-        else:
-            rows = _index(top_p_only, logits.device)
-            full, kept = logits.index_select(0, rows), candidates.index_select(0, rows)
-        peak = kept[:, :1]
-        mass = (kept - peak).exp().sum(dim=-1) / (
-            (full - peak).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1))
-        need = _device_tensor([params[i].top_p for i in top_p_only], logits.dtype,
-                              logits.device)
-        if not bool((mass >= need).all()):  # one host sync, cheaper than the sort it saves
-            return logits.sort(dim=-1, descending=True)
-    return candidates, order
+    if not top_p_only:
+        return candidates, order, None
+    if len(top_p_only) == len(params):
+        full, kept = logits, candidates
+    else:
+        rows = _index(top_p_only, logits.device)
+        full, kept = logits.index_select(0, rows), candidates.index_select(0, rows)
+    peak = kept[:, :1]
+    mass = (kept - peak).exp().sum(dim=-1) / (
+        (full - peak).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1))
+    need = _device_tensor([params[i].top_p for i in top_p_only], logits.dtype, logits.device)
+    if not bool((mass >= need).all()):  # one host sync, cheaper than the sort it saves
+        candidates, order = logits.sort(dim=-1, descending=True)
+        return candidates, order, None
+    if len(top_p_only) == len(params):
+        return candidates, order, mass
+    coverage = torch.ones(len(params), dtype=logits.dtype, device=logits.device)
+    return candidates, order, coverage.index_copy_(0, rows, mass)
 
 
 def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -4,6 +4,8 @@ follow the masked distribution and never pick a masked token."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -42,6 +44,29 @@ def test_candidate_top_p_equals_the_full_sort(monkeypatch: pytest.MonkeyPatch,
     torch.testing.assert_close(full, fast)
 
 
+@pytest.mark.parametrize("rows", [
+    [SamplingParams(top_p=0.95)],
+    [SamplingParams(top_k=10), SamplingParams(top_p=0.95), SamplingParams(top_p=0.9, top_k=50)],
+], ids=["top_p_only", "mixed_with_top_k"])
+def test_top_p_on_candidates_measures_mass_against_the_whole_row(
+        monkeypatch: pytest.MonkeyPatch, rows: list[SamplingParams]) -> None:
+    # 64 leading tokens hold 96 % of the mass, evenly; a long tail holds the rest. top-p 0.95
+    # keeps all 64 (the mass before the last is 0.945): renormalized over the candidates,
+    # the last three would have had >= 0.95 before them and been dropped.
+    vocab, lead = 5000, 64
+    row = torch.zeros(vocab)
+    row[:lead] = math.log((0.96 / lead) / (0.04 / (vocab - lead))) + 1e-3 * torch.arange(lead)
+    logits = row.repeat(len(rows), 1)
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", vocab)
+    full = sampling_probs(logits.clone(), rows)
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", lead)
+    fast = sampling_probs(logits.clone(), rows)
+    top_p_row = next(i for i, r in enumerate(rows) if r.top_p == 0.95 and not r.top_k)
+    assert int((full[top_p_row] > 0).sum()) == lead
+    assert torch.equal(full > 0, fast > 0)
+    torch.testing.assert_close(full, fast)
+
+
 @pytest.mark.parametrize(("row", "seeded"), [
     (SamplingParams(temperature=0.8, top_p=0.9), False),  # inverse transform on candidates
     (SamplingParams(temperature=0.8, top_k=20), False),  # the same, candidates from top-k
@@ -69,19 +94,19 @@ def test_inverse_transform_never_picks_a_zero_probability_column() -> None:
     probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0, 0.0],
                           [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],
                           [0.0, 0.0, 0.0, 1e-30, 0.0, 0.0, 0.0]])
-    below_one = 1.0 - 2.0 ** -53  # the largest uniform torch.rand can return in float64
+    below_one = 1.0 - 2.0 ** -24  # the largest uniform torch.rand returns in float32
     # 0.5 lands on row 1's boundary exactly: the next column with mass takes it.
     for u, want in ((0.0, [2, 0, 3]), (0.25, [2, 0, 3]), (0.5, [4, 6, 3]),
                     (below_one, [4, 6, 3])):
-        uniforms = torch.full((3, 1), u, dtype=torch.float64)
+        uniforms = torch.full((3, 1), u, dtype=torch.float32)
         assert inverse_transform(probs, uniforms).tolist() == want, u
-    # u = 1 (beyond torch.rand's range) runs past the end: never onto the zero tail, but onto
-    # the row's first column with mass.
-    ones = torch.ones((3, 1), dtype=torch.float64)
-    assert inverse_transform(probs, ones).tolist() == [2, 6, 3]
+    # u = 1 (beyond torch.rand's range, or a product rounded up to the total) would run past
+    # the end: it stays on the last column with mass, never the zero tail.
+    ones = torch.ones((3, 1), dtype=torch.float32)
+    assert inverse_transform(probs, ones).tolist() == [4, 6, 3]
     # Unnormalised rows: the mass is the row's total.
     assert inverse_transform(torch.tensor([[2.0, 0.0, 6.0]]),
-                             torch.tensor([[0.25]], dtype=torch.float64)).tolist() == [2]
+                             torch.tensor([[0.25]])).tolist() == [2]
 
 
 def test_race_noise_is_unit_exponential_and_never_zero_or_infinite() -> None:
