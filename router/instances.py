@@ -10,8 +10,10 @@ An instance leaves routing when it
 * fails `failure_threshold` polls in a row, or a request on it fails (`mark_failed`); a poll
   refused as UNAVAILABLE (process gone or stopping) counts as the whole threshold at once;
 * reports NOT_SERVING on its health service ("" = the whole server: it is shutting down);
-* drops out of the registry (its heartbeats stopped) — static instances stay, but still have to
-  answer polls;
+* drops out of the registry (its heartbeats stopped, or it began draining) — static instances
+  stay, but still have to answer polls. Its channel stays open for the calls still running on
+  it (`RETIRED_CHANNEL_GRACE_S`): a draining instance finishes them, and closing the channel
+  at once would cut them on this side instead;
 * serves another model or hashes blocks with another scheme than the rest of the cluster
   (their prefix hits would silently be 0 %).
 
@@ -54,6 +56,12 @@ from pdmesh.router.routing.base import Candidate, LoadSnapshot
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+RETIRED_CHANNEL_GRACE_S = 3660.0
+"""How long the channel of an instance that left the registry waits for the calls still running
+on it before it cancels them. An instance leaves when it starts draining, and it lets its
+running calls end for up to its `--drain-timeout-s` (at most 3600 s) before it cuts them
+itself; the router must not cut them first (a cut stream is a failed or migrated request)."""
 
 ROLE_NAMES = {
     engine_pb2.ROLE_PREFILL: "prefill",
@@ -205,6 +213,8 @@ class InstancePool:
         self._rejoin_until = 0.0  # monotonic; see PoolSettings.rejoin_grace_s
         self._rejected: set[str] = set()  # registry entry ids already reported as forged
         self._task: asyncio.Task[None] | None = None
+        # Channels of departed instances, closing once their calls end (see _retire).
+        self._retiring: set[asyncio.Task[None]] = set()
         self.polled = asyncio.Event()  # set after every completed poll round
         for role, address in static:
             self._add(address, role, static=True)
@@ -285,6 +295,12 @@ class InstancePool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        # Departed instances' channels: stop waiting for their calls. The router drained its
+        # own calls before this, and a router call cancelled by that drain cancels its call.
+        retiring = list(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
         for instance in self._instances.values():
             await instance.channel.close()
 
@@ -361,7 +377,16 @@ class InstancePool:
                     logger.warning("instance left the registry address=%s id=%s",
                                    address, instance.instance_id)
                     del self._instances[address]
-                    asyncio.get_running_loop().create_task(instance.channel.close())
+                    self._retire(instance)
+
+    def _retire(self, instance: Instance) -> None:
+        """Close a departed instance's channel once the calls running on it have ended: it
+        is still finishing them (draining), and closing now would cancel them here."""
+        task = asyncio.get_running_loop().create_task(
+            instance.channel.close(grace=RETIRED_CHANNEL_GRACE_S),
+            name=f"retire-channel {instance.address}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def _poll(self, instance: Instance) -> None:
         timeout = self.settings.rpc_timeout_s

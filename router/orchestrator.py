@@ -34,7 +34,8 @@ or refused with `kv_load_failed` (policy `fail`: UNAVAILABLE before output, an e
 after).
 
 Decode migration: a Decode stream that breaks after its instance answered (the process died,
-UNAVAILABLE, INTERNAL, a lost connection, a stream without its result) is resumed on another
+UNAVAILABLE, INTERNAL, a lost connection, the call cancelled under the router when its
+channel closed, a stream without its result) is resumed on another
 healthy decode instance, at most `migration_limit` times per request and within its deadline.
 The router holds every token and every piece of text it has handed on; the next instance gets
 the original prompt and sampling parameters plus, per output sequence, those tokens and that
@@ -87,8 +88,11 @@ logger = logging.getLogger(__name__)
 
 Send = Callable[[router_pb2.GenerateResponse], Awaitable[None]]
 
-# Statuses that say the instance itself is broken, not the request.
+# Statuses that say the instance itself is broken, not the request. CANCELLED comes back
+# as a status only when the far end cut the call (the router's own cancellations raise
+# CancelledError instead): its server tore the call down.
 _INSTANCE_FAULTS = {
+    grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
@@ -172,6 +176,13 @@ class _Broken(Exception):
         self.error = error
         self.reason = reason  # low-cardinality metric label
         super().__init__(str(error))
+
+
+def cancelled_from_outside() -> bool:
+    """Whether the running task was asked to cancel (its client went away, shutdown), as
+    opposed to a CancelledError raised by a gRPC call that was cancelled under it."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def broken_reason(exc: grpc.aio.AioRpcError) -> str:
@@ -763,8 +774,13 @@ class _Run:
                 message, timeout=req.remaining_s(), metadata=inject_metadata()
             )
         except asyncio.CancelledError:
-            self.orch.spawn(self._abort_prefill(instance, "client cancelled"))
-            raise
+            if cancelled_from_outside():
+                self.orch.spawn(self._abort_prefill(instance, "client cancelled"))
+                raise
+            self.orch.spawn(self._abort_prefill(instance, "re-routed"))
+            message_text = f"prefill call to {instance.address} was cancelled (channel closed)"
+            raise _Unreached(RouteError(grpc.StatusCode.UNAVAILABLE, message_text),
+                             "channel_closed") from None
         except grpc.aio.AioRpcError as exc:
             error = self._instance_error(instance, "prefill", exc)
             reason = unreached_reason(exc) or _fault_reason(exc)
@@ -834,8 +850,15 @@ class _Run:
                     await self._send_prompt_logprobs(resp.prompt_logprobs.entries)
         except asyncio.CancelledError:
             call.cancel()
-            self._cleanup_after_decode(instance, remote, "client cancelled")
-            raise
+            if cancelled_from_outside():
+                self._cleanup_after_decode(instance, remote, "client cancelled")
+                raise
+            # Not this request's task: the call itself was cancelled under it (its channel
+            # closed). The stream broke on this side; the instance may be fine.
+            self._cleanup_after_decode(instance, remote, "decode call cancelled")
+            message_text = f"decode call to {instance.address} was cancelled (channel closed)"
+            raise _Broken(RouteError(grpc.StatusCode.UNAVAILABLE, message_text),
+                          "channel_closed") from None
         except grpc.aio.AioRpcError as exc:
             if refused_reason(exc) == KV_LOAD_FAILED:  # the prefill instance's fault
                 error = self._kv_load_failed(exc)
@@ -934,6 +957,8 @@ class _Run:
             await instance.prefill_stub().ReleaseKV(request, timeout=self.orch.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.info("ReleaseKV on %s failed: %s", instance.address, exc.code().name)
+        except grpc.aio.UsageError:  # the instance left and its channel closed: lease expires
+            logger.info("ReleaseKV on %s skipped: its channel is closed", instance.address)
 
     async def _abort_prefill(self, instance: Instance, reason: str) -> None:
         await self._abort(instance.prefill_stub().Abort, instance, reason)
@@ -944,3 +969,5 @@ class _Run:
             await method(request, timeout=self.orch.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.debug("Abort on %s failed: %s", instance.address, exc.code().name)
+        except grpc.aio.UsageError:  # the instance left and its channel closed
+            logger.debug("Abort on %s skipped: its channel is closed", instance.address)
