@@ -74,11 +74,38 @@ _ERRORS: dict[str, type[Exception]] = {
 
 
 class _Stream:
-    """Outputs of one request, from the reply handler to its consumer (both on the loop)."""
+    """Outputs of one request, from the reply handler to its consumer (both on the loop).
+
+    Newest wins: outputs are cumulative, so a consumer that fell behind (its gRPC stream
+    blocked on a slow peer, or the step loop outpacing the per-token messaging) gets the
+    latest output, holding everything the ones it missed did, at once: one message carrying
+    several tokens instead of a backlog of one-token messages that only grows. An error is
+    delivered after the output that was pending when it came."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def next(self) -> RequestOutput:
+        """The newest output not taken yet; raises the stream's error after the outputs."""
+        await self._ready.wait()
+        out, self._latest = self._latest, None
+        if out is not None:
+            if self._error is None:
+                self._ready.clear()
+            return out
+        assert self._error is not None
+        raise self._error
 
 
 class AsyncEngine:
@@ -351,12 +378,9 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                out = await stream.next()  # an error raised here already ended the request
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
@@ -380,7 +404,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         self.processor.abort(request_id)
         if stream is not None:
-            stream.queue.put_nowait(error)
+            stream.fail(error)
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
@@ -411,7 +435,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(out)
+            stream.put(out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
         if batch.events:

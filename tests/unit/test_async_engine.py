@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from pdmesh.engine.async_engine import AsyncEngine, EngineError
+from pdmesh.engine.async_engine import AsyncEngine, EngineError, _Stream
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
 from pdmesh.engine.llm_engine import LLMEngine
@@ -56,6 +56,33 @@ async def test_generate_streams_to_the_same_tokens(
     assert outs[-1].outputs[0].token_ids == greedy_ref.outputs[0].token_ids
     assert len(outs) > 1  # streamed, not one final blob
     await wait_all_free(aengine)
+
+
+@pytest.mark.anyio
+async def test_a_consumer_that_falls_behind_gets_the_newest_output(
+    aengine: AsyncEngine, greedy_ref: RequestOutput
+) -> None:
+    """Outputs are cumulative: one that fell behind is handed the latest at once, not a
+    backlog of every step's (its gRPC stream then sends one message with several tokens)."""
+    stream = aengine.generate("slow", PROMPT, SamplingParams(temperature=0.0, max_tokens=12))
+    first = await anext(stream)
+    assert not first.finished
+    await wait_all_free(aengine)  # the core finished the request meanwhile
+    rest = [out async for out in stream]
+    assert len(rest) == 1 and rest[0].finished
+    assert rest[0].outputs[0].token_ids == greedy_ref.outputs[0].token_ids
+
+
+@pytest.mark.anyio
+async def test_an_error_comes_after_the_output_pending_before_it(
+    greedy_ref: RequestOutput
+) -> None:
+    stream = _Stream("r")
+    stream.put(greedy_ref)
+    stream.fail(EngineError("core died"))
+    assert await stream.next() is greedy_ref
+    with pytest.raises(EngineError, match="core died"):
+        await stream.next()
 
 
 @pytest.mark.anyio
