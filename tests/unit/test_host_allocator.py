@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+from statistics import median
 
 import pytest
 
@@ -22,12 +23,12 @@ def step():  # what a step does to its logits-sized temporaries: make, use, free
     a = torch.ones(16, 49152, dtype=torch.float64)
     b = a.cumsum(dim=-1)
     return float(b[0, -1])
-for _ in range(5):
+faults = []
+for _ in range(30):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(" ".join(map(str, faults)))
 """
 
 
@@ -43,20 +44,22 @@ def test_the_users_malloc_settings_win(environ: dict[str, str], want: bool) -> N
     assert wants_tuning(environ) is want
 
 
-def faults_per_step(mode: str) -> float:
+def faults_per_step(mode: str) -> list[int]:
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "", "MALLOC_TRIM_THRESHOLD_": ""}
     out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True,
                          timeout=120, check=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
+    return [int(n) for n in out.stdout.strip().splitlines()[-1].split()]
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="glibc's mallopt")
 def test_fixed_thresholds_stop_page_faults_on_reused_temporaries() -> None:
     # Two 6 MiB temporaries a step: with glibc's starting thresholds each is a fresh mapping
-    # (~3,000 faults a step); kept on the heap they are reused (0 to ~80: the interpreter's
-    # own pages).
+    # (~3,000 faults every step); kept on the heap they are reused, so a step in the steady
+    # state faults nothing. The heap reaches its high-water mark over the first steps (1 to 8
+    # of them, depending on where address-space randomization put it), so the steady state is
+    # the median step, not the mean of a window that may still hold that growth.
     default, tuned = faults_per_step("default"), faults_per_step("tuned")
-    assert default > 1000
-    assert tuned < default / 10
+    assert median(default) > 1000, default
+    assert median(tuned) < median(default) / 10, tuned
