@@ -114,14 +114,15 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | None = None, *, name: str = "engine",
                  _link: Any = None, _tokenizer: Any = None,
-                 _eos: set[int] | None = None) -> None:
+                 _eos: set[int] | None = None, _stream_interval: int = 1) -> None:
         self.engine = engine  # the in-process engine, when there is one (tests, offline)
         if engine is not None:
             _tokenizer, _eos = engine.tokenizer, engine.eos_token_ids
+            _stream_interval = engine.config.stream_interval
         assert _tokenizer is not None and _eos is not None
         self.tokenizer = _tokenizer
         self.eos_token_ids = set(_eos)
-        self.processor = OutputProcessor(_tokenizer, _eos)
+        self.processor = OutputProcessor(_tokenizer, _eos, _stream_interval)
         self.kv_events_ready = asyncio.Event()
         self.dead_event = asyncio.Event()
         self.dead_reason: str | None = None
@@ -164,7 +165,8 @@ class AsyncEngine:
             holder[0]._on_dead(reason)
 
         await link.boot(config, eos, on_reply, on_dead, log_level=log_level)
-        engine = cls(None, name=name, _link=link, _tokenizer=tokenizer, _eos=eos)
+        engine = cls(None, name=name, _link=link, _tokenizer=tokenizer, _eos=eos,
+                     _stream_interval=config.stream_interval)
         holder.append(engine)
         return engine
 

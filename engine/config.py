@@ -80,6 +80,9 @@ class EngineConfig:
     # torch's intra-op threads for the engine's compute; None: the core process picks
     # (engine/cpu_threads.py), an in-process engine leaves torch's default.
     cpu_threads: int | None = None
+    # vLLM's --stream-interval: a streamed request's new output goes out once this many of
+    # its tokens are pending (engine/output_processor.py); 1 = every token at once.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -101,6 +104,10 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got "
+                             f"{self.stream_interval!r}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.load_format not in ("auto", "dummy"):

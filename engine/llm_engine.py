@@ -48,7 +48,8 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model, config.load_format)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_dir)
         self.core = EngineCore(config, self.eos_token_ids)
-        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                         config.stream_interval)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:

@@ -6,6 +6,15 @@ detokenizer (which also finds stop strings), the tokens and formatted logprobs s
 finish. A stop string is only ever found here, a little after the core sampled the token, so
 `process` returns the samples the core must stop; tokens the core computed past a stop are
 dropped here and never reach a client.
+
+With a stream interval N > 1 (vLLM's `--stream-interval`, raised per request by
+`SamplingParams.stream_interval`) a running request's output is handed out only once one of its
+samples has N tokens not yet handed out; its first output, a sample's finish and the request's
+end always go at once. Outputs are cumulative, so nothing is lost in between: the next one
+carries every token since the last. Each hop downstream (the service's stream, the router,
+the gateway, the client's SSE) then moves one message per N tokens instead of one per token,
+which is what the serving processes' CPU is spent on (bench/README.md, "The serving path's
+own cost").
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ class _Sample:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    handed_out: int = 0  # tokens in the last output handed out
+    finish_handed_out: bool = False
 
 
 @dataclass
@@ -47,6 +58,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     export_kv: bool
+    stream_interval: int
     samples: dict[int, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
@@ -59,15 +71,33 @@ class _Request:
             len(self.samples) == self.params.n
             and all(s.finish_reason is not None for s in self.samples.values()))
 
+    def due(self) -> bool:
+        """Whether an output goes out now: until a token went out (the first token is never
+        held), at a finish and at the end, or when a sample has `stream_interval` tokens not
+        handed out yet."""
+        if self.stream_interval == 1 or self.finished:
+            return True
+        samples = self.samples.values()
+        if not any(s.handed_out for s in samples):
+            return True
+        return any(
+            (s.finish_reason is not None and not s.finish_handed_out)
+            or len(s.token_ids) - s.handed_out >= self.stream_interval
+            for s in samples)
+
 
 StopRequest = tuple[str, list[int]]
 """(request id, sample indices) the core must stop: their text hit a stop string."""
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int],
+                 stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stream_interval = stream_interval
         self.requests: dict[str, _Request] = {}
         self._pieces: dict[int, str] = {}  # token id -> its text alone (logprob entries)
 
@@ -85,7 +115,8 @@ class OutputProcessor:
         """Start tracking a request the core has accepted. `given[i]`: sample i's output
         tokens produced elsewhere (P/D, a resume), with their logprobs if any; they count as
         output. Returns the samples a given token already stopped by stop string."""
-        req = _Request(request_id, prompt, list(prompt_token_ids), params, export_kv)
+        interval = max(self.stream_interval, params.stream_interval or 1)
+        req = _Request(request_id, prompt, list(prompt_token_ids), params, export_kv, interval)
         self.requests[request_id] = req
         stopped: list[int] = []
         for i in range(len(given) if given else 1):
@@ -103,8 +134,8 @@ class OutputProcessor:
         self.requests.pop(request_id, None)
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[StopRequest]]:
-        """Apply one batch of core outputs; returns the request outputs to hand out and the
-        samples the core must stop (stop strings)."""
+        """Apply one batch of core outputs; returns the request outputs to hand out (those
+        due, see `_Request.due`) and the samples the core must stop (stop strings)."""
         results: list[RequestOutput] = []
         stops: list[StopRequest] = []
         for out in outputs:
@@ -114,7 +145,8 @@ class OutputProcessor:
             stopped = self._apply(req, out)
             if stopped:
                 stops.append((req.request_id, stopped))
-            results.append(self._make_output(req))
+            if req.due():
+                results.append(self._make_output(req))
         return results, stops
 
     # -- internals --------------------------------------------------------------------------------
@@ -211,6 +243,9 @@ class OutputProcessor:
         finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)
+        for sample in req.samples.values():
+            sample.handed_out = len(sample.token_ids)
+            sample.finish_handed_out = sample.finish_reason is not None
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

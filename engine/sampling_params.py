@@ -76,6 +76,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     """A grammar the output must follow (JSON schema, regex, choice, ...); compiled here once
     without a tokenizer so a spec that cannot compile is refused at construction."""
+    stream_interval: int | None = None
+    """Streaming: hand out new output once this many tokens are pending (the first and the
+    last at once). Raises the engine's `stream_interval`, never lowers it (vLLM's)."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -89,6 +92,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _require_int("seed", self.seed)
+        if self.stream_interval is not None and \
+                _require_int("stream_interval", self.stream_interval) < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise ValueError("structured_output must be a StructuredOutput, got "

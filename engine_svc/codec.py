@@ -58,6 +58,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             prompt_logprobs=opt("prompt_logprobs", None),  # type: ignore[arg-type]
             skip_special_tokens=opt("skip_special_tokens", True),  # type: ignore[arg-type]
             structured_output=structured_output_from_proto(msg),
+            stream_interval=opt("stream_interval", None),  # type: ignore[arg-type]
         )
     except ValueError as exc:
         raise SamplingError(str(exc)) from None

@@ -82,6 +82,10 @@ class EngineServiceConfig:
     cpu_threads: int | None = field(default=None, metadata=_help(
         "torch threads of the engine core; default: every usable CPU on a CPU device, 1 on "
         "CUDA (or OMP_NUM_THREADS when set)"))
+    stream_interval: int = field(default=1, metadata=_help(
+        "stream a request's output once this many new tokens are pending (the first and the "
+        "last at once; vLLM's flag): fewer, larger messages on every hop for a little "
+        "burstiness; a request's own stream_interval may raise it"))
     hash_algorithm: str = field(default="sha256", metadata=_help("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=_help("block hash chain root"))
     log_level: str = field(default="warning", metadata=_help("debug|info|warning|error"))
@@ -121,6 +125,8 @@ class EngineServiceConfig:
         if self.tls.enabled and self.kv_backend in ("ucxx", "torch_dist"):
             raise ValueError(f"--kv-backend {self.kv_backend} has no TLS; with --tls-* use "
                              "auto, shm or tcp")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         self.cluster_token  # noqa: B018 - reads and validates the token once, at start-up
         self.engine_config()  # EngineConfig validates the engine's own fields
 
@@ -165,6 +171,7 @@ class EngineServiceConfig:
             load_format=self.load_format,  # type: ignore[arg-type]
             engine_core_process=self.engine_core_process,
             cpu_threads=self.cpu_threads,
+            stream_interval=self.stream_interval,
         )
 
     def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:

@@ -105,6 +105,9 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str = ""
     priority: int = 0
+    # Tokens per streamed chunk (the first and last chunks at once); raises the engines'
+    # --stream-interval, never lowers it.
+    stream_interval: int | None = Field(default=None, ge=1, le=2**31)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names. At most one constraint per request; the router compiles it (a spec that
     # does not compile is a 400 naming the problem).
@@ -189,7 +192,7 @@ class SamplingFields(StrictModel):
             min_tokens=self.min_tokens,
         )
         for name in ("temperature", "top_p", "repetition_penalty", "seed",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "stream_interval"):
             value = getattr(self, name)
             if value is not None:
                 setattr(proto, name, value)
@@ -569,6 +572,10 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "dict"})
+_UNION_BRANCH_PREFIXES = ("function-", "list[", "dict[", "literal[", "json-or-python[")
+
+
 def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     """The OpenAI `param` for a pydantic error location, e.g. ('body', 'messages', 0) ->
     'messages[0]'."""
@@ -577,10 +584,8 @@ def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith(("function-", "list[", "str", "int", "literal[")) or part in (
-            "json-or-python[json=list[int],python=list[int]]",
-        ):
-            continue  # a union branch name, not a field
+        elif part in _UNION_BRANCHES or part.startswith(_UNION_BRANCH_PREFIXES):
+            continue  # a union branch name, not a field (a field may start with "str")
         else:
             out += f".{part}" if out else part
     return out or None

@@ -103,6 +103,9 @@ class MeshConfig:
     cpu_threads: int | None = field(default=None, metadata=_help(
         "torch threads per engine core; default on CPU: this host's CPUs shared among the "
         "engines"))
+    stream_interval: int = field(default=1, metadata=_help(
+        "stream a request's output once this many new tokens are pending (the first and "
+        "the last at once): fewer, larger messages on every hop"))
     chat_template: str | None = field(default=None, metadata=_help(
         "a Jinja chat template (file or text) replacing the model's"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_help(
@@ -170,7 +173,7 @@ class MeshConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         check_source(self.generation_config)
@@ -306,6 +309,7 @@ class LocalMesh:
             "--max-num-seqs", str(c.max_num_seqs),
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),
             "--dtype", c.dtype, "--seed", str(c.seed),
+            "--stream-interval", str(c.stream_interval),
             "--log-level", c.log_level, "--metrics-port", "0", *c.tls_flags(),
         ]  # fmt: skip
         if c.served_model_name:

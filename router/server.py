@@ -96,6 +96,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pdmesh.v1.Router"
 INDEX_HEALTH_NAME = "pdmesh.router.PrefixIndex"
 MAX_REQUEST_ID_BYTES = 128
+UNSTREAMED_STREAM_INTERVAL = 64
+"""The engines' stream interval for a request the client takes whole (stream=false): there
+its deltas only keep the router's resume state (what a migration continues from), so one per
+64 tokens saves the engine and the router nearly every per-token message while a migration
+recomputes at most 64 tokens (vLLM hands such requests only their final output)."""
 _ROLES = {
     "prefill": engine_pb2.ROLE_PREFILL,
     "decode": engine_pb2.ROLE_DECODE,
@@ -229,6 +234,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=max_model_len
         )
         sampling.max_tokens = max_tokens  # engines get the budget admission counted, not "unset"
+        if not request.stream:
+            sampling.stream_interval = max(sampling.stream_interval, UNSTREAMED_STREAM_INTERVAL)
         kv_capacity = self.pool.kv_capacity_tokens()
         if kv_capacity is not None and self.pool.block_size:
             check_kv_capacity(len(ids), max_tokens, params.n,

@@ -99,10 +99,10 @@ class Observed:
     mesh: LocalMesh
     receiver: TraceReceiver
 
-    def generate(self, prompt: str, traceparent: str = "", max_tokens: int = 4
-                 ) -> list[router_pb2.GenerateResponse]:
+    def generate(self, prompt: str, traceparent: str = "", max_tokens: int = 4,
+                 stream: bool = True) -> list[router_pb2.GenerateResponse]:
         request = router_pb2.GenerateRequest(
-            text=prompt, stream=True,
+            text=prompt, stream=stream,
             # ignore_eos: a first token that ends the request would leave nothing to decode
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                ignore_eos=True),
@@ -324,6 +324,24 @@ def test_metrics_move_as_the_traffic_implies(observed: Observed) -> None:
     prompts = sum(r[-1].result.usage.prompt_tokens for r in (first, second))
     assert grew(prefill, "pdmesh:engine_scheduled_tokens_total", "prefill-0") <= prompts
     assert metric(prefill, "pdmesh:index_up") == 1
+
+
+def test_an_unstreamed_request_costs_the_decode_two_messages(observed: Observed) -> None:
+    """stream=false: the router asks the engines for a delta per 64 tokens (its resume state
+    is all they feed), so a 24-token answer is the decode's first output and its last, where
+    a streamed one is a delta per token; the answers are the same."""
+    itl = "pdmesh:inter_token_latency_seconds_count"  # one per delta after a request's first
+    prompt = SHARED_PREFIX + "Which bridge is the oldest?"
+    before = metric(observed.scrape("decode-0"), itl)
+    whole = observed.generate(prompt, max_tokens=24, stream=False)
+    after_whole = metric(observed.scrape("decode-0"), itl)
+    streamed = observed.generate(prompt, max_tokens=24)
+    after_streamed = metric(observed.scrape("decode-0"), itl)
+    assert after_whole - before <= 1
+    assert after_streamed - after_whole > 1
+    assert [r.delta.text for r in whole if r.HasField("delta")] == \
+        ["".join(r.delta.text for r in streamed if r.HasField("delta"))]
+    assert whole[-1].result.usage.completion_tokens == 24
 
 
 def test_admission_rejections_are_counted_by_reason(observed: Observed) -> None:

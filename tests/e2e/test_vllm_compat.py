@@ -247,3 +247,33 @@ def test_continuous_usage_stats(mesh: Mesh, client: openai.OpenAI) -> None:
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens  # type: ignore[union-attr]
                for c in chunks)
     assert chunks[-1].usage.completion_tokens == 6  # type: ignore[union-attr]
+
+
+def test_stream_interval_sends_several_tokens_per_chunk(mesh: Mesh,
+                                                        client: openai.OpenAI) -> None:
+    """A request's `stream_interval` (vLLM's extension): after the first token(s) each chunk
+    carries that many tokens (or a multiple, when a hop fell behind), the last what is left;
+    together they are the unstreamed answer. (1p1d: the prefill instance's token and the
+    decode instance's first output each go out at once.)"""
+    interval, max_tokens = 4, 18
+    kwargs = dict(model=mesh.model, messages=[{"role": "user", "content": PROMPT}],
+                  max_tokens=max_tokens, temperature=0.0, logprobs=True,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    stream = client.chat.completions.create(  # type: ignore[call-overload]
+        stream=True, **{**kwargs, "extra_body": {"ignore_eos": True,
+                                                 "stream_interval": interval}})
+    sizes, text = [], ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                sizes.append(len(choice.logprobs.content))
+            text += choice.delta.content or ""
+    assert sum(sizes) == max_tokens
+    assert text == whole.choices[0].message.content
+    middle = sizes[2:-1]
+    assert middle and all(n % interval == 0 for n in middle), sizes
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(stream=True, **{**kwargs, "extra_body": {
+            "stream_interval": 0}})
+    assert refused.value.param == "stream_interval"

@@ -32,7 +32,7 @@ def test_completion_request_maps_every_sampling_field() -> None:
         stop="END", seed=3, presence_penalty=0.1, frequency_penalty=0.2,
         logit_bias={"42": -5.0}, logprobs=3, top_k=10, min_p=0.05, repetition_penalty=1.1,
         min_tokens=2, ignore_eos=True, skip_special_tokens=False, cache_salt="t1", priority=4,
-        stream=True, stream_options={"include_usage": True}, user="u",
+        stream=True, stream_options={"include_usage": True}, user="u", stream_interval=4,
     )
     g = req.to_generate("hi", "rid-0")
     s = g.sampling
@@ -43,13 +43,14 @@ def test_completion_request_maps_every_sampling_field() -> None:
     assert s.min_p == pytest.approx(0.05) and s.repetition_penalty == pytest.approx(1.1)
     assert list(s.stop) == ["END"] and dict(s.logit_bias) == {42: -5.0}
     assert s.ignore_eos and not s.skip_special_tokens and s.HasField("skip_special_tokens")
+    assert s.stream_interval == 4
     assert req.include_usage_in_stream
 
 
 def test_unset_fields_stay_unset_so_the_router_defaults_apply() -> None:
     s = CompletionRequest(prompt="hi").to_generate("hi", "r").sampling
     for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
-                 "skip_special_tokens"):
+                 "skip_special_tokens", "stream_interval"):
         assert not s.HasField(name), name
     assert s.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_generate("r")
@@ -100,6 +101,7 @@ def test_chat_request_joins_text_parts_and_prefers_max_completion_tokens() -> No
         {"prompt": "x", "n": 0},
         {"prompt": "x", "logit_bias": {"abc": 1.0}},
         {"prompt": "x", "stream_options": {"include_usage": True}},  # needs stream
+        {"prompt": "x", "stream_interval": 0},
     ],
 )
 def test_invalid_completion_requests(body: dict[str, object]) -> None:
@@ -118,6 +120,13 @@ def test_validation_param_names_the_field() -> None:
     assert validation_param(("body", "messages", 0, "content")) == "messages[0].content"
     assert validation_param(("body", "temperature")) == "temperature"
     assert validation_param(("body",)) is None
+    # Fields that begin like a union branch's name are fields ("str" -> "stream...").
+    assert validation_param(("body", "stream_interval")) == "stream_interval"
+    assert validation_param(("body", "stream_options", "include_usage")) == \
+        "stream_options.include_usage"
+    assert validation_param(("body", "structured_outputs", "json")) == "structured_outputs.json"
+    assert validation_param(("body", "prompt", "str")) == "prompt"
+    assert validation_param(("body", "prompt", "list[int]", 0)) == "prompt[0]"
 
 
 def _lp(token_id: int, text: str, logprob: float, top: list[tuple[str, float]]):
