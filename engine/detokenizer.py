@@ -1,107 +1,19 @@
 """Incremental detokenization of one output sequence, with stop strings and safe streaming.
 
-Decoding only the newest token is wrong in two ways: a byte-level BPE token can hold part of a
-multi-byte UTF-8 character (decoding it alone yields U+FFFD), and SentencePiece-style decoders
-treat the first token of a decode specially (they strip its leading space). So each step decodes
-a small *window*: a few already-committed tokens for context plus the new ones, and commits the
-characters past what the window had already produced. Text that ends in U+FFFD is held back
-until the character completes. Per step this costs O(window), not O(output).
-
-Streaming adds one more hold-back: the tail of the text that could still grow into a stop string
-is not released by `get_delta` until it is known not to be one, so a client never sees text that
-is later cut off.
+Turning tokens into final text as they come is `token_decoder.py`'s part (a decode window,
+UTF-8 safe, in Rust where the tokenizer is a fast one). This module adds what a served
+sequence needs on top: stop strings, found as soon as their last character is final and cut
+from the text, and one more hold-back for streaming: the tail of the text that could still
+grow into a stop string is not released by `get_delta` until it is known not to be one, so a
+client never sees text that is later cut off.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from pdmesh.engine.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
-
-REPLACEMENT_CHAR = "\ufffd"
-CONTEXT_TOKENS = 4
-"""Committed tokens kept at the head of the decode window (and taken from the prompt tail)."""
-MAX_WINDOW_TOKENS = 24
-"""A window still ending in U+FFFD after this many tokens holds genuinely invalid bytes (or a
-literal U+FFFD); it is committed as is so the window cannot grow without bound."""
-
-
-class Tokenizer(Protocol):
-    """The slice of a Hugging Face tokenizer the detokenizer uses."""
-
-    def decode(
-        self,
-        token_ids: list[int],
-        skip_special_tokens: bool = ...,
-        clean_up_tokenization_spaces: bool | None = ...,
-    ) -> str: ...
-
-
-@dataclass(frozen=True)
-class DecodeWindow:
-    """Where decoding restarts: `start` indexes the token list; `committed` counts characters of
-    decode(tokens[start:]) already emitted."""
-
-    start: int
-    committed: int
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    new_text: str
-    """Characters that became final with this step."""
-    pending: str
-    """Decoded but not final (an incomplete character); only used when the sequence ends."""
-    window: DecodeWindow
-
-
-def decode_tokens(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special: bool) -> str:
-    # No clean-up: it rewrites text across token boundaries, so windows would disagree with
-    # each other and with a full decode.
-    return tokenizer.decode(
-        list(token_ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False
-    )
-
-
-def initial_window(
-    tokenizer: Tokenizer, context_ids: Sequence[int], skip_special: bool
-) -> DecodeWindow:
-    """The window before any output: the context tokens count as already emitted."""
-    return DecodeWindow(0, len(decode_tokens(tokenizer, context_ids, skip_special)))
-
-
-def detokenize_incrementally(
-    tokenizer: Tokenizer,
-    token_ids: Sequence[int],
-    window: DecodeWindow,
-    skip_special: bool,
-) -> DecodeStep:
-    """Decode the window after tokens were appended to `token_ids`; return what became final.
-
-    Characters before a trailing run of U+FFFD are final (later bytes only affect the
-    incomplete character at the end). Once the window decodes cleanly, it slides forward to keep
-    only CONTEXT_TOKENS of already-emitted tokens.
-    """
-    text = decode_tokens(tokenizer, token_ids[window.start :], skip_special)
-    stable = len(text)
-    window_tokens = len(token_ids) - window.start
-    if text.endswith(REPLACEMENT_CHAR) and window_tokens <= MAX_WINDOW_TOKENS:
-        stable = len(text.rstrip(REPLACEMENT_CHAR))
-    committed = max(window.committed, stable)
-    new_text = text[window.committed : committed]
-    if committed < len(text):
-        return DecodeStep(new_text, text[committed:], DecodeWindow(window.start, committed))
-
-    start = max(window.start, len(token_ids) - CONTEXT_TOKENS)
-    if start != window.start:
-        # Everything in the shorter window was emitted already; measure it once to rebase.
-        committed = len(decode_tokens(tokenizer, token_ids[start:], skip_special))
-    return DecodeStep(new_text, "", DecodeWindow(start, committed))
+from pdmesh.engine.token_decoder import Tokenizer, make_token_decoder
 
 
 def find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:
@@ -120,12 +32,21 @@ def find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str]
 
 def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a prefix of some stop string."""
-    longest = max((len(s) for s in stops), default=0)
-    for length in range(min(longest, len(text)), 0, -1):
-        suffix = text[-length:]
-        if any(stop.startswith(suffix) for stop in stops):
-            return length
-    return 0
+    if not text:
+        return 0
+    last = text[-1]
+    best = 0
+    for stop in stops:
+        # A suffix of `text` that begins `stop` ends, in `stop`, at an occurrence of the last
+        # character; mostly there is none, and the check costs one `rfind`.
+        end = min(len(stop), len(text))
+        index = stop.rfind(last, 0, end)
+        while index + 1 > best:
+            if text.endswith(stop[: index + 1]):
+                best = index + 1
+                break
+            index = stop.rfind(last, 0, index)
+    return best
 
 
 class IncrementalDetokenizer:
@@ -142,7 +63,6 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = list(params.stop_strings)
         self._stop_token_ids = frozenset(params.all_stop_token_ids)
@@ -151,14 +71,12 @@ class IncrementalDetokenizer:
         # Only the tail of committed text can take part in a stop string that ends later.
         self._tail_keep = max((len(s) for s in self._stops), default=1) - 1
 
-        self._decode_ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        self._window = initial_window(tokenizer, self._decode_ids, self._skip_special)
+        self._decoder = make_token_decoder(tokenizer, prompt_token_ids, self._skip_special)
         self._output_ids: list[int] = []
 
         self._parts: list[str] = []  # committed text, joined on demand
         self._tail = ""  # last _tail_keep committed characters
         self._unsent = ""  # committed text not yet returned by get_delta
-        self._pending = ""  # decoded, not yet final (incomplete character)
         self._pending_released = False
         self.finished = False
         self.stop_reason: str | None = None
@@ -209,7 +127,7 @@ class IncrementalDetokenizer:
         text = "".join(self._parts)
         if len(self._parts) > 1:
             self._parts = [text]
-        return text + self._pending
+        return text + self._pending()
 
     def get_delta(self) -> str:
         """Text that is safe to stream since the previous call.
@@ -220,7 +138,7 @@ class IncrementalDetokenizer:
         if self.finished:
             delta = self._unsent
             if not self._pending_released:
-                delta += self._pending
+                delta += self._pending()
                 self._pending_released = True
             self._unsent = ""
             return delta
@@ -238,17 +156,11 @@ class IncrementalDetokenizer:
         return len(self._output_ids) > self._min_tokens
 
     def _decode_next(self, token_id: int) -> str | None:
-        self._decode_ids.append(token_id)
-        step = detokenize_incrementally(
-            self._tokenizer, self._decode_ids, self._window, self._skip_special
-        )
-        self._window = step.window
-        self._pending = step.pending
-        if self._window.start > 0:
-            # Drop tokens that left the window so memory stays O(window), and rebase the index.
-            del self._decode_ids[: self._window.start]
-            self._window = DecodeWindow(0, self._window.committed)
-        return self._commit(step.new_text)
+        return self._commit(self._decoder.step(token_id))
+
+    def _pending(self) -> str:
+        """Decoded, not yet final (an incomplete character); nothing after a stop string."""
+        return "" if self.stop_reason is not None else self._decoder.pending()
 
     def _commit(self, chunk: str) -> str | None:
         if not chunk:
@@ -262,7 +174,6 @@ class IncrementalDetokenizer:
                 index, stop = match
                 end = index + len(stop) if self._include_stop else index
                 self._drop_last(len(searchable) - end)
-                self._pending = ""
                 self.stop_reason = stop
                 return stop
         self._tail = searchable[-self._tail_keep :] if self._tail_keep else ""

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdmesh.engine.detokenizer import REPLACEMENT_CHAR, stop_prefix_length
+from pdmesh.engine.detokenizer import stop_prefix_length
 from pdmesh.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
+from pdmesh.engine.token_decoder import REPLACEMENT_CHAR
 from pdmesh.v1 import common_pb2
 
 

