@@ -5,15 +5,18 @@ multi-byte UTF-8 character (decoding it alone yields U+FFFD), and SentencePiece-
 treat the first token of a decode specially (they strip its leading space). So each step decodes
 a small *window*: a few already-committed tokens for context plus the new ones, and commits the
 characters past what the window had already produced. Text that ends in U+FFFD is held back
-until the character completes. Per step this costs O(window), not O(output).
+until the character completes. Per step this costs O(window), not O(output). A window only
+starts where a step decoded cleanly (and the prompt context on a whole character): a
+byte-fallback tokenizer (Llama 2, Mistral) decodes a run of byte pieces as a unit, so a window
+starting inside a character would turn the whole run into U+FFFD.
 
 Two decoders do this, with the same results:
 
 - `StreamDecoder`, for tokenizers backed by the Rust `tokenizers` library (every Hugging Face
-  "fast" tokenizer): its `DecodeStream` runs the window in Rust, about a tenth of the cost of a
-  Python-level `decode` per token (bench/README.md, "Detokenization per token"). On a GPU a
-  serving process detokenizes every token of every request, ~13k a second at batch 128, so this
-  is the difference between a few percent of a core and a third of one.
+  "fast" tokenizer): its `DecodeStream` runs the window in Rust; a token costs the output
+  processor 2-5x less than with the Python window (bench/README.md, "Detokenization per
+  token"). On a GPU a serving process detokenizes every token of every request, ~13k a second
+  at batch 128, so this is the difference between a few percent of a core and a third of one.
 - `WindowDecoder`, the same window in Python over any `decode(ids)`: slow tokenizers, and the
   fallback a `StreamDecoder` switches to when `DecodeStream` refuses (its prefix check) or holds
   text back too long.
@@ -66,6 +69,14 @@ def decode_tokens(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special: 
     )
 
 
+def window_start(boundaries: Sequence[int], length: int) -> int:
+    """Where a window of `length` tokens may start now: the last boundary (a position where a
+    step decoded cleanly) that keeps CONTEXT_TOKENS tokens before the end, so each step
+    decodes O(CONTEXT_TOKENS) tokens, not O(output); 0 while there is none."""
+    last = length - CONTEXT_TOKENS
+    return max((b for b in boundaries if b <= last), default=0)
+
+
 class WindowDecoder:
     """The decode window in Python, over any tokenizer's `decode`.
 
@@ -81,7 +92,7 @@ class WindowDecoder:
                  skip_special: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
-        self._ids: list[int] = list(context_ids[-CONTEXT_TOKENS:])
+        self._ids: list[int] = list(context_ids)
         self._committed = len(self._decode(self._ids))  # characters of the window emitted
         self._boundaries = [0]  # window positions after a clean step; the window starts at one
         self._pending = ""
@@ -105,10 +116,7 @@ class WindowDecoder:
         return self._pending
 
     def _slide(self) -> None:
-        """Start the window at the last boundary that keeps CONTEXT_TOKENS tokens before the
-        end, so each step decodes O(CONTEXT_TOKENS) tokens, not O(output)."""
-        last = len(self._ids) - CONTEXT_TOKENS
-        start = max((b for b in self._boundaries if b <= last), default=0)
+        start = window_start(self._boundaries, len(self._ids))
         if start == 0:
             return
         del self._ids[:start]
@@ -139,7 +147,10 @@ class StreamDecoder:
         self._backend = backend
         self._skip_special = skip_special
         self._stream = DecodeStream(skip_special_tokens=skip_special)
-        self._context: list[int] = list(context_ids[-CONTEXT_TOKENS:])
+        # The emitted tokens before the held ones, from a boundary on (as in WindowDecoder):
+        # what `pending` and a fallback decode after.
+        self._context: list[int] = list(context_ids)
+        self._boundaries = [0, len(self._context)]
         self._held: list[int] = []
         self._fallback: WindowDecoder | None = None
         self._pending: str | None = None  # pending(), computed on demand
@@ -160,8 +171,13 @@ class StreamDecoder:
             if len(self._held) > MAX_WINDOW_TOKENS:
                 return self._fall_back(None)
             return ""
-        self._context = [*self._context, *self._held, token_id][-CONTEXT_TOKENS:]
+        self._context += [*self._held, token_id]
+        self._boundaries.append(len(self._context))
         self._held = []
+        start = window_start(self._boundaries, len(self._context))
+        if start:
+            del self._context[:start]
+            self._boundaries = [b - start for b in self._boundaries if b >= start]
         return text
 
     def pending(self) -> str:
@@ -184,6 +200,20 @@ class StreamDecoder:
         return "".join(self._fallback.step(t) for t in held)
 
 
+def prompt_context(tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                   skip_special: bool) -> list[int]:
+    """The prompt tail a decoder starts from: its last CONTEXT_TOKENS tokens, reaching further
+    back (up to MAX_WINDOW_TOKENS) while they begin inside a character, since a window that
+    starts mid-character can decode wrong as a whole (byte-fallback runs)."""
+    for length in range(CONTEXT_TOKENS, MAX_WINDOW_TOKENS + 1):
+        if length > len(prompt_ids):
+            return list(prompt_ids)
+        context = list(prompt_ids[-length:])
+        if not decode_tokens(tokenizer, context, skip_special).startswith(REPLACEMENT_CHAR):
+            return context
+    return list(prompt_ids[-CONTEXT_TOKENS:])
+
+
 def rust_tokenizer(tokenizer: Any) -> Any | None:
     """The `tokenizers.Tokenizer` behind a Hugging Face fast tokenizer, or None."""
     try:
@@ -195,10 +225,12 @@ def rust_tokenizer(tokenizer: Any) -> Any | None:
     return backend if isinstance(backend, RustTokenizer) else None
 
 
-def make_token_decoder(tokenizer: Tokenizer, context_ids: Sequence[int],
+def make_token_decoder(tokenizer: Tokenizer, prompt_ids: Sequence[int],
                        skip_special: bool) -> TokenDecoder:
-    """A `StreamDecoder` where the tokenizer is a fast one, else a `WindowDecoder`."""
+    """A decoder for a sequence after `prompt_ids`: a `StreamDecoder` where the tokenizer is a
+    fast one, else a `WindowDecoder`."""
+    context = prompt_context(tokenizer, prompt_ids, skip_special)
     backend = rust_tokenizer(tokenizer)
     if backend is None:
-        return WindowDecoder(tokenizer, context_ids, skip_special)
-    return StreamDecoder(tokenizer, backend, context_ids, skip_special)
+        return WindowDecoder(tokenizer, context, skip_special)
+    return StreamDecoder(tokenizer, backend, context, skip_special)

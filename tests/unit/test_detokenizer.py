@@ -194,9 +194,13 @@ def test_sentencepiece_style_streams_match_full_decode(
     sentencepiece_tokenizer, python_only: bool
 ) -> None:
     """The first token's leading space (stripped only at the start of a decode) and byte
-    fallback pieces, after a prompt and with none."""
+    fallback pieces, after a prompt, after one that ends in byte pieces, and with none."""
     tok = PythonOnly(sentencepiece_tokenizer) if python_only else sentencepiece_tokenizer
     prompt = encode(sentencepiece_tokenizer, "<s> say something")
+    # Its last four tokens begin inside a character (each CJK character is three byte pieces).
+    cjk_prompt = encode(sentencepiece_tokenizer, "say 日本語")
+    assert sentencepiece_tokenizer.decode(cjk_prompt[-CONTEXT_TOKENS:]).startswith(
+        REPLACEMENT_CHAR)
     rng = random.Random(7)
     cases = [encode(sentencepiece_tokenizer, " " + text) for text in TEXTS]
     # Random pieces, but no lone bytes: ByteFallback turns a whole run of byte tokens into
@@ -204,7 +208,7 @@ def test_sentencepiece_style_streams_match_full_decode(
     first_byte = sentencepiece_tokenizer.convert_tokens_to_ids("<0x00>")
     cases += [[rng.randrange(first_byte) for _ in range(40)] for _ in range(10)]
     for ids in cases:
-        for context in (prompt, []):
+        for context in (prompt, cjk_prompt, []):
             det = IncrementalDetokenizer(tok, context, SamplingParams())
             deltas = run_to_end(det, ids, chunk=rng.choice([1, 3]))
             # After a prompt the first token's space is text, as in decoding prompt + output.
