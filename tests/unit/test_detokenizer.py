@@ -404,3 +404,18 @@ def test_stop_prefix_length_finds_the_longest_partial_stop() -> None:
     assert stop_prefix_length("a</", ["</s>", "<|end|>"]) == 2
     assert stop_prefix_length("hello", ["STOP"]) == 0
     assert stop_prefix_length("", ["STOP"]) == 0
+
+
+def test_stop_prefix_length_agrees_with_trying_every_suffix() -> None:
+    def every_suffix(text: str, stops: list[str]) -> int:
+        for length in range(len(text), 0, -1):
+            if any(stop.startswith(text[-length:]) for stop in stops):
+                return length
+        return 0
+
+    rng = random.Random(5)
+    for _ in range(20_000):
+        text = "".join(rng.choice("ab<") for _ in range(rng.randrange(8)))
+        stops = ["".join(rng.choice("ab<") for _ in range(rng.randrange(1, 6)))
+                 for _ in range(rng.randrange(3))]
+        assert stop_prefix_length(text, stops) == every_suffix(text, stops), (text, stops)
