@@ -39,6 +39,7 @@ from pdmesh.engine.core_protocol import (
 )
 from pdmesh.engine.core_types import EngineLoadSnapshot
 from pdmesh.engine.cpu_threads import core_threads, usable_cpus
+from pdmesh.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         transport.send(Failed([], f"engine core failed to start: {exc}", EngineLoadSnapshot()))
         ctx.destroy(linger=2000)
         return 1
+    freeze_startup_heap()  # the model, torch and the core's state: no more GC scans of them
     transport.send(Ready(core.info()))
     CoreLoop(core, transport).run()
     ctx.destroy(linger=2000)

@@ -13,6 +13,7 @@ from pdmesh.engine.generation_config import default_sampling_params, load_genera
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.gc_heap import frozen_heap
 
 PromptType = str | dict[str, Any]
 
@@ -105,11 +106,12 @@ class LLM:
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not show)
         results: list[RequestOutput | None] = [None] * len(order)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            with frozen_heap():  # no GC scans of the model, torch and the rest meanwhile
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
         except BaseException:
             for request_id in order:
                 self.engine.abort_request(request_id)

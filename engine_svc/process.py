@@ -30,6 +30,7 @@ from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME, ClusterPresence, PresenceChangeFn
 from pdmesh.engine_svc.service import EngineService, Role
+from pdmesh.gc_heap import freeze_startup_heap
 from pdmesh.grpc_common import GrpcServer, install_shutdown_signals
 from pdmesh.kvstore.instance_registry import (
     InstanceInfo,
@@ -216,6 +217,7 @@ async def serve(
             exit_code = 1
 
     if exit_code == 0:
+        freeze_startup_heap()  # the tokenizer, gRPC and the rest of start-up: no GC scans
         print(f"ready {address} role={role} instance_id={service.instance_id} "
               f"kv_address={kv_address} torch_threads={engine.info.torch_threads} "
               f"metrics={endpoint.url if endpoint else ''} "

@@ -31,6 +31,8 @@ from typing import Any
 
 from starlette.types import Message, Receive
 
+from pdmesh.gc_heap import freeze_startup_heap
+
 logger = logging.getLogger(__name__)
 
 LARGE_BODY_BYTES = 2**20
@@ -113,8 +115,7 @@ class MemoryReleaser:
     def __init__(self, delay_s: float = 0.1) -> None:
         self.delay_s = delay_s
         self._pending: asyncio.TimerHandle | None = None
-        gc.collect()
-        gc.freeze()  # start-up objects live for good: keep collections from scanning them
+        freeze_startup_heap()  # start-up objects live for good: collections skip them
 
     def soon(self) -> None:
         if self._pending is None:

@@ -39,6 +39,7 @@ from pdmesh.engine.generation_config import (
     load_generation_defaults,
 )
 from pdmesh.engine.model_store import resolve_model
+from pdmesh.gc_heap import freeze_startup_heap
 from pdmesh.grpc_common import (
     DRAINING,
     REFUSED_KEY,
@@ -514,6 +515,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await health.update()  # start() said SERVING for every name; correct that at once
     health_task = asyncio.create_task(health.run())
     logger.info("router serving address=%s policy=%s", address, config.routing_policy)
+    freeze_startup_heap()  # the tokenizer, the pool, gRPC: no more GC scans of them
     print(f"ready {address} metrics={endpoint.url if endpoint else ''}", flush=True)
     try:
         await stop.wait()
