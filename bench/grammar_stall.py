@@ -24,12 +24,9 @@ import time
 
 from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.grammar import GrammarCompiler, grammar_vocabulary
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.structured_output import (
-    GrammarCompiler,
-    StructuredOutput,
-    grammar_vocabulary,
-)
+from pdmesh.engine.structured_output import StructuredOutput
 
 TYPES = ({"type": "string", "maxLength": 24}, {"type": "integer"}, {"type": "boolean"},
          {"type": "array", "items": {"type": "number"}, "maxItems": 4},

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

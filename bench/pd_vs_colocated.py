@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import LocalMesh, MeshConfig, pdmesh_command
 
 MODES = {
     "colocated": {"colocated": True, "num_decode": 1},

@@ -56,7 +56,7 @@ def instrument(llm: LLM, totals: Totals) -> Callable[[], str]:
     backend = runner.backend
     backend.forward = timed(totals, "attention (incl. cache write)", backend.forward)
     core.scheduler.schedule = timed(totals, "schedule", core.scheduler.schedule)
-    core.sampler = timed(totals, "sampling", core.sampler)
+    runner.sampling.sampler = timed(totals, "sampling", runner.sampling.sampler)
     execute = timed(totals, "model (total)", runner.execute)
     runner.execute = execute
     kind = ["decode"]

@@ -32,14 +32,10 @@ from pathlib import Path
 import torch
 
 from pdmesh.grpc_common import TLSConfig
-from pdmesh.kvstore.transfer import (
-    KVHandle,
-    KVReceiver,
-    KVReceiverConfig,
-    KVSender,
-    KVSenderConfig,
-    available_backends,
-)
+from pdmesh.kvstore.transfer.backends import available_backends
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
+from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 

@@ -5,24 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdmesh.config import about
 from pdmesh.engine_svc.config import EngineServiceConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass
 class DecodeConfig(EngineServiceConfig):
     role: Literal["decode", "colocated"] = field(
-        default="decode", metadata=_help("decode, or colocated (serves Prefill too)"))
-    kv_fetch_timeout_s: float = field(default=30.0, metadata=_help("deadline to pull one "
+        default="decode", metadata=about("decode, or colocated (serves Prefill too)"))
+    kv_fetch_timeout_s: float = field(default=30.0, metadata=about("deadline to pull one "
                                                                    "request's KV"))
-    lease_s: float = field(default=30.0, metadata=_help("colocated: KV lease for decode pulls"))
+    lease_s: float = field(default=30.0, metadata=about("colocated: KV lease for decode pulls"))
     kv_load_failure_policy: Literal["recompute", "fail"] = field(
-        default="recompute", metadata=_help("when a KV pull fails: recompute (prefill the "
+        default="recompute", metadata=about("when a KV pull fails: recompute (prefill the "
                                             "prompt here, keep the first tokens) or fail"))
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ import grpc
 
 from pdmesh.decode_svc.servicer import DecodeServicer
 from pdmesh.engine_svc.service import EngineService
-from pdmesh.kvstore.transfer import KVReceiver, KVReceiverConfig
+from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
 from pdmesh.metrics import EngineMetrics
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
 

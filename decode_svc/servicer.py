@@ -5,14 +5,15 @@ checksum-verified and acknowledged) before the request enters the engine. When t
 (prefill gone or stopped, lease expired, checksum mismatch, timeout) the fault is the prefill
 instance's: with `--kv-load-failure-policy recompute` (default) this instance prefills the
 prompt itself and continues after the prefill's first tokens, which the client already has
-(`AsyncEngine.resume`: same tokens, greedy or seeded), and says so in
+(given tokens without KV: same tokens, greedy or seeded), and says so in
 `DecodeResult.kv_load_fallback` so the router charges the prefill instance; with `fail` the
 call is refused (`refuse(..., "kv_load_failed")`) before anything is decoded. Without
 `remote_prefill` the prompt is prefilled here (conditional disaggregation: the router decided
 the prompt is mostly cached on this instance).
 With `resume` (decode migration: the request's stream broke on another decode instance) the
 prompt and each sequence's tokens so far are prefilled here and decoding continues exactly
-after them (`AsyncEngine.resume`).
+after them. Every way ends in one `AsyncEngine.add` of an `EngineRequest` (the pulled KV, or
+the tokens produced elsewhere, with it).
 Deltas never repeat the prefill's first tokens; the last message is one DecodeResult.
 A cancelled call aborts the request, which frees its blocks. A request that can never fit this
 instance's KV pool is refused with RESOURCE_EXHAUSTED before its KV is pulled; one that fits
@@ -30,8 +31,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
@@ -43,8 +46,10 @@ from pdmesh.engine_svc.codec import (
 )
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
-from pdmesh.kvstore.transfer import KVHandle, KVHandleError, KVReceiver, KVTransferError
 from pdmesh.kvstore.transfer.capability import TransferCapability
+from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.receiver import KVReceiver
 from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
@@ -76,6 +81,23 @@ class _Observed:
     prompt_tokens: int = 0
     kv_load_fallback: str = ""  # the KV pull failed for this reason; the prompt was recomputed
     last_delta_at: float | None = None  # for the inter-token latency
+
+
+@dataclass
+class _Admit:
+    """What a Decode call hands the engine: the request, and its given tokens' logprobs."""
+
+    request: EngineRequest
+    given_logprobs: list[list[TokenLogprobs | None]] | None = None
+
+
+def _engine_request(request: engine_pb2.DecodeRequest, params: SamplingParams, *,
+                    kv: torch.Tensor | None = None, given_tokens: list[list[int]] | None = None,
+                    num_cached_tokens: int = 0) -> EngineRequest:
+    """The engine request of a Decode call, with the KV or the tokens it brings."""
+    return EngineRequest(request.request_id, list(request.prompt_token_ids), params,
+                         request.priority, request.cache_salt or None, kv=kv,
+                         given_tokens=given_tokens, num_cached_tokens=num_cached_tokens)
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
@@ -144,6 +166,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        if not request.HasField("sampling"):  # unset max_tokens would run to the context end
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling: required")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
@@ -168,15 +192,12 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except KVCacheFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if remote is not None:
-            outputs = await self._import(request, params, remote, builder, context, timing,
-                                         seen)
+            admit = await self._import(request, params, remote, builder, context, timing, seen)
         elif request.resume:
-            outputs = await self._resume(request, params, builder, context)
+            admit = await self._resume(request, params, builder, context)
         else:
-            outputs = self.engine.generate(
-                rid, {"prompt_token_ids": prompt}, params,
-                priority=request.priority, cache_salt=request.cache_salt or None,
-            )
+            admit = _Admit(_engine_request(request, params))
+        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs)
         last: RequestOutput | None = None
         finished = False
         # Prefilled here: the prompt's logprobs go out before the first delta (DecodeResponse).
@@ -230,8 +251,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         context: grpc.aio.ServicerContext,
         timing: common_pb2.Timing,
         seen: _Observed,
-    ) -> AsyncIterator[RequestOutput]:
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
+    ) -> _Admit:
+        """The pulled KV with the prefill's first tokens (or, when the pull fails, those
+        tokens alone: `_recompute`)."""
+        rid = request.request_id
         span = seen.span
         try:
             handle = KVHandle.from_proto(remote.kv)
@@ -250,10 +273,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"remote_prefill.first: expected one token for each of {params.n} sequences",
             )
-        first_ids = [d.token_ids[0] for d in first]
-        first_logprobs: list[TokenLogprobs | None] | None = None
+        first_ids = [[d.token_ids[0]] for d in first]
+        first_logprobs: list[list[TokenLogprobs | None]] | None = None
         if params.logprobs is not None:
-            first_logprobs = [logprob_from_proto(d.logprobs[0]) if d.logprobs else None
+            first_logprobs = [[logprob_from_proto(d.logprobs[0]) if d.logprobs else None]
                               for d in first]
         for d in first:
             builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
@@ -277,24 +300,20 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         if span.is_recording():
             span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
                                  "pdmesh.kv.bytes": kv.numel() * kv.element_size()})
-        return self.engine.import_and_decode(
-            rid, prompt, first_ids, kv, params,
-            first_logprobs=first_logprobs,
-            priority=request.priority,
-            cache_salt=request.cache_salt or None,
-            num_cached_tokens=remote.cached_prompt_tokens,
-        )
+        return _Admit(_engine_request(request, params, kv=kv, given_tokens=first_ids,
+                                      num_cached_tokens=remote.cached_prompt_tokens),
+                      first_logprobs)
 
     def _recompute(
         self,
         request: engine_pb2.DecodeRequest,
         params: SamplingParams,
-        first_ids: list[int],
-        first_logprobs: list[TokenLogprobs | None] | None,
+        first_ids: list[list[int]],
+        first_logprobs: list[list[TokenLogprobs | None]] | None,
         reason: str,
         message: str,
         seen: _Observed,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> _Admit:
         """The KV pull failed: prefill the prompt here and continue after the prefill's first
         tokens (already with the client), as the request would have continued."""
         rid = request.request_id
@@ -305,11 +324,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         if seen.span.is_recording():
             seen.span.add_event("pdmesh.kv_load_fallback",
                                 {"pdmesh.kv.failure_reason": reason, "message": message})
-        return self.engine.resume(
-            rid, list(request.prompt_token_ids), [[t] for t in first_ids], params,
-            output_logprobs=[[lp] for lp in first_logprobs] if first_logprobs else None,
-            priority=request.priority, cache_salt=request.cache_salt or None,
-        )
+        return _Admit(_engine_request(request, params, given_tokens=first_ids), first_logprobs)
 
     async def _resume(
         self,
@@ -317,7 +332,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         params: SamplingParams,
         builder: DeltaBuilder,
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> _Admit:
         """Decode migration (DecodeRequest.resume): continue the sequences another instance
         was decoding. The engine prefills prompt + each sequence's tokens here and continues
         after them; the builder starts from what the client already has, so nothing repeats."""
@@ -329,11 +344,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             )
         for r in resumed:
             builder.seed(r.index, len(r.token_ids), r.text, done=r.finished)
-        return self.engine.resume(
-            request.request_id, list(request.prompt_token_ids),
-            [list(r.token_ids) for r in resumed], params,
-            priority=request.priority, cache_salt=request.cache_salt or None,
-        )
+        return _Admit(_engine_request(request, params,
+                                      given_tokens=[list(r.token_ids) for r in resumed]))
 
     def _result(
         self,
@@ -375,7 +387,11 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.AbortResponse:
-        return engine_pb2.AbortResponse(found=await self.engine.abort(request.request_id))
+        try:
+            found = await self.engine.abort(request.request_id)
+        except EngineError:  # the core is gone, and every request with it: nothing to abort
+            found = False
+        return engine_pb2.AbortResponse(found=found)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

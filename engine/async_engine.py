@@ -10,6 +10,12 @@ aborts its request so its blocks are freed. If a step fails, every request in fl
 with `EngineError`; if the core itself dies, every stream and call fails at once, the engine
 is marked dead (`dead_reason`, `dead_event`) and nothing waits for an output that will never
 come.
+
+A core that lives but stops answering (a stopped process, a wedged device) is told apart from a
+busy one by time: `core_silent_s` says how long it has not answered while work was in flight,
+`probe` asks a silent core for a sign of life (answered between two steps), `step_times` says
+how long its steps take and `step_tokens_bound` how large its next step can be
+(`engine/stall.py`; the service's watchdog reads them).
 """
 
 from __future__ import annotations
@@ -18,19 +24,17 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core import KVCacheFullError, check_kv_capacity, eos_token_ids
 from pdmesh.engine.core_client import ProcessCoreLink, ThreadCoreLink
 from pdmesh.engine.core_protocol import (
     Abort,
-    AddImported,
-    AddRequest,
-    AddResumed,
+    Add,
     Batch,
     Call,
     Command,
@@ -46,6 +50,8 @@ from pdmesh.engine.core_protocol import (
     events_from_wire,
 )
 from pdmesh.engine.core_types import CoreInfo, EngineLoadSnapshot
+from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError, check_kv_capacity
+from pdmesh.engine.grammar import grammar_vocabulary
 from pdmesh.engine.kv_events import KVEvent
 from pdmesh.engine.llm_engine import (
     LLMEngine,
@@ -57,7 +63,8 @@ from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.structured_output import grammar_vocabulary
+from pdmesh.engine.stall import StepTimes
+from pdmesh.engine.startup import eos_token_ids
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 
@@ -67,6 +74,10 @@ logger = logging.getLogger(__name__)
 class EngineError(RuntimeError):
     """The engine failed while serving this request (or is shut down, or its core died)."""
 
+
+PROBE_REQUEST_ID = "\x00pdmesh-liveness-probe"
+"""A request id no request has: `probe` releases its (absent) KV, which the core answers
+between two steps without touching anything."""
 
 _ERRORS: dict[str, type[Exception]] = {
     "value": ValueError, "kv_full": KVCacheFullError, "key": KeyError, "engine": EngineError,
@@ -135,6 +146,13 @@ class AsyncEngine:
         self._core_gone = False
         self._grammar_lock = asyncio.Lock()
         self._grammar_sent = False
+        self.step_times = StepTimes()
+        self._answered_at = time.monotonic()  # the core's last reply
+        self._owed_since = self._answered_at  # since when it owes one (see core_silent_s)
+        self._owing = False  # a command went to the core, which has not answered since
+        self._unprefilled: dict[str, int] = {}  # prompt tokens of requests with no output yet
+        self.setting_up = False  # a one-off command that may hold the core for seconds is out
+        self._probed = False  # a probe is out and the core has not answered since
         if engine is not None:
             self._link: Any = ThreadCoreLink(engine.core, self._on_reply, self._on_dead,
                                              name=name)
@@ -191,6 +209,45 @@ class AsyncEngine:
     def load(self) -> EngineLoadSnapshot:
         return self._load
 
+    # -- liveness (engine_svc/watchdog.py) -------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """The core owes an answer: requests or calls wait on it, or it has not answered a
+        command yet (every command is answered, fire-and-forget ones with a Batch; so a core
+        that hangs keeps owing after its requests were aborted)."""
+        return self._owing or bool(self._streams or self._calls)
+
+    def core_silent_s(self) -> float:
+        """Seconds the core has owed an answer without giving one: since its last reply or
+        since work arrived at an idle core, whichever is later (an idle core: 0)."""
+        return time.monotonic() - self._owed_since if self.busy else 0.0
+
+    def _owe(self) -> None:
+        """Work is about to wait on the core: an idle one starts owing an answer now."""
+        if not self.busy:
+            self._owed_since = time.monotonic()
+        self._owing = True
+
+    def step_tokens_bound(self, budget_tokens: int) -> int:
+        """The most tokens the core's next step can compute: the prompts not computed yet (as
+        far as this side knows: none of their outputs came) plus a token per request, within
+        the step budget. A long step is only possible when a long prompt waits."""
+        return min(budget_tokens, sum(self._unprefilled.values()) + len(self._streams))
+
+    @property
+    def answered_at(self) -> float:
+        """When the core last answered (monotonic)."""
+        return self._answered_at
+
+    def probe(self) -> None:
+        """Ask the core for a sign of life unless a probe is already out: a core that lives
+        answers it between two steps (a fire-and-forget command is answered with a Batch)."""
+        if self._probed or self._closed:
+            return
+        self._probed = True
+        self._owe()
+        self._link.send(Call(0, ReleaseKV(PROBE_REQUEST_ID)))
+
     def check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise `KVCacheFullError` for a request that can never fit this engine's KV pool.
         Reads fixed figures only: lets a service refuse before it spends anything on the
@@ -207,10 +264,10 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Colocated generation; yields cumulative outputs until one has `finished`."""
+        """Colocated generation of a prompt to tokenize (`add`)."""
         text, ids = tokenize_prompt(self.tokenizer, prompt)
-        cmd = AddRequest(request_id, ids, params, priority, cache_salt)
-        async for out in self._stream(cmd, text, ids, params):
+        async for out in self.add(EngineRequest(request_id, ids, params, priority, cache_salt),
+                                  prompt_text=text):
             yield out
 
     async def prefill_export(
@@ -228,60 +285,31 @@ class AsyncEngine:
         Cancelling the awaiting task aborts the request.
         """
         text, ids = tokenize_prompt(self.tokenizer, prompt)
-        cmd = AddRequest(request_id, ids, params, priority, cache_salt, export_kv=True)
+        request = EngineRequest(request_id, ids, params, priority, cache_salt, export_kv=True)
         last: RequestOutput | None = None
-        async for out in self._stream(cmd, text, ids, params, export_kv=True):
+        async for out in self.add(request, prompt_text=text):
             last = out
         if last is None or last.kv_export is None:
             raise EngineError(f"request {request_id!r} finished without exported KV")
         return last
 
-    async def import_and_decode(
+    async def add(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token_ids: list[int],
-        kv: torch.Tensor,
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        first_logprobs: list[TokenLogprobs | None] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_cached_tokens: int = 0,
+        prompt_text: str | None = None,
+        given_logprobs: list[list[TokenLogprobs | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Decode role: continue from KV computed elsewhere. `KVCacheFullError` and validation
-        errors surface from the first iteration, before any output."""
-        cmd = AddImported(request_id, list(prompt_token_ids), list(first_token_ids), params,
-                          priority, cache_salt, num_cached_tokens)
-        given_lps = [[lp] for lp in first_logprobs] if first_logprobs else None
-        async for out in self._stream(cmd, None, prompt_token_ids, params, kv=kv,
-                                      given=[[t] for t in first_token_ids],
-                                      given_logprobs=given_lps):
-            yield out
-
-    async def resume(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[list[int]],
-        params: SamplingParams,
-        *,
-        output_logprobs: list[list[TokenLogprobs | None]] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose first output tokens (per sample) were produced elsewhere,
-        recomputing its KV (`EngineCore.add_resumed_request`). Outputs carry the given
-        tokens too; `KVCacheFullError` and validation errors surface from the first iteration,
-        before any output."""
-        if output_logprobs is not None and len(output_token_ids) == params.n:
-            check_given_logprobs(output_token_ids, output_logprobs, params.n)
-        cmd = AddResumed(request_id, list(prompt_token_ids),
-                         [list(t) for t in output_token_ids], params, priority, cache_salt)
-        given = [list(t) for t in output_token_ids] if len(output_token_ids) == params.n \
-            else None
-        async for out in self._stream(cmd, None, prompt_token_ids, params, given=given,
-                                      given_logprobs=output_logprobs if given else None):
+        """The one way in: queue a request (a prompt, imported KV, tokens produced elsewhere:
+        engine/engine_request.py) and yield cumulative outputs until one has `finished`.
+        Outputs carry its given tokens too, with `given_logprobs` if any. `KVCacheFullError`
+        and validation errors surface from the first iteration, before any output."""
+        given, n = request.given_tokens, request.params.n
+        if given is not None and len(given) != n:
+            given = given_logprobs = None  # the core refuses the request
+        elif given is not None and given_logprobs is not None:
+            check_given_logprobs(given, given_logprobs, n)
+        async for out in self._stream(request, prompt_text, given, given_logprobs):
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -332,6 +360,7 @@ class AsyncEngine:
     # -- plumbing --------------------------------------------------------------------------------
     def _send(self, command: Command) -> None:
         if not self._closed:
+            self._owe()
             self._link.send(Call(0, command))
 
     async def _call(self, command: Command, tensor: torch.Tensor | None = None) -> Any:
@@ -339,6 +368,7 @@ class AsyncEngine:
             raise EngineError(self.dead_reason or "engine is shut down")
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._owe()
         self._calls[call_id] = future
         self._link.send(Call(call_id, command), tensor)
         try:
@@ -347,24 +377,24 @@ class AsyncEngine:
             self._calls.pop(call_id, None)
 
     async def _stream(
-        self, cmd: AddRequest | AddImported | AddResumed, prompt: str | None,
-        prompt_token_ids: list[int], params: SamplingParams, *, export_kv: bool = False,
-        kv: torch.Tensor | None = None, given: list[list[int]] | None = None,
-        given_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        self, request: EngineRequest, prompt: str | None, given: list[list[int]] | None,
+        given_logprobs: list[list[TokenLogprobs | None]] | None,
     ) -> AsyncIterator[RequestOutput]:
-        request_id = cmd.request_id
+        request_id, params = request.request_id, request.params
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if params.structured_output is not None:
             await self._send_grammar_vocabulary()
         stream = _Stream(request_id)
+        self._owe()
         self._streams[request_id] = stream
+        self._unprefilled[request_id] = request.num_prefill_tokens
         # Tracked before the core sees it: its first outputs may arrive right behind the reply.
-        stopped = self.processor.add_request(request_id, prompt, list(prompt_token_ids), params,
-                                             export_kv=export_kv, given=given,
+        stopped = self.processor.add_request(request_id, prompt, list(request.prompt_token_ids),
+                                             params, export_kv=request.export_kv, given=given,
                                              given_logprobs=given_logprobs)
         try:
-            await self._call(cmd, kv)
+            await self._call(Add.of(request), request.kv)
         except asyncio.CancelledError:
             # Cancelled while the core may be adding it: nobody will consume it, so drop it.
             if self._streams.get(request_id) is stream:
@@ -373,6 +403,7 @@ class AsyncEngine:
         except BaseException:
             if self._streams.get(request_id) is stream:
                 self._streams.pop(request_id)
+                self._unprefilled.pop(request_id, None)
                 self.processor.abort(request_id)
             raise
         if stopped:
@@ -399,10 +430,15 @@ class AsyncEngine:
                 return
             vocabulary = await asyncio.to_thread(
                 grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
-            await self._call(SetGrammarVocabulary(vocabulary))
+            self.setting_up = True  # the core imports xgrammar meanwhile: seconds, no answer
+            try:
+                await self._call(SetGrammarVocabulary(vocabulary))
+            finally:
+                self.setting_up = False
             self._grammar_sent = True
 
     def _end_stream(self, request_id: str, error: BaseException) -> None:
+        self._unprefilled.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         self.processor.abort(request_id)
         if stream is not None:
@@ -410,6 +446,8 @@ class AsyncEngine:
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
+        self._answered_at = self._owed_since = time.monotonic()
+        self._owing = self._probed = False
         try:
             self._handle(reply, tensor)
         except Exception as exc:  # a bug here must not leave streams waiting forever
@@ -417,6 +455,8 @@ class AsyncEngine:
             self._stop_serving(f"engine output handling failed: {exc!r}")
 
     def _handle(self, reply: Reply, tensor: torch.Tensor | None) -> None:
+        load = reply.load
+        self.step_times.observe(load.num_steps, load.step_seconds, load.scheduled_tokens)
         if isinstance(reply, Batch):
             self._load = reply.load
             self._deliver(reply)
@@ -434,6 +474,7 @@ class AsyncEngine:
         for request_id, indices in stops:
             self._send(StopSequences(request_id, indices))
         for out in outputs:
+            self._unprefilled.pop(out.request_id, None)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from pdmesh.config import about
+from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -42,51 +45,72 @@ def parse_memory(value: int | float | str, available: int) -> int:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int | float | str = "1GiB"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
-    hash_algorithm: str = "sha256"
-    hash_root_seed: str = "pdmesh"
-    # CUDA only (vLLM's --gpu-memory-utilization): the fraction of the GPU's memory this
-    # engine may fill, weights and everything already in use included; the KV cache gets the
-    # rest. Replaces kv_cache_memory when set.
-    gpu_memory_utilization: float | None = None
-    # Offline `LLM` only: where default sampling comes from (auto | vllm | a directory), see
-    # engine/generation_config.py. Engines behind a router never read it: the router resolves.
-    generation_config: str = "auto"
-    # vLLM's --load-format: "auto" reads the checkpoint's safetensors; "dummy" builds the
-    # architecture from config.json with random weights (benchmarks of shapes nobody
-    # downloaded; the outputs are noise).
-    load_format: Literal["auto", "dummy"] = "auto"
-    # vLLM's --enforce-eager: never capture CUDA graphs (on CPU there are none anyway).
-    enforce_eager: bool = False
-    # vLLM's --async-scheduling: launch the next step before the current one's sampled ids
-    # reach the host (engine/in_flight.py). None: on for CUDA, off on CPU (where the host is
-    # the device and there is nothing to overlap).
-    async_scheduling: bool | None = None
-    # Serving only: run the engine core (scheduler, KV cache, model) in a process of its own,
-    # so the service's gRPC threads never hold its GIL. The offline LLM keeps it in-process.
-    engine_core_process: bool = True
-    # torch's intra-op threads for the engine's compute; None: the core process picks
-    # (engine/cpu_threads.py), an in-process engine leaves torch's default.
-    cpu_threads: int | None = None
-    # vLLM's --stream-interval: a streamed request's new output goes out once this many of
-    # its tokens are pending (engine/output_processor.py); 1 = every token at once.
-    stream_interval: int = 1
+    """Every engine knob, declared here once: the engine services embed it (their flags
+    `--block-size`, ...), and so does `pdmesh serve`, which hands it on to its engines."""
+
+    model: str = field(default="smollm2", metadata=about("model alias, HF id or local path"))
+    block_size: int = field(default=16, metadata=about("tokens per KV block"))
+    max_num_seqs: int = field(default=256, metadata=about("max sequences per batch"))
+    max_num_batched_tokens: int = field(default=2048, metadata=about("token budget per step"))
+    max_model_len: int | None = field(default=None, metadata=about(
+        "context limit (tokens); unset = the model's"))
+    kv_cache_memory: int | float | str = field(default="1GiB", metadata=about(
+        "KV cache budget: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.2"))
+    enable_prefix_caching: bool = field(default=True, metadata=about(
+        "reuse the KV of shared prompt prefixes (vLLM's flag)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=about(
+        "split long prompts across steps, within --max-num-batched-tokens"))
+    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=about(
+        "which waiting request runs first: the oldest, or by request priority"))
+    dtype: str = field(default="auto", metadata=about(
+        "weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        ("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=about("auto|cpu|cuda[:N]"))
+    attention_backend: str = field(default="auto", metadata=about(
+        "auto|flash-attn|triton|cpu|torch (auto picks by device)"))
+    seed: int = field(default=0, metadata=about("engine seed (unseeded requests)"))
+    hash_algorithm: str = field(default="sha256", metadata=about("block hash algorithm"))
+    hash_root_seed: str = field(default="pdmesh", metadata=about("block hash chain root"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=about(
+        "CUDA: fraction of GPU memory this engine may use, weights and everything already in "
+        "use included; the KV cache gets the rest (replaces --kv-cache-memory; vLLM's flag)"))
+    # Engines behind a router never read it: the router resolves sampling defaults.
+    generation_config: str = field(default="auto", metadata=about(
+        "offline LLM only: where default sampling comes from (auto | vllm | a directory, "
+        "engine/generation_config.py)", cli=False))
+    load_format: Literal["auto", "dummy"] = field(default="auto", metadata=about(
+        "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
+        "(benchmarks of shapes nobody downloaded; the outputs are noise)"))
+    enforce_eager: bool = field(default=False, metadata=about(
+        "never capture CUDA graphs for decode steps (vLLM's flag; no effect on CPU)"))
+    async_scheduling: bool | None = field(default=None, metadata=about(
+        "launch each step before the previous one's sampled tokens reach the host "
+        "(engine/in_flight.py; vLLM's flag); unset: on for CUDA, off on CPU"))
+    # The offline LLM keeps the core in-process whatever this says.
+    engine_core_process: bool = field(default=True, metadata=about(
+        "run the engine core (scheduler, KV cache, model) in its own process, away from "
+        "the serving process's GIL"))
+    # An in-process engine (the offline LLM) leaves torch's default when unset.
+    cpu_threads: int | None = field(default=None, metadata=about(
+        "torch threads of the engine core; default: every usable CPU on a CPU device, 1 on "
+        "CUDA (or OMP_NUM_THREADS when set; engine/cpu_threads.py)"))
+    stream_interval: int = field(default=1, metadata=about(
+        "stream a request's output once this many new tokens are pending (the first and the "
+        "last at once; vLLM's flag): fewer, larger messages on every hop for a little "
+        "burstiness; a request's own stream_interval may raise it"))
+    structured_output_compile_timeout_s: float = field(
+        default=DEFAULT_COMPILE_TIMEOUT_S, metadata=about(
+            "a structured-output spec must compile within this many seconds (tried in a "
+            "process that is killed when it passes, engine/grammar_sandbox.py); a slower one "
+            "is refused with a 400"))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8/16/32/64/128, got {self.block_size}")
+        parse_memory(self.kv_cache_memory, available=1)  # raises on what it cannot read
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -108,6 +132,9 @@ class EngineConfig:
                 or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got "
                              f"{self.stream_interval!r}")
+        if not 0 < self.structured_output_compile_timeout_s <= 3600:
+            raise ValueError(f"structured_output_compile_timeout_s must be in (0, 3600], got "
+                             f"{self.structured_output_compile_timeout_s}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.load_format not in ("auto", "dummy"):

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 
 import msgspec
@@ -50,6 +51,56 @@ logger = logging.getLogger(__name__)
 
 OnReply = Callable[[Reply, "torch.Tensor | None"], None]
 OnDead = Callable[[str], None]
+
+CORE_DIR_PREFIX = "pdmesh-core-"
+_CORE_DIR = re.compile(rf"{CORE_DIR_PREFIX}(\d+)-(\d+)-\w+")
+"""The core's socket directory, named after the serving process that owns it: its pid
+namespace and pid (a /tmp shared between containers holds pids of several namespaces)."""
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def core_dir_prefix() -> str:
+    """This process's socket directories start with it."""
+    return f"{CORE_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"
+
+
+def sweep_core_dirs(pids: Collection[int] | None = None, root: str | None = None) -> int:
+    """Remove the socket directories of serving processes that are gone: those of `pids`, or
+    of every dead pid (of our pid namespace). A SIGKILLed service cannot remove its own, so
+    whoever comes next does (`pdmesh serve` after its child, every service at start-up).
+    Returns how many."""
+    root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    removed, namespace = 0, _pid_namespace()
+    for name in names:
+        match = _CORE_DIR.fullmatch(name)
+        if match is None or match.group(1) != namespace:
+            continue
+        pid = int(match.group(2))
+        if (pids is not None and pid not in pids) or _alive(pid):
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class _LoopTransport:
@@ -87,6 +138,8 @@ class ThreadCoreLink:
                 loop = self._transport._loop
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self._on_dead, f"engine core thread died: {exc!r}")
+        finally:
+            core.close()
 
     def send(self, call: Call, tensor: torch.Tensor | None = None) -> None:
         self._transport.commands.put((call, tensor))
@@ -103,7 +156,11 @@ class ProcessCoreLink:
     def __init__(self) -> None:
         self.info: CoreInfo | None = None
         self._loop = asyncio.get_running_loop()
-        self._dir = tempfile.mkdtemp(prefix="pdmesh-core-")  # 0700: this user's sockets only
+        if swept := sweep_core_dirs():
+            logger.info("removed %d engine core socket dirs of dead processes", swept)
+        # 0700: this user's sockets only. Named after this process, so that a sweep can tell
+        # when its owner is gone.
+        self._dir = tempfile.mkdtemp(prefix=core_dir_prefix())
         self._in_addr = f"ipc://{self._dir}/in"
         self._out_addr = f"ipc://{self._dir}/out"
         self._ctx = zmq.Context()

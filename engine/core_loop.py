@@ -26,12 +26,10 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from pdmesh.engine.core import EngineCore, KVCacheFullError
+from pdmesh.engine.core import EngineCore
 from pdmesh.engine.core_protocol import (
     Abort,
-    AddImported,
-    AddRequest,
-    AddResumed,
+    Add,
     Batch,
     Call,
     Failed,
@@ -46,6 +44,7 @@ from pdmesh.engine.core_protocol import (
     events_to_wire,
 )
 from pdmesh.engine.core_types import EngineLoadSnapshot
+from pdmesh.engine.engine_request import KVCacheFullError
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +88,8 @@ def error_kind(exc: BaseException) -> str:
 def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
     """Apply one command to the core; its result (a bool, a tensor, KV events or None)."""
     cmd = call.command
-    if isinstance(cmd, AddRequest):
-        core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                         priority=cmd.priority, cache_salt=cmd.cache_salt,
-                         export_kv=cmd.export_kv)
-    elif isinstance(cmd, AddImported):
-        if tensor is None:
-            raise ValueError("kv: an imported request needs its KV tensor")
-        core.add_imported_request(cmd.request_id, cmd.prompt_token_ids, cmd.first_token_ids,
-                                  tensor, cmd.params, priority=cmd.priority,
-                                  cache_salt=cmd.cache_salt,
-                                  num_cached_tokens=cmd.num_cached_tokens)
-    elif isinstance(cmd, AddResumed):
-        core.add_resumed_request(cmd.request_id, cmd.prompt_token_ids, cmd.output_token_ids,
-                                 cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt)
+    if isinstance(cmd, Add):
+        core.add(cmd.request(tensor))
     elif isinstance(cmd, Abort):
         return core.abort_request(cmd.request_id)
     elif isinstance(cmd, StopSequences):
@@ -127,10 +114,6 @@ class _Deferred:
     call: Call
     tensor: torch.Tensor | None
     grammar: Future[Any]
-
-
-def _request_adds(cmd: Any) -> bool:
-    return isinstance(cmd, AddRequest | AddImported | AddResumed)
 
 
 class CoreLoop:
@@ -160,8 +143,8 @@ class CoreLoop:
 
     def _execute(self, call: Call, tensor: torch.Tensor | None) -> None:
         cmd = call.command
-        if _request_adds(cmd):
-            grammar = self.core.prepare_grammar(cmd.params)  # type: ignore[union-attr]
+        if isinstance(cmd, Add):
+            grammar = self.core.prepare_grammar(cmd.params)
             if grammar is not None:
                 self._deferred.append(_Deferred(call, tensor, grammar))
                 return

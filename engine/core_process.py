@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     freeze_startup_heap()  # the model, torch and the core's state: no more GC scans of them
     transport.send(Ready(core.info()))
-    CoreLoop(core, transport).run()
+    try:
+        CoreLoop(core, transport).run()
+    finally:
+        core.close()
     ctx.destroy(linger=2000)
     return 0
 

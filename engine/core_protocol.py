@@ -13,40 +13,32 @@ import msgspec
 import torch
 
 from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdmesh.engine.sampling_params import SamplingParams
 
 # -- commands (serving process -> core) ------------------------------------------------------
 
 
-class AddRequest(msgspec.Struct, tag=True):
+class Add(msgspec.Struct, tag=True):
+    """An `EngineRequest` on the wire; its imported KV, if any, is the call's tensor frame."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
     export_kv: bool = False
-
-
-class AddImported(msgspec.Struct, tag=True):
-    """Decode role: the prompt's KV arrives as the command's tensor."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    first_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
+    given_tokens: list[list[int]] | None = None
     num_cached_tokens: int = 0
 
+    @classmethod
+    def of(cls, request: EngineRequest) -> Add:
+        """The request without its KV (which goes as the call's tensor)."""
+        return cls(**{name: getattr(request, name) for name in cls.__struct_fields__})
 
-class AddResumed(msgspec.Struct, tag=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[list[int]]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
+    def request(self, kv: torch.Tensor | None) -> EngineRequest:
+        return EngineRequest(**msgspec.structs.asdict(self), kv=kv)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -83,8 +75,8 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Command = (AddRequest | AddImported | AddResumed | Abort | StopSequences | ReadKV | ReleaseKV
-           | KVSnapshot | SetGrammarVocabulary | Shutdown)
+Command = (Add | Abort | StopSequences | ReadKV | ReleaseKV | KVSnapshot | SetGrammarVocabulary
+           | Shutdown)
 
 
 class Call(msgspec.Struct):

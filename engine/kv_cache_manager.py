@@ -27,18 +27,6 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def request_kv_blocks(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
-    """Blocks a request holds at its peak if each of its `n` samples runs to `max_tokens`.
-
-    The prompt's full blocks are shared by every sample (fork); the rest, the copied partial
-    prompt block included, is each sample's own. The router's admission and the engine both
-    use this, so they agree on which requests can never fit a KV pool.
-    """
-    shared = num_prompt_tokens // block_size
-    per_sample = -(-(num_prompt_tokens + max_tokens) // block_size) - shared
-    return shared + max(1, n) * per_sample
-
-
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, scheme: HashScheme, enable_prefix_caching: bool = True

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from pdmesh.engine.chat_template import apply_chat_template
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.generation_config import default_sampling_params, load_generation_defaults
 from pdmesh.engine.llm_engine import LLMEngine
@@ -122,32 +123,3 @@ class LLM:
         if missing:
             raise RuntimeError(f"requests did not finish: {missing}")
         return [r for r in results if r is not None]
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-"""The roles of OpenAI's chat API. Anything else would be rendered into the prompt verbatim
-by permissive templates (a "wizard" turn the model was never trained on), so it is refused."""
-
-
-def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """Token ids of a conversation; `tools` (OpenAI function tools) reach the template as HF's
-    `tools=`. Refuses a model without a template and roles outside OpenAI's."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model has no chat template")
-    for i, m in enumerate(messages):
-        if "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
-                + ", ".join(CHAT_ROLES)
-            )
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)

@@ -1,6 +1,7 @@
 """`LLMEngine`: the in-process engine — tokenizer, engine core and output processor together.
 
-The offline `LLM` and the tests drive it synchronously (`add_request` ... `step()`). Serving
+The offline `LLM` and the tests drive it synchronously (`add_request` or `add`, then `step()`:
+`add_request` tokenizes a prompt, `add` takes an `EngineRequest` of token ids). Serving
 uses the same two halves apart: the core steps in its own process and the output processor
 runs in the service (see `async_engine.py`). Here a stop string found by the processor stops
 its sample in the core before the next step, so no token is computed past it.
@@ -13,14 +14,17 @@ from typing import Any
 import torch
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core import CoreRequest, EngineCore, KVCacheFullError, eos_token_ids
+from pdmesh.engine.core import EngineCore
+from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError
+from pdmesh.engine.grammar import grammar_vocabulary
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
+from pdmesh.engine.request_state import CoreRequest
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.structured_output import grammar_vocabulary
+from pdmesh.engine.startup import eos_token_ids
 
-__all__ = ["KVCacheFullError", "LLMEngine", "load_tokenizer", "tokenize_prompt"]
+__all__ = ["EngineRequest", "KVCacheFullError", "LLMEngine", "load_tokenizer", "tokenize_prompt"]
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -65,58 +69,32 @@ class LLMEngine:
         cache_salt: str | None = None,
         export_kv: bool = False,
     ) -> CoreRequest:
-        """Queue a request. With `export_kv`, it stops after its first token with KV pinned."""
+        """Tokenize a prompt and queue it (`add`). With `export_kv`, it stops after its first
+        token with KV pinned."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        self._ensure_grammar_vocabulary(params)
-        state = self.core.add_request(request_id, ids, params, priority=priority,
-                                      cache_salt=cache_salt, export_kv=export_kv)
-        self.processor.add_request(request_id, text, ids, params, export_kv=export_kv)
-        return state
+        request = EngineRequest(request_id, ids, params, priority, cache_salt, export_kv)
+        return self.add(request, prompt_text=text)
 
-    def add_imported_request(
+    def add(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token_ids: list[int],
-        kv: torch.Tensor,
-        params: SamplingParams,
+        request: EngineRequest,
         *,
-        first_logprobs: list[TokenLogprobs | None] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_cached_tokens: int = 0,
+        prompt_text: str | None = None,
+        given_logprobs: list[list[TokenLogprobs | None]] | None = None,
     ) -> CoreRequest:
-        """Continue decoding a request whose prompt KV was computed elsewhere
-        (`EngineCore.add_imported_request`)."""
-        self._ensure_grammar_vocabulary(params)
-        state = self.core.add_imported_request(
-            request_id, prompt_token_ids, first_token_ids, kv, params, priority=priority,
-            cache_salt=cache_salt, num_cached_tokens=num_cached_tokens)
-        given_lps = [[lp] for lp in first_logprobs] if first_logprobs else None
-        self._track(request_id, prompt_token_ids, params,
-                    [[t] for t in first_token_ids], given_lps)
-        return state
-
-    def add_resumed_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[list[int]],
-        params: SamplingParams,
-        *,
-        output_logprobs: list[list[TokenLogprobs | None]] | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> CoreRequest:
-        """Continue a request from output tokens produced elsewhere, recomputing its KV
-        (`EngineCore.add_resumed_request`)."""
-        if output_logprobs is not None and len(output_token_ids) == params.n:
-            check_given_logprobs(output_token_ids, output_logprobs, params.n)
-        self._ensure_grammar_vocabulary(params)
-        state = self.core.add_resumed_request(request_id, prompt_token_ids, output_token_ids,
-                                              params, priority=priority, cache_salt=cache_salt)
-        self._track(request_id, prompt_token_ids, params, output_token_ids, output_logprobs)
+        """Queue a request (`EngineCore.add`). `given_logprobs`: the logprobs of its given
+        tokens, if any, for the outputs (the core never sees them)."""
+        given, n = request.given_tokens, request.params.n
+        if given_logprobs is not None and given is not None and len(given) == n:
+            check_given_logprobs(given, given_logprobs, n)
+        self._ensure_grammar_vocabulary(request.params)
+        state = self.core.add(request)
+        stopped = self.processor.add_request(
+            request.request_id, prompt_text, request.prompt_token_ids, request.params,
+            export_kv=request.export_kv, given=given, given_logprobs=given_logprobs)
+        if stopped:
+            self.core.stop_sequences(request.request_id, stopped)
         return state
 
     def _ensure_grammar_vocabulary(self, params: SamplingParams) -> None:
@@ -125,14 +103,6 @@ class LLMEngine:
         if params.structured_output is not None and not self.core.has_grammar_vocabulary:
             self.core.set_grammar_vocabulary(grammar_vocabulary(
                 self.tokenizer, self.core.model_config.vocab_size, self.eos_token_ids))
-
-    def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               given: list[list[int]], given_logprobs: list[list[TokenLogprobs | None]] | None,
-               ) -> None:
-        stopped = self.processor.add_request(request_id, None, prompt_token_ids, params,
-                                             given=given, given_logprobs=given_logprobs)
-        if stopped:
-            self.core.stop_sequences(request_id, stopped)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; every block it holds is returned."""

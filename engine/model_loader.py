@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,6 +54,22 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 LOAD_FORMATS = ("auto", "dummy")
 
+
+@contextmanager
+def _meta_without_init() -> Iterator[None]:
+    """Modules built on the meta device, their `normal_` initializer skipped: meta tensors hold
+    no values to initialize, and `normal_` on one imports torch._dynamo (1.7 s of every core's
+    start) and, through it, triton, whose nanobind leak report then fills the console at every
+    exit even on a CPU-only host where triton cannot run."""
+    normal = torch.nn.init.normal_
+    torch.nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.nn.init.normal_ = normal
+
+
 DUMMY_INIT_STD = 0.02
 """Standard deviation of dummy weights: the usual Llama initializer range, small enough that
 activations stay finite through 32 bf16 layers."""
@@ -76,7 +94,7 @@ def load_model(
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)
-    with torch.device("meta"):
+    with _meta_without_init():
         model = LlamaForCausalLM(cfg, None)
     model.rope = rope
     if load_format == "dummy":

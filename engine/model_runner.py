@@ -1,4 +1,4 @@
-"""Runs a scheduled step: its inputs from the persistent batch, the model, the logits it needs.
+"""Runs a scheduled step: its inputs from the persistent batch, the model, its samples.
 
 Tokens of a step are laid out decodes first (one token per sequence), then prompt chunks,
 which is the order attention backends expect (engine/input_batch.py builds them). Only rows
@@ -6,25 +6,47 @@ whose logits are used — the last token of a sequence that will sample, and eve
 when prompt logprobs were asked for — go through the LM head, which is the largest GEMM of a
 small model. On CUDA, pure-decode steps replay a CUDA graph captured for their padded batch
 size (engine/cuda_graphs.py) unless `enforce_eager` is set; everything else runs eagerly.
+
+`execute_model` is the step's whole device side: inputs, forward, prompt logprobs, sampling
+(engine/step_sampling.py). With async scheduling, a step whose samples need nothing from the
+host is sampled on the device and left in flight (engine/in_flight.py); the engine commits
+what it sampled (engine/output_commit.py).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
+from pdmesh.engine.core_types import RawLogprob
 from pdmesh.engine.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from pdmesh.engine.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
-from pdmesh.engine.scheduler import ScheduledSeq
+from pdmesh.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.step_sampling import Sample, StepSampler, prompt_logprobs
 from pdmesh.kernels.backend import AttentionBackend
 from pdmesh.kernels.layer_ops import select_layer_ops
 
-__all__ = ["ModelRunner", "PendingTokens", "StepInputs"]
+__all__ = ["ModelOutput", "ModelRunner", "PendingTokens", "StepInputs"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    """What one step computed, for the engine to commit: the sequences it ran (row order),
+    prompt logprobs of the prompt positions it scored, and its samples, either on the host
+    or still in flight on the device."""
+
+    order: list[ScheduledSeq]
+    prompt_logprobs: dict[str, list[RawLogprob]] = field(default_factory=dict)  # by seq_id
+    sampled: list[tuple[Sequence, list[Sample]]] = field(default_factory=list)
+    in_flight: InFlightStep | None = None
 
 
 class ModelRunner:
@@ -39,6 +61,8 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enforce_eager: bool = False,
+        sampling: StepSampler | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
@@ -49,6 +73,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_manager.block_size
+        self.sampling = sampling  # None: a runner that only computes logits (tests)
+        self.async_scheduling = async_scheduling
         self.batch = InputBatch(
             kv_manager, device, max_num_seqs, max_num_batched_tokens,
             _max_blocks_per_seq(model, kv_manager),
@@ -62,6 +88,29 @@ class ModelRunner:
             self.cuda_graphs.capture()
         elif device.type == "cuda":
             logger.info("cuda graphs off: %s", why_not)
+
+    def execute_model(
+        self, sched: SchedulerOutput, previous: InFlightStep | None = None
+    ) -> ModelOutput:
+        """Run a scheduled step and sample it. `previous`: the step still in flight, whose
+        ids this step's decode rows read on the device."""
+        assert self.sampling is not None, "this runner was built without a sampler"
+        pending = previous.pending() if previous is not None else None
+        inputs = self.prepare(sched.scheduled, pending)
+        logits = self.execute(inputs)
+        out = ModelOutput(inputs.order)
+        for seq in (e.seq for e in inputs.order if e.seq.seq_id in inputs.prompt_logits):
+            first, end = inputs.prompt_logits[seq.seq_id]
+            out.prompt_logprobs[seq.seq_id] = prompt_logprobs(seq, logits[first:end])
+        to_sample = [e.seq for e in inputs.order if e.seq.seq_id in inputs.sample_index]
+        if not to_sample:
+            return out
+        if (self.async_scheduling and not inputs.prompt_logits
+                and all(may_overlap(seq) for seq in to_sample)):
+            out.in_flight = self.sampling.launch(logits, to_sample, inputs.sample_index)
+        else:
+            out.sampled = self.sampling.sample(logits, to_sample, inputs.sample_index)
+        return out
 
     def prepare(
         self, scheduled: list[ScheduledSeq], pending: PendingTokens | None = None

@@ -32,6 +32,7 @@ from pdmesh.engine.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
+from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.sampling_params import SamplingParams
 
 EXPORTED = "exported"
@@ -93,8 +94,7 @@ StopRequest = tuple[str, list[int]]
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: Collection[int],
                  stream_interval: int = 1) -> None:
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        check_stream_interval(stream_interval)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stream_interval = stream_interval

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from pdmesh.engine.core_types import RawLogprob
+    from pdmesh.engine.grammar import GrammarMatcher
     from pdmesh.engine.sampling_params import SamplingParams
-    from pdmesh.engine.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
 from pdmesh.engine.detokenizer import stop_prefix_length
 from pdmesh.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
@@ -80,6 +83,42 @@ def structured_output_from_proto(msg: common_pb2.SamplingParams) -> StructuredOu
         raise ValueError("structured_output.json_object must be true when set")
     return StructuredOutput(**{kind: getattr(so, kind)})
 
+
+# -- integer bounds of the wire ------------------------------------------------------------------
+_INT_RANGES = {
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
+}
+
+
+def int_range(message: type[Message] | Descriptor, path: str) -> tuple[int, int]:
+    """The integers the proto field at `path` can carry, from its declared type.
+
+    `path` walks into message fields with dots: `"max_tokens"` (SamplingParams),
+    `"token_ids.ids"` (GenerateRequest), `"logit_bias.key"` (a map's keys). Whoever builds a
+    message from values it did not get off the wire (the gateway, from JSON) checks them
+    against these bounds first: protobuf refuses an out-of-range integer with a ValueError that
+    names no field, and clamping or wrapping would silently change the request.
+    """
+    descriptor = message if isinstance(message, Descriptor) else message.DESCRIPTOR
+    *parents, name = path.split(".")
+    for part in parents:
+        descriptor = descriptor.fields_by_name[part].message_type
+    field = descriptor.fields_by_name[name]
+    if field.cpp_type not in _INT_RANGES:
+        raise TypeError(f"{descriptor.full_name}.{name} is not an integer field")
+    return _INT_RANGES[field.cpp_type]
+
+
+def check_int(message: type[Message] | Descriptor, path: str, value: int, name: str) -> int:
+    """`value` if the proto field at `path` can carry it; else a ValueError naming `name` (the
+    caller's name for the value, e.g. `stop_token_ids[2]`) and the bounds."""
+    low, high = int_range(message, path)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
 
 
 # -- logprobs ------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ registry, and the running calls — and KV leases not pulled yet — get up to `
 to end. Then the server stops: streams still open are cut (the router migrates them), leases
 are released, and the process exits 0.
 
+While serving, a watchdog (`engine_svc/watchdog.py`) turns the servers NOT_SERVING while the
+engine core hangs with work in flight, and SERVING again once it answers; it stops before the
+drain, which owns health from then on.
+
 The role packages (`prefill_svc/`, `decode_svc/`) each contribute a `RolePart` (their servicer
 and their end of the KV transfer) through a `RolePartFactory`; this module never imports them,
 so neither role package depends on the other. `pdmesh.engines` composes the processes.
@@ -38,7 +42,7 @@ from pdmesh.kvstore.instance_registry import (
     sign_registration,
 )
 from pdmesh.kvstore.redis_conn import RedisConnection
-from pdmesh.kvstore.transfer import available_backends
+from pdmesh.kvstore.transfer.backends import available_backends
 from pdmesh.metrics import (
     EngineCollector,
     EngineMetrics,
@@ -128,7 +132,7 @@ def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
 
 async def start_engine(config: EngineServiceConfig, role: Role) -> AsyncEngine:
     """The engine core in its own process (the default), or on a thread of this one."""
-    engine_config = config.engine_config()
+    engine_config = config.engine
     if engine_config.engine_core_process:
         # This process only moves bytes now (gRPC, tokens, KV frames); its torch must not
         # start a spinning thread per core beside the core's (engine/cpu_threads.py).
@@ -220,14 +224,16 @@ async def serve(
         freeze_startup_heap()  # the tokenizer, gRPC and the rest of start-up: no GC scans
         print(f"ready {address} role={role} instance_id={service.instance_id} "
               f"kv_address={kv_address} torch_threads={engine.info.torch_threads} "
+              f"core_pid={engine.core_pid or ''} "
               f"metrics={endpoint.url if endpoint else ''} "
               f"startup_s={time.monotonic() - started:.1f}", flush=True)
+        watchdog = asyncio.ensure_future(service.watchdog.run(grpc_server.set_serving))
         waiters = [asyncio.ensure_future(stop.wait()),
                    asyncio.ensure_future(engine.dead_event.wait())]
         if presence is not None:
             waiters.append(asyncio.ensure_future(presence.fatal_event.wait()))
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for waiter in waiters:
+        for waiter in [*waiters, watchdog]:
             waiter.cancel()
         if presence is not None and presence.fatal is not None:
             exit_code = EXIT_SCHEME_MISMATCH

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
+from pdmesh.engine_svc.watchdog import CoreWatchdog
 from pdmesh.kvstore.instance_registry import new_instance_id
 from pdmesh.metrics import EngineState
 from pdmesh.v1 import engine_pb2
@@ -63,6 +64,8 @@ class EngineService:
         self.instance_id = instance_id or new_instance_id(role)
         self.kv_backends = kv_backends
         self.counters = KVCounters()
+        self.watchdog = CoreWatchdog(engine, config.stall_bound(),
+                                     config.engine.max_num_batched_tokens)
 
     def info(self) -> engine_pb2.EngineInfo:
         return engine_pb2.EngineInfo(
@@ -94,6 +97,12 @@ class EngineService:
             kv_bytes_received=c.bytes_received,
             kv_transfers_sent=c.transfers_sent,
             kv_transfers_received=c.transfers_received,
+            num_steps=snap.num_steps,
+            step_seconds=snap.step_seconds,
+            scheduled_tokens=snap.scheduled_tokens,
+            max_step_s=self.watchdog.max_step_s(),
+            core_silent_s=self.watchdog.silent_s(),
+            core_stalled=self.watchdog.stalled,
         )
 
     def metrics_state(self, index_up: bool | None) -> EngineState:

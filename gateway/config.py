@@ -12,73 +12,84 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdmesh.config import parse_config, split_address
+from pdmesh.config import about, parse_config, split_address
+from pdmesh.engine.sampling_params import MAX_LOGPROBS
 from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.gateway.tools import ToolSettings
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+UVICORN_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical")
 
 
 @dataclass
 class GatewayConfig:
     router_address: str = field(
-        default="127.0.0.1:50051", metadata=_help("host:port of the pdmesh router (gRPC)")
+        default="127.0.0.1:50051", metadata=about("host:port of the pdmesh router (gRPC)")
     )
-    host: str = field(default="127.0.0.1", metadata=_help("HTTP address to listen on"))
-    port: int = field(default=8000, metadata=_help("HTTP port; 0 picks a free one"))
+    host: str = field(default="127.0.0.1", metadata=about("HTTP address to listen on"))
+    port: int = field(default=8000, metadata=about("HTTP port; 0 picks a free one"))
     api_key: str | None = field(
-        default=None, metadata=_help("require 'Authorization: Bearer <key>' on /v1/*")
+        default=None, metadata=about("require 'Authorization: Bearer <key>' on /v1/*")
     )
     allowed_origins: tuple[str, ...] = field(
-        default=(), metadata=_help("CORS: origins browsers may call from, comma-separated or a "
+        default=(), metadata=about("CORS: origins browsers may call from, comma-separated or a "
                                    "JSON list (vLLM's form); * = any; empty = no CORS headers")
     )
     allowed_methods: tuple[str, ...] = field(default=("*",),
-                                             metadata=_help("CORS: allowed methods"))
+                                             metadata=about("CORS: allowed methods"))
     allowed_headers: tuple[str, ...] = field(default=("*",),
-                                             metadata=_help("CORS: allowed request headers"))
-    allow_credentials: bool = field(default=False, metadata=_help("CORS: allow credentials"))
+                                             metadata=about("CORS: allowed request headers"))
+    allow_credentials: bool = field(default=False, metadata=about("CORS: allow credentials"))
     request_timeout_s: float = field(
-        default=600.0, metadata=_help("gRPC deadline of one generation request")
+        default=600.0, metadata=about("gRPC deadline of one generation request")
     )
     control_timeout_s: float = field(
-        default=5.0, metadata=_help("gRPC deadline of ListModels, Tokenize and health checks")
+        default=5.0, metadata=about("gRPC deadline of ListModels, Tokenize and health checks")
     )
     drain_timeout_s: float = field(
-        default=30.0, metadata=_help("on SIGTERM: how long running responses may go on before "
+        default=30.0, metadata=about("on SIGTERM: how long running responses may go on before "
                                      "they are cut (seconds)")
     )
     max_request_bytes: int = field(
-        default=16 * 2**20, metadata=_help("largest accepted HTTP request body")
+        default=16 * 2**20, metadata=about("largest accepted HTTP request body")
     )
+    keep_alive_timeout_s: float = field(default=5.0, metadata=about(
+        "close a kept-alive HTTP connection idle this long between requests (uvicorn's "
+        "--timeout-keep-alive)"))
+    header_timeout_s: float = field(default=10.0, metadata=about(
+        "close a connection whose request line and headers have not all arrived this long "
+        "after it opened (or after its next request began): slow clients, slowloris"))
     tls_cert: str | None = field(
-        default=None, metadata=_help("PEM client certificate for the router hop (mutual TLS)")
+        default=None, metadata=about("PEM client certificate for the router hop (mutual TLS)")
     )
-    tls_key: str | None = field(default=None, metadata=_help("PEM private key for --tls-cert"))
-    tls_ca: str | None = field(default=None, metadata=_help("PEM CA that signed the router's cert"))
-    ssl_certfile: str | None = field(default=None, metadata=_help(
+    tls_key: str | None = field(default=None, metadata=about("PEM private key for --tls-cert"))
+    tls_ca: str | None = field(default=None, metadata=about("PEM CA that signed the router's cert"))
+    ssl_certfile: str | None = field(default=None, metadata=about(
         "PEM certificate: serve HTTPS (vLLM's flag)"))
-    ssl_keyfile: str | None = field(default=None, metadata=_help("PEM private key for HTTPS"))
-    ssl_ca_certs: str | None = field(default=None, metadata=_help(
+    ssl_keyfile: str | None = field(default=None, metadata=about("PEM private key for HTTPS"))
+    ssl_ca_certs: str | None = field(default=None, metadata=about(
         "PEM CA verifying HTTPS client certificates (with --ssl-cert-reqs 2: required)"))
-    ssl_cert_reqs: int = field(default=0, metadata=_help(
+    ssl_cert_reqs: int = field(default=0, metadata=about(
         "HTTPS client certificates: 0 none, 1 optional, 2 required (Python ssl's values)"))
-    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+    enable_auto_tool_choice: bool = field(default=False, metadata=about(
         'tool_choice "auto" (the default with tools): parse tool calls out of the model\'s '
         "output with --tool-call-parser"))
-    tool_call_parser: str | None = field(default=None, metadata={
-        "help": "how the model writes tool calls (for --enable-auto-tool-choice)",
-        "choices": tuple(TOOL_PARSERS)})
-    exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=_help(
+    tool_call_parser: str | None = field(default=None, metadata=about(
+        "how the model writes tool calls (for --enable-auto-tool-choice)", tuple(TOOL_PARSERS)))
+    exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=about(
         'tool_choice "none": leave the tools out of the prompt (default: the template gets '
         "them, as in vLLM)"))
-    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
-    log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
+    model_root: str | None = field(default=None, metadata=about(
+        "the model behind the served name, reported as /v1/models' `root` (as vLLM reports "
+        "its model path); unset = the served name"))
+    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=about("gRPC cap"))
+    log_level: str = field(default="warning", metadata=about(f"one of {', '.join(LOG_LEVELS)}"))
+    uvicorn_log_level: str | None = field(default=None, metadata=about(
+        "uvicorn's own log level (vLLM's flag); unset = --log-level", UVICORN_LOG_LEVELS))
+    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=about(
+        "the most logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
+        f"vLLM's flag); at most {MAX_LOGPROBS}, what the engines return"))
 
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -91,7 +102,8 @@ class GatewayConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be blank (leave it unset to disable auth)")
-        for name in ("request_timeout_s", "control_timeout_s"):
+        for name in ("request_timeout_s", "control_timeout_s", "keep_alive_timeout_s",
+                     "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if not 0 <= self.drain_timeout_s <= 3600:
@@ -100,6 +112,12 @@ class GatewayConfig:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(
+                f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
         self.tls.validate(server=False)
         self._validate_https()
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdmesh.gateway.schemas import (
+from pdmesh.gateway.chat_schemas import (
     ChatChoice,
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     FunctionCallOut,
     ToolCallOut,
     TopLogprob,
 )
+from pdmesh.gateway.completion_schemas import CompletionLogprobs, CompletionResponseChoice
+from pdmesh.gateway.schemas import PromptLogprob, PromptLogprobs
 from pdmesh.gateway.tool_parsers import collect
 from pdmesh.gateway.tools import ToolPlan
 from pdmesh.v1 import common_pb2
@@ -47,16 +47,17 @@ def stop_reason(finish: common_pb2.Finish | None) -> str | int | None:
 
 
 def completion_logprobs(
-    logprobs: list[common_pb2.TokenLogprob], text_offset: int = 0
+    logprobs: list[common_pb2.TokenLogprob], text_offset: int = 0, k: int | None = None
 ) -> CompletionLogprobs:
     """The legacy format. `text_offset` is where the first token starts in the choice's text;
-    offsets add up token texts, which is exact except around held-back partial characters."""
+    offsets add up token texts, which is exact except around held-back partial characters.
+    `k` keeps that many alternatives (the router computed more for another answer)."""
     out = CompletionLogprobs()
     offset = text_offset
     for lp in logprobs:
         out.tokens.append(lp.text)
         out.token_logprobs.append(lp.logprob)
-        top = {c.text: c.logprob for c in lp.top}
+        top = {c.text: c.logprob for c in lp.top[:k]}
         top.setdefault(lp.text, lp.logprob)  # like OpenAI: the sampled token is always listed
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
@@ -66,12 +67,13 @@ def completion_logprobs(
 
 def echo_logprobs(
     first_token: str, prompt: list[common_pb2.TokenLogprob],
-    output: list[common_pb2.TokenLogprob], output_offset: int,
+    output: list[common_pb2.TokenLogprob], output_offset: int, k: int | None = None,
 ) -> CompletionLogprobs:
     """`echo` with logprobs, as vLLM answers it: the prompt's tokens first (the first has no
     context, so its logprob and alternatives are null; `prompt` holds the rest, from the
-    engine's prompt logprobs), then the output's, whose text starts at `output_offset`."""
-    head = completion_logprobs(prompt, len(first_token))
+    engine's prompt logprobs, of which `k` alternatives are kept), then the output's, whose
+    text starts at `output_offset`."""
+    head = completion_logprobs(prompt, len(first_token), k)
     tail = completion_logprobs(output, output_offset)
     return CompletionLogprobs(
         tokens=[first_token, *head.tokens, *tail.tokens],
@@ -79,6 +81,20 @@ def echo_logprobs(
         top_logprobs=[None, *head.top_logprobs, *tail.top_logprobs],
         text_offset=[0, *head.text_offset, *tail.text_offset],
     )
+
+
+def format_prompt_logprobs(entries: list[common_pb2.TokenLogprob], k: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` from the router's (entry i = prompt token i + 1): null for the
+    first token, then per token its own logprob and the `k` most likely tokens', by id."""
+    out: PromptLogprobs = [None]
+    for lp in entries:
+        position = {lp.token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank or None,
+                                               decoded_token=lp.text)}
+        for rank, c in enumerate(lp.top[:k], 1):
+            position.setdefault(c.token_id, PromptLogprob(logprob=c.logprob, rank=rank,
+                                                          decoded_token=c.text))
+        out.append(position)
+    return out
 
 
 def _utf8(text: str) -> list[int]:
@@ -119,8 +135,10 @@ class SequenceState:
             self.finish = delta.finish
 
 
-def completion_choice(index: int, seq: SequenceState, want_logprobs: bool) -> CompletionChoice:
-    return CompletionChoice(
+def completion_choice(
+    index: int, seq: SequenceState, want_logprobs: bool
+) -> CompletionResponseChoice:
+    return CompletionResponseChoice(
         index=index,
         text=seq.text,
         logprobs=completion_logprobs(seq.logprobs) if want_logprobs else None,

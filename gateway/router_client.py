@@ -1,4 +1,5 @@
-"""The gateway's gRPC client to the router, and the gRPC status → OpenAI error mapping.
+"""The gateway's gRPC client to the router; its failures are raised as OpenAI errors
+(gateway/errors.py maps the statuses).
 
 One `grpc.aio` channel serves every HTTP request. `generate()` hands back a `GenerateCall`
 the caller iterates and *must* close: closing an unfinished call cancels it, and the router
@@ -8,80 +9,17 @@ request's KV blocks. That is how an HTTP client's disconnect reaches the engines
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdmesh.gateway.errors import error_from_rpc
 from pdmesh.grpc_common import TLSConfig, open_channel
 from pdmesh.v1 import router_pb2, router_pb2_grpc
 
 ROUTER_SERVICE = "pdmesh.v1.Router"
-RETRY_AFTER_KEY = "retry-after-ms"
-"""Trailing metadata the router sets on RESOURCE_EXHAUSTED and UNAVAILABLE (router/admission.py,
-router/orchestrator.py)."""
-
-
-@dataclass
-class GatewayError(Exception):
-    """An error to answer in OpenAI's shape: `{"error": {message, type, param, code}}`."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return f"{self.status} {self.type}: {self.message}"
-
-    def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def _param_from_message(message: str) -> str | None:
-    """The router words INVALID_ARGUMENT as `<field>: <why>`; the field is OpenAI's `param`."""
-    head, sep, _ = message.partition(": ")
-    if sep and head and " " not in head:
-        return head.removeprefix("sampling.")
-    return None
-
-
-def _retry_after_s(error: grpc.aio.AioRpcError) -> int:
-    """Whole seconds for the Retry-After header (rounded up, at least 1)."""
-    for key, value in error.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(1, math.ceil(int(value) / 1000))
-            except ValueError:
-                break
-    return 1
-
-
-def error_from_rpc(error: grpc.aio.AioRpcError) -> GatewayError:
-    """Map the router's status taxonomy (router.proto) onto HTTP statuses."""
-    code, details = error.code(), error.details() or ""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return GatewayError(400, details, param=_param_from_message(details))
-    if code == grpc.StatusCode.NOT_FOUND:
-        return GatewayError(404, details, param="model", code="model_not_found")
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return GatewayError(409, details, code="request_id_in_use")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry = _retry_after_s(error)
-        return GatewayError(429, details, type="rate_limit_error", code="rate_limit_exceeded",
-                            headers={"Retry-After": str(retry)})
-    if code == grpc.StatusCode.UNAVAILABLE:  # no instance could take it (or no router): retry
-        return GatewayError(503, details or "no backend available", type="service_unavailable",
-                            code="no_backend",
-                            headers={"Retry-After": str(_retry_after_s(error))})
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayError(504, details or "deadline exceeded", type="timeout")
-    return GatewayError(500, f"{code.name}: {details}", type="internal_error")
 
 
 @dataclass(frozen=True)

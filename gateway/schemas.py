@@ -1,48 +1,110 @@
-"""OpenAI wire formats: request bodies in, response bodies out (pydantic models).
+"""The OpenAI wire formats' shared pieces: the request base model, the sampling fields every
+generation request has, usage and prompt logprobs (pydantic models). Each API kind's own
+bodies sit in their module (completion_schemas.py, chat_schemas.py; info_schemas.py for the
+routes that generate nothing).
 
-Requests are strict (`extra="forbid"`): like OpenAI's own API, an unknown or unsupported
-parameter is a 400 naming it rather than being silently ignored. Each request model turns
-itself into the router's `SamplingParams` message (`to_sampling`), keeping unset fields unset
-so the router applies its documented defaults. vLLM's extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, ...) sit beside OpenAI's.
-Value ranges are checked once, by the engine's own validation in the router, whose
-INVALID_ARGUMENT becomes a 400 here; this module only checks what the router cannot see
-(shapes, OpenAI-only combinations).
+Unknown request fields are accepted and ignored, as vLLM does (its request models have many
+fields pdmesh does not act on: `chat_template_kwargs`, `store`, `metadata`, ...; and clients
+send fields of newer API versions): each request model notes the keys it ignored
+(`RequestModel.ignored`, `ignored_fields` for the whole tree), and the gateway logs them once
+and names them in the answer's `X-Ignored-Fields` header (gateway/ignored_fields.py), so a
+typo is still visible.
+
+Each request model turns itself into the router's `SamplingParams` message (`_sampling`),
+keeping unset fields unset so the router applies its documented defaults. vLLM's extensions
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, ...) sit beside
+OpenAI's. Value ranges are checked once, by the engine's own validation in the router, whose
+INVALID_ARGUMENT becomes a 400 here; these modules only check what the router cannot see
+(shapes, OpenAI-only combinations) and that every integer fits the proto field it travels in
+(`wire_int`, with the codec's bounds): protobuf refuses one that does not with an error naming
+no field, so it must never reach a message.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from google.protobuf.message import Message
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
+from pdmesh.engine_svc import codec
 from pdmesh.v1 import common_pb2, router_pb2
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-"""OpenAI's (and vLLM's) default for /v1/completions; chat defaults to the context limit."""
 
 MAX_N = 128
 """Choices per prompt; a guard against one request fanning out without bound."""
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-"""vLLM's range for `seed` (a signed 64-bit integer, the proto's int64)."""
+_SP = common_pb2.SamplingParams
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def wire_int(message: type[Message], path: str, *, ge: int | None = None,
+             le: int | None = None) -> FieldInfo:
+    """Bounds for an integer field (use in `Annotated[int, ...]`): what the proto field at
+    `path` carries (`codec.int_range`), narrowed by `ge`/`le`. Out of range is a 400 naming
+    the field, before any message is built."""
+    low, high = codec.int_range(message, path)
+    return Field(ge=low if ge is None else max(ge, low), le=high if le is None else min(le, high))
 
 
-class StreamOptions(StrictModel):
+class RequestModel(BaseModel):
+    """A request body or a part of one: keys it does not know are ignored and noted."""
+
+    model_config = ConfigDict(extra="ignore")
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        model = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            known |= {f.alias for f in cls.model_fields.values() if f.alias}
+            model._ignored = [key for key in data if key not in known]
+        return model
+
+    @property
+    def ignored(self) -> list[str]:
+        """The keys of this object's input that no field took."""
+        return self._ignored
+
+
+def ignored_fields(model: RequestModel) -> list[str]:
+    """Every ignored key in a request, as paths (`messages[0].refusal`), outer ones first."""
+    found: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, RequestModel):
+            found.extend(f"{path}.{key}" if path else key for key in value.ignored)
+            for name in type(value).model_fields:
+                walk(getattr(value, name), f"{path}.{name}" if path else name)
+        elif isinstance(value, list) and value and isinstance(value[0], RequestModel | list):
+            for i, item in enumerate(value):  # not lists of plain values (token ids)
+                walk(item, f"{path}[{i}]")
+
+    walk(model, "")
+    return found
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     # vLLM's extension: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(StrictModel):
+class JsonSchemaFormat(RequestModel):
     """OpenAI's `response_format.json_schema`: the schema sits under the key `schema`."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: str = ""
     description: str | None = None
@@ -50,7 +112,7 @@ class JsonSchemaFormat(StrictModel):
     strict: bool | None = None
 
 
-class ResponseFormat(StrictModel):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -63,7 +125,7 @@ class ResponseFormat(StrictModel):
         return self
 
 
-class StructuredOutputsIn(StrictModel):
+class StructuredOutputsIn(RequestModel):
     """vLLM's `structured_outputs` extension: exactly one constraint."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -72,22 +134,22 @@ class StructuredOutputsIn(StrictModel):
     choice: list[str] | None = None
     grammar: str | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 def _schema_text(schema: dict[str, Any] | str) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Parameters shared by completions and chat completions."""
 
     model: str = ""
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Annotated[int, wire_int(_SP, "n", ge=1, le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Annotated[int, wire_int(_SP, "seed")] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -95,19 +157,23 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions.
-    top_k: int = 0
+    top_k: Annotated[int, wire_int(_SP, "top_k")] = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: Annotated[int, wire_int(_SP, "min_tokens")] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, wire_int(_SP, "stop_token_ids")]] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str = ""
-    priority: int = 0
+    priority: Annotated[int, wire_int(router_pb2.GenerateRequest, "priority")] = 0
     # Tokens per streamed chunk (the first and last chunks at once); raises the engines'
     # --stream-interval, never lowers it.
-    stream_interval: int | None = Field(default=None, ge=1, le=2**31)
+    stream_interval: Annotated[int, wire_int(_SP, "stream_interval", ge=1)] | None = None
+    # vLLM's: logprobs of every prompt token (the k most likely alternatives beside it), in
+    # the response (completions: each choice; chat: the response). Not with streaming (as in
+    # vLLM; 0 is accepted there and returns nothing).
+    prompt_logprobs: Annotated[int, wire_int(_SP, "prompt_logprobs")] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names. At most one constraint per request; the router compiles it (a spec that
     # does not compile is a 400 naming the problem).
@@ -122,9 +188,20 @@ class SamplingFields(StrictModel):
     @classmethod
     def _bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not key.strip().lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(
+                    f"keys must be token ids (integers as strings), got {key!r}") from None
+            codec.check_int(_SP, "logit_bias.key", token_id, f"the token id {key!r}")
         return bias
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, k: int | None, info: ValidationInfo) -> int | None:
+        if k is not None and (k > 0 or k == -1) and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`")
+        return k
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -175,6 +252,7 @@ class SamplingFields(StrictModel):
     def _sampling(
         self, max_tokens: int | None, logprobs: int | None,
         structured_output: common_pb2.StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
     ) -> common_pb2.SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
@@ -200,11 +278,19 @@ class SamplingFields(StrictModel):
             proto.max_tokens = max_tokens
         if logprobs is not None:
             proto.logprobs = logprobs
+        if prompt_logprobs is not None:
+            proto.prompt_logprobs = prompt_logprobs
         for constraint in self._structured_candidates():
             proto.structured_output.CopyFrom(constraint)
         if structured_output is not None:  # tool calling's (never together with the above)
             proto.structured_output.CopyFrom(structured_output)
         return proto
+
+    @property
+    def returned_prompt_logprobs(self) -> int | None:
+        """k of the `prompt_logprobs` answer; None: no answer (a stream, which accepts only 0,
+        returns none, as in vLLM)."""
+        return None if self.stream else self.prompt_logprobs
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -215,221 +301,6 @@ class SamplingFields(StrictModel):
         """Usage in every streamed chunk (vLLM: only together with include_usage)."""
         return self.include_usage_in_stream and bool(
             self.stream_options and self.stream_options.continuous_usage_stats)
-
-
-Prompt = str | list[str] | list[int] | list[list[int]]
-
-
-class CompletionRequest(SamplingFields):
-    prompt: Prompt
-    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    # Completions: the number of alternatives per token (0 = the sampled token only).
-    logprobs: int | None = Field(default=None, ge=0)
-    # The prompt's text before each choice's output.
-    echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, prompt: Prompt) -> Prompt:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be an empty list")
-        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
-            raise ValueError("prompt must not contain an empty token list")
-        return prompt
-
-    @property
-    def echo_logprobs(self) -> bool:
-        """echo with logprobs: the prompt's tokens and logprobs come first (vLLM)."""
-        return self.echo and self.logprobs is not None
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts as separate items: one string, or one token-id list, each."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
-
-    def to_generate(self, prompt: str | list[int], request_id: str) -> router_pb2.GenerateRequest:
-        request = router_pb2.GenerateRequest(
-            request_id=request_id,
-            model=self.model,
-            sampling=self._sampling(self.max_tokens, self.logprobs),
-            cache_salt=self.cache_salt,
-            priority=self.priority,
-            stream=self.stream,
-        )
-        if self.echo_logprobs:
-            request.sampling.prompt_logprobs = self.logprobs or 0
-        if isinstance(prompt, str):
-            request.text = prompt
-        else:
-            request.token_ids.ids.extend(prompt)
-        return request
-
-
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCallIn(StrictModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCallIn(StrictModel):
-    """An assistant message's earlier tool call (conversation history)."""
-
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class ChatMessageIn(StrictModel):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # assistant messages
-    tool_call_id: str | None = None  # tool messages: the call this answers
-
-    @model_validator(mode="after")
-    def _tool_calls_from_the_assistant(self) -> ChatMessageIn:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("tool_calls are only allowed on assistant messages")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-    def to_proto(self) -> router_pb2.ChatMessage:
-        return router_pb2.ChatMessage(
-            role=self.role, content=self.text(), name=self.name or "",
-            tool_call_id=self.tool_call_id or "",
-            tool_calls=[router_pb2.ToolCall(id=c.id, name=c.function.name,
-                                             arguments=c.function.arguments)
-                        for c in self.tool_calls or []],
-        )
-
-
-class FunctionDefinition(StrictModel):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None = no parameters
-    strict: bool | None = None
-
-
-class ChatTool(StrictModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-    add_generation_prompt: bool = True
-    # Tool calling (gateway/tools.py reads these against the server's flags).
-    tools: list[ChatTool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    def to_generate(
-        self, request_id: str, tools_json: str = "",
-        structured_output: common_pb2.StructuredOutput | None = None,
-    ) -> router_pb2.GenerateRequest:
-        """The router call; `tools_json` and `structured_output` come from the request's
-        ToolPlan (gateway/tools.py)."""
-        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        chat = router_pb2.Chat(
-            messages=[m.to_proto() for m in self.messages],
-            add_generation_prompt=self.add_generation_prompt,
-            tools_json=tools_json,
-        )
-        return router_pb2.GenerateRequest(
-            request_id=request_id,
-            model=self.model,
-            chat=chat,
-            sampling=self._sampling(max_tokens, logprobs, structured_output),
-            cache_salt=self.cache_salt,
-            priority=self.priority,
-            stream=self.stream,
-        )
-
-
-class TokenizeRequest(StrictModel):
-    """vLLM's /tokenize: a completion-style `prompt` or a chat-style `messages` list."""
-
-    model: str = ""
-    prompt: str | None = None
-    messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True  # prompt only; a chat template places its own
-    add_generation_prompt: bool = True  # messages only
-    tools: list[ChatTool] | None = None  # messages only: rendered by the chat template
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages must not be empty")
-        return self
-
-    def to_proto(self) -> router_pb2.TokenizeRequest:
-        if self.prompt is not None:
-            return router_pb2.TokenizeRequest(model=self.model, text=self.prompt,
-                                              add_special_tokens=self.add_special_tokens)
-        tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools or []])
-        chat = router_pb2.Chat(
-            messages=[m.to_proto() for m in self.messages or []],
-            add_generation_prompt=self.add_generation_prompt,
-            tools_json=tools if self.tools else "",
-        )
-        return router_pb2.TokenizeRequest(model=self.model, chat=chat)
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(StrictModel):
-    model: str = ""
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -450,142 +321,14 @@ class UsageInfo(BaseModel):
         self.prompt_tokens_details.cached_tokens += usage.cached_prompt_tokens
 
 
-class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token (with
-    echo, per prompt token first; the first prompt token's entries are null)."""
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at one prompt position, in `prompt_logprobs`."""
 
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
     logprob: float
-    bytes: list[int] | None = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # ToolCallDelta.to_openai()
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pdmesh"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-_UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "dict"})
-_UNION_BRANCH_PREFIXES = ("function-", "list[", "dict[", "literal[", "json-or-python[")
-
-
-def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """The OpenAI `param` for a pydantic error location, e.g. ('body', 'messages', 0) ->
-    'messages[0]'."""
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _UNION_BRANCHES or part.startswith(_UNION_BRANCH_PREFIXES):
-            continue  # a union branch name, not a field (a field may start with "str")
-        else:
-            out += f".{part}" if out else part
-    return out or None
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt token, its own and the k most likely tokens' logprobs
+by token id; the first token's entry is null (it has no context)."""

@@ -4,8 +4,10 @@
     pdmesh gateway ... --ssl-certfile cert.pem --ssl-keyfile key.pem   # HTTPS
 
 Prints `ready <host:port>` once it accepts requests (as every pdmesh service does), so that
-`pdmesh serve` and tests wait for that line instead of sleeping. SIGINT/SIGTERM drain it:
-uvicorn stops accepting connections, lets running requests (streams included) finish for up to
+`pdmesh serve` and tests wait for that line instead of sleeping. Connections idle between
+requests (`--keep-alive-timeout-s`) and request heads that arrive too slowly
+(`--header-timeout-s`, gateway/header_timeout.py) are closed. SIGINT/SIGTERM drain it: uvicorn
+stops accepting connections, lets running requests (streams included) finish for up to
 `--drain-timeout-s`, cancels what is left, then the router channel is closed, which cancels
 those calls and so frees their KV on the engines.
 """
@@ -22,6 +24,7 @@ import uvicorn
 
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
+from pdmesh.gateway.header_timeout import header_timeout_protocol
 from pdmesh.logs import run_service
 
 logger = logging.getLogger(__name__)
@@ -45,9 +48,13 @@ async def serve(config: GatewayConfig) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
-            log_level=config.log_level,
+            log_level=config.uvicorn_log_level or config.log_level,
             access_log=False,
             timeout_graceful_shutdown=config.drain_timeout_s,
+            # Idle connections between requests, and slow request heads (uvicorn times out
+            # only the former; gateway/header_timeout.py adds the latter).
+            timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
+            http=header_timeout_protocol(config.header_timeout_s),
             lifespan="on",
             # HTTPS when configured (vLLM's flags); plaintext clients then fail the handshake.
             ssl_certfile=config.ssl_certfile,

@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdmesh.gateway.router_client import GatewayError
-from pdmesh.gateway.schemas import ChatCompletionRequest, ChatTool
+from pdmesh.gateway.chat_schemas import ChatCompletionRequest, ChatTool
+from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolParser,

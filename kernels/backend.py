@@ -1,4 +1,4 @@
-"""The small interface between the model and attention kernels, and backend selection.
+"""The small interface between the model and attention kernels.
 
 The model runner orders each step's tokens as [decode tokens (one per sequence)] then
 [prefill/extend chunks], builds one `AttentionMetadata`, and every layer calls
@@ -13,14 +13,12 @@ Backends (`--attention-backend`):
 | `cpu`        | CPU                              | C decode kernel, gather + SDPA (cpu_attention) |
 | `torch`      | anywhere                         | the plain-torch reference (torch_ref.py)     |
 
-`auto` picks the first of flash-attn → triton that can run on a CUDA device, and `cpu` on a
-CPU. Asking for a backend that cannot run here is a start-up `ValueError` naming the reason.
+Choosing and building one is `backend_selection.py`'s: it imports the backends, which import
+this module, so this module imports none of them.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,7 +28,6 @@ import torch
 from pdmesh.kernels import torch_ref
 
 BACKEND_NAMES = ("flash-attn", "triton", "cpu", "torch")
-_ALIASES = {"flash_attn": "flash-attn", "flashattn": "flash-attn", "flash": "flash-attn"}
 
 
 @dataclass
@@ -100,89 +97,3 @@ class TorchAttentionBackend:
             meta.prefill_seq_lens, meta.prefill_block_tables, scale, out, torch_ref.gather_kv,
         )  # fmt: skip
         return out
-
-
-# -- selection ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Environment:
-    """The facts backend selection depends on, gathered once (see `current_environment`)."""
-
-    device_type: str  # "cuda" or "cpu"
-    has_flash_attn: bool
-    has_triton: bool
-    triton_interpret: bool
-
-
-def current_environment(device: torch.device | str | None = None) -> Environment:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Environment(
-        device_type=torch.device(device).type,
-        has_flash_attn=importlib.util.find_spec("flash_attn") is not None,
-        has_triton=importlib.util.find_spec("triton") is not None,
-        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-    )
-
-
-def unavailable_reason(name: str, env: Environment) -> str | None:
-    """Why backend `name` cannot run in `env`, or None when it can."""
-    cuda = env.device_type == "cuda"
-    if name == "flash-attn":
-        if not cuda:
-            return "flash-attn needs a CUDA device"
-        if not env.has_flash_attn:
-            return "flash-attn is not installed (pip install 'pdmesh[flash-attn]')"
-    elif name == "triton":
-        if not env.has_triton:
-            return "triton is not installed"
-        if not cuda and not env.triton_interpret:
-            return "triton needs a CUDA device (TRITON_INTERPRET=1 runs it on CPU, for tests)"
-    elif name == "cpu":
-        if cuda:
-            return "the cpu backend runs on CPU tensors only"
-    elif name != "torch":
-        return f"unknown backend (known: {', '.join(BACKEND_NAMES)})"
-    return None
-
-
-def available_backends(env: Environment | None = None) -> list[str]:
-    env = env or current_environment()
-    return [name for name in BACKEND_NAMES if unavailable_reason(name, env) is None]
-
-
-def select_backend(requested: str | None, env: Environment) -> str:
-    """The backend name to use for `requested` ("auto"/None or a name) in `env`."""
-    name = _ALIASES.get((requested or "auto").lower(), (requested or "auto").lower())
-    if name == "auto":
-        order = ("flash-attn", "triton", "torch") if env.device_type == "cuda" else ("cpu",)
-        return next(n for n in order if unavailable_reason(n, env) is None)
-    reason = unavailable_reason(name, env)
-    if reason is not None:
-        raise ValueError(
-            f"attention_backend {requested!r} cannot run here: {reason}; "
-            f"available here: {available_backends(env)}"
-        )
-    return name
-
-
-def get_attention_backend(
-    name: str | None = None, device: torch.device | str | None = None
-) -> AttentionBackend:
-    """Pick a backend by name, or automatically (`None`/"auto"), for tensors on `device`
-    (default: CUDA when present)."""
-    chosen = select_backend(name, current_environment(device))
-    if chosen == "flash-attn":
-        from pdmesh.kernels.flash_attn_backend import FlashAttnBackend
-
-        return FlashAttnBackend()
-    if chosen == "triton":
-        from pdmesh.kernels.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if chosen == "cpu":
-        from pdmesh.kernels.cpu_attention import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    return TorchAttentionBackend()

@@ -111,6 +111,12 @@ class RedisServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of a server that ended by itself (reaped here, so it never lingers
+        as a zombie); None while it runs, and after `stop()`/`kill()`."""
+        return self._proc.poll() if self._proc is not None else None
+
     def start(self) -> RedisServer:
         if self.running:
             raise RedisServerError(f"redis-server already running on port {self.port}")

@@ -16,8 +16,8 @@ import sys
 # Sub-commands implemented by component modules: `module` runs `module.main(argv) -> int`,
 # `module:function` runs that function.
 _COMPONENTS = {
-    "serve": "pdmesh.router.local_mesh",
-    "router": "pdmesh.router.server",
+    "serve": "pdmesh.serve.command",
+    "router": "pdmesh.router.process",
     "prefill": "pdmesh.engines:prefill_main",
     "decode": "pdmesh.engines:decode_main",
     "gateway": "pdmesh.gateway.server",

@@ -1,34 +1,203 @@
 """How every pdmesh process reads its configuration: one dataclass per component, filled from
-defaults < PDMESH_<FIELD> env vars < CLI flags (`parse_config`), so all services behave alike."""
+defaults < PDMESH_<FIELD> env vars < CLI flags (`parse_config`), so all services behave alike.
+
+A field whose type is itself a config dataclass is *embedded*: its settings are the outer
+config's settings, under their own names (`EngineServiceConfig.engine: EngineConfig` gives
+`pdmesh prefill` the flags `--block-size`, `--kv-cache-memory`, ...). So a setting is declared
+once, where it belongs, and reaches every process whose config embeds it. An outer field of
+the same name as an embedded one takes its flag (the outer config hands its value on).
+`config_argv` turns a config back into flags: how `pdmesh serve` tells each child its settings.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
+import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 C = TypeVar("C")
 
 
-def _base_type(tp: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a dataclass field annotation."""
-    origin = typing.get_origin(tp)
+def about(text: str, choices: Sequence[str] = (), *, cli: bool = True) -> dict[str, Any]:
+    """A config field's `metadata`: its --help text, the values it allows where its type does
+    not say (shown in --help), and `cli=False` for a field that is no flag (offline use only)."""
+    meta: dict[str, Any] = {"help": text}
+    if choices:
+        meta["choices"] = tuple(choices)
+    if not cli:
+        meta["cli"] = False
+    return meta
+
+
+def field_like(cls: type, name: str) -> Any:
+    """A field with the default and help of `cls`'s field `name`: for a config that offers a
+    setting of another (`pdmesh serve` offering the router's) without restating it."""
+    source = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if source.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=source.default_factory,
+                                 metadata=source.metadata)
+    return dataclasses.field(default=source.default, metadata=source.metadata)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of a config class: a field of its own or of a config it embeds."""
+
+    name: str  # the field's name
+    path: tuple[str, ...]  # the embedded fields leading to it; () for the config's own
+    field: dataclasses.Field[Any]
+    hint: Any  # its resolved annotation
+    default: Any  # dataclasses.MISSING when required
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "PDMESH_" + self.name.upper()
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _embedded(hint: Any) -> type | None:
+    """The config class a field embeds, if its type is one."""
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _fields(cls: type) -> tuple[dict[str, Any], list[dataclasses.Field[Any]], set[str]]:
+    """(type hints, the fields that are settings or embed some, the names of the former)."""
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli", True)]
+    return hints, fields, {f.name for f in fields if not _embedded(hints[f.name])}
+
+
+def settings(cls: type) -> dict[str, Setting]:
+    """Every setting of `cls` by name, embedded configs' included, in declaration order."""
+    return _settings(cls, (), set(), None)
+
+
+def _settings(cls: type, path: tuple[str, ...], taken: set[str],
+              defaults: Any) -> dict[str, Setting]:
+    hints, fields, own = _fields(cls)
+    own -= taken
+    found: dict[str, Setting] = {}
+    for f in fields:
+        # An embedded config's defaults are those of the instance its field defaults to.
+        default = _field_default(f) if defaults is None else getattr(defaults, f.name)
+        inner = _embedded(hints[f.name])
+        if inner is not None:
+            found.update(_settings(inner, (*path, f.name), taken | own | set(found), default))
+        elif f.name in own:
+            found[f.name] = Setting(f.name, path, f, hints[f.name], default)
+    return found
+
+
+def values_of(config: Any) -> dict[str, Any]:
+    """A config's settings by name, embedded configs' included: `settings`' view of it."""
+    values = {}
+    for name, s in settings(type(config)).items():
+        holder = config
+        for step in s.path:
+            holder = getattr(holder, step)
+        values[name] = getattr(holder, name)
+    return values
+
+
+def build_config(cls: type[C], values: Mapping[str, Any]) -> C:
+    """`cls` from settings by name (as `settings` names them), the rest at their defaults.
+    An embedded config's errors name their flag (`--block-size must be ...`)."""
+    unknown = set(values) - set(settings(cls))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no setting {', '.join(sorted(unknown))}")
+    return _build(cls, values, set(), None)
+
+
+def _build(cls: type[C], values: Mapping[str, Any], taken: set[str], base: Any) -> C:
+    hints, fields, own = _fields(cls)
+    own -= taken
+    kwargs = {name: values[name] for name in own if name in values}
+    for f in fields:
+        inner = _embedded(hints[f.name])
+        if inner is None:
+            continue
+        default = _field_default(f) if base is None else getattr(base, f.name)
+        try:
+            kwargs[f.name] = _build(inner, values, taken | own, default)
+        except ValueError as exc:
+            raise ValueError(name_flag(str(exc), inner)) from None
+    if base is None:
+        return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if kwargs else base
+
+
+def name_flag(message: str, cls: type) -> str:
+    """`block_size must be ...` -> `--block-size must be ...`: an embedded config (also used
+    from Python, where its field names are right) names its subject by field, a command-line
+    user wants the flag."""
+    subject = re.match(r"\w+", message)
+    if subject and subject[0] in {f.name for f in dataclasses.fields(cls)}:
+        return "--" + subject[0].replace("_", "-") + message[subject.end():]
+    return message
+
+
+def config_argv(config: Any, always: Collection[str] = ()) -> list[str]:
+    """The flags that make a process parse `config` again: each setting that differs from its
+    class's default, and those named in `always` whatever their value. A setting left at its
+    default is left to the process (its own default, or its environment's PDMESH_<FIELD>)."""
+    specs = settings(type(config))
+    argv: list[str] = []
+    for name, value in values_of(config).items():
+        s = specs[name]
+        if name not in always and s.default is not dataclasses.MISSING and value == s.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(s.flag if value else "--no-" + s.flag[2:])
+        elif value is None:
+            argv += [s.flag, "none"]
+        elif isinstance(value, tuple | list):
+            argv += [s.flag, ",".join(map(str, value))]
+        else:
+            argv += [s.flag, str(value)]
+    return argv
+
+
+def _members(hint: Any) -> tuple[list[Any], bool]:
+    """(the scalar types a field annotation allows, optional?)."""
+    origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        return _base_type(args[0])[0], optional
+        args = typing.get_args(hint)
+        members = [m for a in args if a is not type(None) for m in _members(a)[0]]
+        return members, type(None) in args
     if origin is typing.Literal:
-        return type(typing.get_args(tp)[0]), False
-    return tp, False
+        return [type(typing.get_args(hint)[0])], False
+    return [hint], False
 
 
-def _convert(name: str, raw: str, tp: type, optional: bool) -> Any:
+def _convert(name: str, raw: str, hint: Any) -> Any:
+    members, optional = _members(hint)
     if optional and raw.strip().lower() in ("", "none"):
         return None
+    for tp in members[:-1]:  # int | float | str: the first type that reads it
+        try:
+            return _convert_one(name, raw, tp)
+        except ValueError:
+            continue
+    return _convert_one(name, raw, members[-1])
+
+
+def _convert_one(name: str, raw: str, tp: Any) -> Any:
     if tp is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -56,70 +225,83 @@ def _show(value: Any) -> str:
     return str(value) if value != "" else "empty"
 
 
-def _help_text(f: dataclasses.Field[Any], hint: Any, env_name: str) -> str:
-    """The field's help, then its default and allowed values (metadata["choices"], or a
+def _help_text(s: Setting) -> str:
+    """The setting's help, then its default and allowed values (metadata["choices"], or a
     Literal annotation's values), then its env var: `--help` answers "what if I leave it?"."""
-    if f.default is not dataclasses.MISSING:
-        default = _show(f.default)
-    elif f.default_factory is not dataclasses.MISSING:
-        default = _show(f.default_factory())
-    else:
-        default = "required"
-    choices = f.metadata.get("choices")
+    default = "required" if s.default is dataclasses.MISSING else _show(s.default)
+    choices = s.field.metadata.get("choices")
     if not choices:
-        literal = [a for a in (typing.get_args(hint) or (hint,))
+        literal = [a for a in (typing.get_args(s.hint) or (s.hint,))
                    if typing.get_origin(a) is typing.Literal]
-        if typing.get_origin(hint) is typing.Literal:
-            literal = [hint]
+        if typing.get_origin(s.hint) is typing.Literal:
+            literal = [s.hint]
         choices = typing.get_args(literal[0]) if literal else ()
     parts = [f"default: {default}"]
     if choices:
         parts.append("choices: " + "|".join(map(str, choices)))
-    text = f.metadata.get("help", "")
+    text = s.field.metadata.get("help", "")
     # argparse %-formats help strings; a literal % in a help text must be doubled.
-    return f"{text} [{'; '.join(parts)}] (env {env_name})".strip().replace("%", "%%")
+    return f"{text} [{'; '.join(parts)}] (env {s.env})".strip().replace("%", "%%")
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """Errors as one line naming the problem (exit code 2), not argparse's usage dump: with
+    a hundred flags the usage buried the one line that says what is wrong."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        command = re.sub(r"\s*\[.*?\]", "", self.prog)  # "pdmesh serve [MODEL]": the command
+        self.exit(2, f"{command}: error: {message}\n")
+
+
+def unsupported_flag(argv: Sequence[str], unsupported: Mapping[str, str]) -> str | None:
+    """The error for the first flag of `argv` named in `unsupported` (flag → why, or ""), or
+    None: another server's flag (vLLM's) that pdmesh knows of and does not support yet."""
+    for arg in argv:
+        if arg == "--":
+            break
+        flag = arg.partition("=")[0]
+        if flag in unsupported:
+            why = unsupported[flag]
+            return f"{flag} is not supported yet" + (f": {why}" if why else "")
+    return None
 
 
 def parse_config(
     cls: type[C], argv: Sequence[str] | None, *, prog: str, description: str = "",
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, unsupported: Mapping[str, str] | None = None,
 ) -> C:
     """Build `cls` (a dataclass) from defaults, then PDMESH_<FIELD> env vars, then CLI flags.
 
-    Field `kv_backend` becomes flag `--kv-backend` and env var `PDMESH_KV_BACKEND`; the field's
-    `metadata["help"]` is its help text. Booleans take `--flag/--no-flag`. Validation is the
-    dataclass's `__post_init__`; its ValueError becomes an argparse error (exit code 2).
+    Field `kv_backend` becomes flag `--kv-backend` and env var `PDMESH_KV_BACKEND`, an
+    embedded config's fields likewise; the field's `metadata["help"]` is its help text.
+    Booleans take `--flag/--no-flag`. Validation is the dataclasses' `__post_init__`; its
+    ValueError becomes a one-line error (exit code 2), as does a flag of `unsupported`
+    (flag → why), named as not supported yet rather than unknown.
     """
     env = os.environ if env is None else env
-    hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    specs: dict[str, tuple[type, bool]] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init:
-            continue
-        tp, optional = _base_type(hints[f.name])
-        specs[f.name] = (tp, optional)
-        flag = "--" + f.name.replace("_", "-")
-        env_name = "PDMESH_" + f.name.upper()
-        help_text = _help_text(f, hints[f.name], env_name)
-        if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+    parser = _OneLineErrors(prog=prog, description=description)
+    refused = unsupported_flag(sys.argv[1:] if argv is None else argv, unsupported or {})
+    if refused is not None:
+        parser.error(refused)
+    specs = settings(cls)
+    for s in specs.values():
+        if _members(s.hint)[0] == [bool]:
+            parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=_help_text(s))
         else:
-            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+            parser.add_argument(s.flag, dest=s.name, default=None, help=_help_text(s))
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     try:
-        for name, (tp, optional) in specs.items():
+        for name, s in specs.items():
             cli = getattr(args, name)
-            env_value = env.get("PDMESH_" + name.upper())
             if isinstance(cli, bool):
                 values[name] = cli
             elif cli is not None:
-                values[name] = _convert("--" + name.replace("_", "-"), cli, tp, optional)
-            elif env_value is not None:
-                values[name] = _convert("PDMESH_" + name.upper(), env_value, tp, optional)
-        return cls(**values)
+                values[name] = _convert(s.flag, cli, s.hint)
+            elif (env_value := env.get(s.env)) is not None:
+                values[name] = _convert(s.env, env_value, s.hint)
+        return build_config(cls, values)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdmesh.auth import ClusterToken, client_interceptors, server_interceptors
 from pdmesh.drain import DrainGate, Refusal
+from pdmesh.request_decoding import RequestDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +103,21 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
     ]
 
 
+RECONNECT_BACKOFF_MS = (250, 2000)
+"""(first, longest) wait before a channel reconnects. gRPC's defaults (1 s growing to 120 s)
+suit far-away servers; every peer of ours is one hop away and restarted within seconds by its
+supervisor (`pdmesh serve`, Kubernetes), and a gateway or router still backing off after the
+peer is back serves 503s for nothing."""
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    first, longest = RECONNECT_BACKOFF_MS
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", first),
+        ("grpc.min_reconnect_backoff_ms", first),
+        ("grpc.max_reconnect_backoff_ms", longest),
     ]
 
 
@@ -148,7 +160,8 @@ class GrpcServer:
     ) -> None:
         self.gate = DrainGate(drain_methods, refusal or refuse_draining)
         self.server = grpc.aio.server(options=server_options(max_message_bytes),
-                                      interceptors=[*server_interceptors(token), self.gate])
+                                      interceptors=[*server_interceptors(token), self.gate,
+                                                    RequestDecoding()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services = list(service_names)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdmesh.config import about
 from pdmesh.engine_svc.config import EngineServiceConfig
 
 
 @dataclass
 class PrefillConfig(EngineServiceConfig):
-    lease_s: float = field(default=30.0, metadata={"help": "how long published KV waits for a "
-                                                           "decode pull (seconds)"})
-    max_lease_s: float = field(default=300.0, metadata={"help": "cap on lease extensions"})
+    lease_s: float = field(default=30.0, metadata=about(
+        "how long published KV waits for a decode pull (seconds)"))
+    max_lease_s: float = field(default=300.0, metadata=about("cap on lease extensions"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

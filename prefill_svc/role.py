@@ -7,7 +7,7 @@ import grpc
 
 from pdmesh.engine_svc.process import SENDER_BACKENDS
 from pdmesh.engine_svc.service import EngineService
-from pdmesh.kvstore.transfer import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
 from pdmesh.metrics import EngineMetrics
 from pdmesh.prefill_svc.servicer import PrefillServicer
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc

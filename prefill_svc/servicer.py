@@ -28,8 +28,10 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.stopping import first_token_finish
 from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
 from pdmesh.engine_svc.service import EngineService
-from pdmesh.kvstore.transfer import KVSender, KVTransferError, ReleaseReason
+from pdmesh.kvstore.transfer.errors import KVTransferError
 from pdmesh.kvstore.transfer.handle import log_id
+from pdmesh.kvstore.transfer.sender import KVSender
+from pdmesh.kvstore.transfer.state import ReleaseReason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
@@ -153,6 +155,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        if not request.HasField("sampling"):  # unset max_tokens would run to the context end
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling: required")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
@@ -244,7 +248,10 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.AbortResponse:
         cancelled = self._cancel_transfer(request.request_id, request.reason or "Abort")
-        found = await self.engine.abort(request.request_id)
+        try:
+            found = await self.engine.abort(request.request_id)
+        except EngineError:  # the core is gone, and every request with it: nothing to abort
+            found = False
         return engine_pb2.AbortResponse(found=found or cancelled)
 
     async def GetLoad(

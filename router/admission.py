@@ -21,7 +21,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdmesh.engine.kv_cache_manager import request_kv_blocks
+from pdmesh.engine.request_rules import (
+    RuleViolation,
+    check_token_ids,
+    kv_capacity_shortfall,
+    request_kv_tokens,
+    resolve_max_tokens,
+)
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc import codec
 from pdmesh.v1 import common_pb2
@@ -211,35 +217,25 @@ def validate_prompt(
     token_ids: Sequence[int], params: SamplingParams, *, vocab_size: int, max_model_len: int
 ) -> int:
     """Check the tokenized prompt against the model; returns the resolved max_tokens."""
-    n = len(token_ids)
-    if n == 0:
-        raise InvalidRequest("prompt", "the prompt is empty")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("prompt.token_ids", f"token id {bad} is outside [0, {vocab_size})")
-    if n >= max_model_len:
-        raise InvalidRequest(
-            "prompt", f"{n} tokens leave no room to generate within max_model_len={max_model_len}"
-        )
+    try:
+        if not token_ids:
+            raise RuleViolation("prompt", "the prompt is empty")
+        check_token_ids(token_ids, vocab_size)
+        max_tokens = resolve_max_tokens(len(token_ids), params.max_tokens, max_model_len,
+                                        params.min_tokens)
+    except RuleViolation as exc:
+        raise InvalidRequest(exc.field, str(exc)) from None
     try:
         params.verify_vocab(vocab_size)
     except ValueError as exc:
         raise InvalidRequest("sampling." + str(exc).split(" ", 1)[0], str(exc)) from None
-    room = max_model_len - n
-    if params.max_tokens is None:
-        return room
-    if params.max_tokens > room:
-        raise InvalidRequest(
-            "sampling.max_tokens",
-            f"{params.max_tokens} tokens do not fit: the prompt has {n} tokens and "
-            f"max_model_len is {max_model_len}",
-        )
-    return params.max_tokens
+    return max_tokens
 
 
-def budget_tokens(num_prompt_tokens: int, max_tokens: int, n: int) -> int:
-    """Tokens a request may occupy in KV: the prompt once plus every sequence's output."""
-    return num_prompt_tokens + max_tokens * max(1, n)
+def budget_tokens(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int | None) -> int:
+    """Token slots a request may occupy in KV at its peak (the one footprint,
+    `request_kv_tokens`); before any instance told its block size, unrounded."""
+    return request_kv_tokens(num_prompt_tokens, max_tokens, n, block_size or 1)
 
 
 def check_kv_capacity(
@@ -248,14 +244,11 @@ def check_kv_capacity(
     """Refuse a request whose `n` samples, each run to `max_tokens`, could never be held at once
     in a KV pool of `capacity_tokens` (prompt blocks shared, as the engine forks them). The
     decode engine checks the same rule again; refusing here spares the prefill."""
-    need = request_kv_blocks(num_prompt_tokens, max_tokens, n, block_size)
-    total = capacity_tokens // block_size
-    if need > total:
-        raise ExceedsKVCapacity(
-            f"request needs {need} KV blocks of {block_size} tokens for n={n} x (prompt "
-            f"{num_prompt_tokens} + max_tokens {max_tokens}), prompt blocks shared, but a "
-            f"decode instance holds {total} blocks in all; lower n or max_tokens"
-        )
+    shortfall = kv_capacity_shortfall(num_prompt_tokens, max_tokens, n, block_size=block_size,
+                                      total_blocks=capacity_tokens // block_size,
+                                      where="a decode instance")
+    if shortfall is not None:
+        raise ExceedsKVCapacity(shortfall)
 
 
 def retry_after_ms(seconds: float) -> str:

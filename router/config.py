@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pdmesh.auth import ClusterToken, load_cluster_token
-from pdmesh.config import parse_config, split_address
+from pdmesh.config import about, parse_config, split_address
 from pdmesh.engine.generation_config import check_source
+from pdmesh.engine.stall import StallBound
+from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits
 from pdmesh.router.routing.base import POLICY_NAMES
@@ -21,107 +23,128 @@ from pdmesh.router.routing.base import POLICY_NAMES
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass
 class RouterConfig:
-    host: str = field(default="127.0.0.1", metadata=_help("address to listen on"))
-    port: int = field(default=0, metadata=_help("port to listen on; 0 picks a free one"))
+    host: str = field(default="127.0.0.1", metadata=about("address to listen on"))
+    port: int = field(default=0, metadata=about("port to listen on; 0 picks a free one"))
     model: str = field(
         default="smollm2",
-        metadata=_help("model alias or directory; also the served name unless "
+        metadata=about("model alias or directory; also the served name unless "
                        "--served-model-name is given"),
     )
     served_model_name: str = field(
-        default="", metadata=_help("the name clients ask for and the registry namespace (the "
+        default="", metadata=about("the name clients ask for and the registry namespace (the "
                                    "engines' --served-model-name); empty = --model")
     )
     tokenizer: str | None = field(
-        default=None, metadata=_help("model dir/alias to load the tokenizer from; default: model")
+        default=None, metadata=about("model dir/alias to load the tokenizer from; default: model")
     )
     generation_config: str = field(
         default="auto",
-        metadata={**_help("sampling defaults for fields a request leaves unset: auto (the "
-                          "model's generation_config.json), vllm (none) or a directory"),
-                  "choices": ("auto", "vllm", "PATH")},
+        metadata=about("sampling defaults for fields a request leaves unset: auto (the "
+                         "model's generation_config.json), vllm (none) or a directory",
+                         ("auto", "vllm", "PATH")),
     )
     chat_template: str | None = field(
-        default=None, metadata=_help("a Jinja chat template (file path or the template "
-                                     "itself) replacing the tokenizer's")
+        default=None, metadata=about("a Jinja chat template replacing the tokenizer's: a "
+                                     "file, the template itself, or a tool-calling template "
+                                     "shipped with pdmesh by name (hermes, llama3_json)")
     )
     tokenizer_pool_size: int = field(
         default=2,
-        metadata=_help("threads tokenizing prompts (one is kept for short prompts when >= 2)"),
+        metadata=about("threads tokenizing prompts (one is kept for short prompts when >= 2)"),
     )
     redis_url: str | None = field(
-        default=None, metadata=_help("cluster index and registry; unset = static addresses only")
+        default=None, metadata=about("cluster index and registry; unset = static addresses only")
     )
     prefill: tuple[str, ...] = field(
-        default=(), metadata=_help("static prefill instance addresses, comma-separated")
+        default=(), metadata=about("static prefill instance addresses, comma-separated")
     )
     decode: tuple[str, ...] = field(
-        default=(), metadata=_help("static decode instance addresses, comma-separated")
+        default=(), metadata=about("static decode instance addresses, comma-separated")
     )
     routing_policy: str = field(
-        default="prefix_aware", metadata=_help(f"one of {', '.join(POLICY_NAMES)}")
+        default="prefix_aware", metadata=about(f"one of {', '.join(POLICY_NAMES)}")
     )
     prefix_weight: float = field(
-        default=1.0, metadata=_help("cost weight of one uncached prompt block (prefix_aware)")
+        default=1.0, metadata=about("cost weight of one uncached prompt block (prefix_aware)")
     )
     local_prefill_threshold: int = field(
         default=256,
-        metadata=_help("decode prefills locally when fewer prompt tokens are uncached on it"),
+        metadata=about("decode prefills locally when fewer prompt tokens are uncached on it"),
     )
-    max_concurrent_requests: int = field(default=64, metadata=_help("admission limit"))
+    max_concurrent_requests: int = field(default=64, metadata=about("admission limit"))
     max_inflight_tokens: int = field(
-        default=1_000_000, metadata=_help("admission limit on prompt + max output tokens")
+        default=1_000_000, metadata=about("admission limit on prompt + max output tokens")
     )
-    max_queued_requests: int = field(default=128, metadata=_help("admission queue length"))
-    max_queue_wait_s: float = field(default=30.0, metadata=_help("longest admission wait"))
+    max_queued_requests: int = field(default=128, metadata=about("admission queue length"))
+    max_queue_wait_s: float = field(default=30.0, metadata=about("longest admission wait"))
+    max_queue_delay_s: float = field(default=60.0, metadata=about(
+        "refuse a request (429 with Retry-After) when its predicted time to first token, from "
+        "the prompt tokens queued ahead of it and the instances' measured prefill speed, is "
+        "longer than this (seconds); 0 = never"))
     poll_interval_s: float = field(
-        default=0.5, metadata=_help("how often instances' load and the registry are polled")
+        default=0.5, metadata=about("how often instances' load and the registry are polled")
     )
     failure_threshold: int = field(
-        default=2, metadata=_help("failed polls before an instance leaves routing")
+        default=2, metadata=about("failed polls before an instance leaves routing")
     )
     drain_timeout_s: float = field(
-        default=30.0, metadata=_help("on SIGTERM: how long running streams may go on before "
+        default=30.0, metadata=about("on SIGTERM: how long running streams may go on before "
                                      "they are cut (seconds)")
     )
     startup_wait_s: float = field(
-        default=30.0, metadata=_help("wait this long for a decode instance before serving")
+        default=30.0, metadata=about("wait this long for a decode instance before serving")
     )
     rpc_timeout_s: float = field(
-        default=2.0, metadata=_help("deadline of control calls (GetLoad, GetInfo, ReleaseKV)")
+        default=2.0, metadata=about("deadline of control calls (GetLoad, GetInfo, ReleaseKV)")
     )
     request_timeout_s: float = field(
-        default=600.0, metadata=_help("deadline of a request whose client set none")
+        default=600.0, metadata=about("deadline of a request whose client set none")
+    )
+    structured_output_compile_timeout_s: float = field(
+        default=DEFAULT_COMPILE_TIMEOUT_S, metadata=about(
+            "a structured-output spec must compile within this many seconds (tried in a "
+            "process that is killed when it passes) or the request is refused with a 400; "
+            "the engines keep their own bound")
     )
     migration_limit: int = field(
         default=3,
-        metadata=_help("times one request's broken decode stream may resume on another decode "
+        metadata=about("times one request's broken decode stream may resume on another decode "
                        "instance; 0 = never"),
     )
-    tls_cert: str | None = field(default=None, metadata=_help("PEM certificate (server+client)"))
-    tls_key: str | None = field(default=None, metadata=_help("PEM private key"))
-    tls_ca: str | None = field(
-        default=None, metadata=_help("PEM CA: require client certs, verify instances")
+    stall_timeout_s: float = field(
+        default=StallBound.max_s,
+        metadata=about("a call waiting on an instance that shows no progress moves to another "
+                       "instance after at most this long (seconds; the stall bound's upper "
+                       "clamp)"),
     )
-    cluster_token_file: str | None = field(default=None, metadata=_help(
+    stall_timeout_min_s: float = field(
+        default=StallBound.min_s, metadata=about("the stall bound's lower clamp (seconds)")
+    )
+    stall_step_multiple: float = field(
+        default=StallBound.step_multiple,
+        metadata=about("the stall bound in multiples of the instance's longest expected step "
+                       "(its GetLoad max_step_s), between the clamps"),
+    )
+    tls_cert: str | None = field(default=None, metadata=about("PEM certificate (server+client)"))
+    tls_key: str | None = field(default=None, metadata=about("PEM private key"))
+    tls_ca: str | None = field(
+        default=None, metadata=about("PEM CA: require client certs, verify instances")
+    )
+    cluster_token_file: str | None = field(default=None, metadata=about(
         "file holding the cluster token (or env PDMESH_CLUSTER_TOKEN): sent on calls to "
         "engines, required on registry entries, signs KV transfer capabilities"))
-    redis_password_file: str | None = field(default=None, metadata=_help(
+    redis_password_file: str | None = field(default=None, metadata=about(
         "file holding the Redis ACL password (or env PDMESH_REDIS_PASSWORD)"))
-    redis_ca: str | None = field(default=None, metadata=_help(
+    redis_ca: str | None = field(default=None, metadata=about(
         "PEM CA verifying a rediss:// server"))
-    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=_help("gRPC cap"))
-    log_level: str = field(default="warning", metadata=_help(f"one of {', '.join(LOG_LEVELS)}"))
+    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=about("gRPC cap"))
+    log_level: str = field(default="warning", metadata=about(f"one of {', '.join(LOG_LEVELS)}"))
     metrics_port: int = field(
-        default=9400, metadata=_help("Prometheus /metrics port; 0 picks a free one, -1 = off")
+        default=9400, metadata=about("Prometheus /metrics port; 0 picks a free one, -1 = off")
     )
-    metrics_host: str = field(default="", metadata=_help("/metrics bind address; empty = --host"))
+    metrics_host: str = field(default="", metadata=about("/metrics bind address; empty = --host"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -147,12 +170,15 @@ class RouterConfig:
             raise ValueError(
                 f"--local-prefill-threshold must be >= 0, got {self.local_prefill_threshold}"
             )
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"--max-queue-delay-s must be >= 0, got {self.max_queue_delay_s}")
         if self.startup_wait_s < 0:
             raise ValueError(f"--startup-wait-s must be >= 0, got {self.startup_wait_s}")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError(f"--drain-timeout-s must be in [0, 3600], got "
                              f"{self.drain_timeout_s}")
-        for name in ("poll_interval_s", "rpc_timeout_s", "request_timeout_s"):
+        for name in ("poll_interval_s", "rpc_timeout_s", "request_timeout_s",
+                     "structured_output_compile_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if not 1 <= self.tokenizer_pool_size <= 64:
@@ -161,6 +187,12 @@ class RouterConfig:
             )
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if not 0 < self.stall_timeout_min_s <= self.stall_timeout_s:
+            raise ValueError("need 0 < --stall-timeout-min-s <= --stall-timeout-s, got "
+                             f"{self.stall_timeout_min_s} and {self.stall_timeout_s}")
+        if self.stall_step_multiple <= 0:
+            raise ValueError(f"--stall-step-multiple must be > 0, got "
+                             f"{self.stall_step_multiple}")
         if self.failure_threshold < 1:
             raise ValueError(f"--failure-threshold must be >= 1, got {self.failure_threshold}")
         if self.log_level not in LOG_LEVELS:
@@ -187,6 +219,11 @@ class RouterConfig:
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+
+    def stall_bound(self) -> StallBound:
+        """The progress watchdog's patience (router/watchdog.py)."""
+        return StallBound(min_s=self.stall_timeout_min_s, max_s=self.stall_timeout_s,
+                          step_multiple=self.stall_step_multiple)
 
     def admission_limits(self) -> AdmissionLimits:
         try:

@@ -15,7 +15,15 @@ An instance leaves routing when it
   it (`RETIRED_CHANNEL_GRACE_S`): a draining instance finishes them, and closing the channel
   at once would cut them on this side instead;
 * serves another model or hashes blocks with another scheme than the rest of the cluster
-  (their prefix hits would silently be 0 %).
+  (their prefix hits would silently be 0 %);
+* reports its engine core stalled (`core_stalled`: its own watchdog, engine_svc/watchdog.py),
+  or silent with work in flight for longer than the router's stall bound (`core_silent_s`).
+
+Progress: every answered poll whose engine core is not stalled is evidence that the instance
+was making progress `core_silent_s` before it was sent (an idle core owes nothing: 0), and so
+is every delta a call receives from it (`note_progress`). `Instance.progress_at` is the latest
+such evidence; the router's progress watchdog (router/watchdog.py) reads it, and asks the
+instance itself (`confirm_progress`) before it judges an instance whose last evidence is old.
 
 With a cluster token, registry entries not signed with it are never contacted at all (a
 warning and `pdmesh:registry_rejected_entries_total`); see docs/SECURITY.md.
@@ -36,7 +44,6 @@ import contextlib
 import logging
 import re
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -45,6 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.auth import ClusterToken, auth_metrics
 from pdmesh.engine.block_hash import HashScheme
+from pdmesh.engine.stall import StallBound
 from pdmesh.grpc_common import TLSConfig, open_channel
 from pdmesh.kvstore.instance_registry import (
     InstanceInfo,
@@ -52,8 +60,8 @@ from pdmesh.kvstore.instance_registry import (
     registration_problem,
 )
 from pdmesh.kvstore.redis_conn import IndexUnavailable
-from pdmesh.router.routing.base import Candidate, LoadSnapshot
-from pdmesh.v1 import engine_pb2, engine_pb2_grpc
+from pdmesh.router.instance import Instance
+from pdmesh.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -88,88 +96,6 @@ def scheme_from_description(description: str) -> HashScheme:
 
 
 @dataclass
-class Instance:
-    """One engine process behind one address, as seen by this router."""
-
-    address: str
-    role: str  # "prefill", "decode" or "colocated" (the role it was listed or registered as)
-    channel: grpc.aio.Channel
-    static: bool = False
-    registered: bool = False
-    info: engine_pb2.EngineInfo | None = None
-    load: engine_pb2.EngineLoad = field(default_factory=engine_pb2.EngineLoad)
-    healthy: bool = False
-    detail: str = "not polled yet"
-    failures: int = 0
-    inflight_requests: int = 0
-    inflight_blocks: int = 0
-    load_polled_at: float = 0.0  # monotonic time the poll behind `load` was sent
-    recent_finishes: deque[tuple[float, float, int]] = field(
-        default_factory=lambda: deque(maxlen=1024)
-    )  # (started, finished, blocks) of requests that ended since the last poll was sent
-
-    def request_started(self, blocks: int) -> float:
-        """Count a request this router sent here; returns its start time."""
-        self.inflight_requests += 1
-        self.inflight_blocks += blocks
-        return time.monotonic()
-
-    def request_finished(self, blocks: int, started: float) -> None:
-        """Undo `request_started`, and correct the polled load, which lags: a snapshot taken
-        while the request ran still counts its blocks as in use, and routing on it until the
-        next poll would penalise exactly the instance whose cache the request just filled."""
-        self.inflight_requests -= 1
-        self.inflight_blocks -= blocks
-        finished = time.monotonic()
-        self.recent_finishes.append((started, finished, blocks))
-        if self.load_polled_at > started:
-            self._free_in_snapshot(blocks)
-
-    def apply_poll(self, load: engine_pb2.EngineLoad, sent_at: float) -> None:
-        """Take a GetLoad answer (sent at `sent_at`), re-applying the corrections for
-        requests that finished after it was sent."""
-        self.load = load
-        self.load_polled_at = sent_at
-        for started, finished, blocks in self.recent_finishes:
-            if started < sent_at < finished:
-                self._free_in_snapshot(blocks)
-        while self.recent_finishes and self.recent_finishes[0][1] <= sent_at:
-            self.recent_finishes.popleft()
-
-    def _free_in_snapshot(self, blocks: int) -> None:
-        self.load.num_free_blocks = min(
-            self.load.num_total_blocks, self.load.num_free_blocks + blocks
-        )
-        self.load.num_running = max(0, self.load.num_running - 1)
-
-    @property
-    def instance_id(self) -> str:
-        return self.info.instance_id if self.info is not None else ""
-
-    def serves(self, role: str) -> bool:
-        return self.role == role or self.role == "colocated"
-
-    def prefill_stub(self) -> engine_pb2_grpc.PrefillStub:
-        return engine_pb2_grpc.PrefillStub(self.channel)
-
-    def decode_stub(self) -> engine_pb2_grpc.DecodeStub:
-        return engine_pb2_grpc.DecodeStub(self.channel)
-
-    def snapshot(self) -> LoadSnapshot:
-        return LoadSnapshot(
-            num_running=self.load.num_running,
-            num_waiting=self.load.num_waiting,
-            num_free_blocks=self.load.num_free_blocks,
-            num_total_blocks=self.load.num_total_blocks,
-            inflight_requests=self.inflight_requests,
-            inflight_blocks=self.inflight_blocks,
-        )
-
-    def candidate(self, cached: dict[str, int]) -> Candidate:
-        return Candidate(self.instance_id, self.snapshot(), cached.get(self.instance_id, 0))
-
-
-@dataclass
 class PoolSettings:
     model: str
     poll_interval_s: float = 0.5
@@ -183,6 +109,8 @@ class PoolSettings:
     # After a registry outage, how long instances missing from the registry stay: engines
     # retry Redis with a back-off of up to ~5 s, then heartbeat, before they re-register.
     rejoin_grace_s: float = 15.0
+    # How long an instance may show no progress with work in flight (router/watchdog.py).
+    stall: StallBound = field(default_factory=StallBound)
 
 
 @dataclass(frozen=True)
@@ -250,7 +178,7 @@ class InstancePool:
     def servability(self) -> Servability:
         """Can a request be routed now? It needs a live decode-capable instance: without a
         live prefill-capable one the decode instance prefills every prompt itself (degraded,
-        still serving; `detail` says so). This is what the orchestrator refuses on (`no live
+        still serving; `detail` says so). This is what the planner refuses on (`no live
         decode instance to route to`), checked ahead."""
         decode = [i for i in self.routable("decode") if i.instance_id]
         if not decode:
@@ -417,6 +345,13 @@ class InstancePool:
             return
         instance.apply_poll(load, sent_at)
         instance.failures = 0
+        stalled = self._take_progress(instance, load, sent_at)
+        if stalled:
+            if instance.healthy:  # its detail changes every poll: log the change of state
+                logger.warning("instance hung address=%s id=%s: %s", instance.address,
+                               instance.instance_id, stalled)
+            instance.healthy, instance.detail = False, stalled
+            return
         if not serving:
             if instance.healthy:
                 logger.warning("instance NOT_SERVING (shutting down) address=%s id=%s",
@@ -433,6 +368,39 @@ class InstancePool:
             logger.info("instance routable address=%s id=%s", instance.address,
                         instance.instance_id)
         instance.healthy, instance.detail = True, ""
+
+    def _take_progress(self, instance: Instance, load: engine_pb2.EngineLoad,
+                       sent_at: float) -> str:
+        """Record what a GetLoad answer says about progress; why the instance counts as hung
+        ('' if it does not)."""
+        if load.core_stalled:
+            return f"engine core stalled ({load.core_silent_s:.1f}s without an answer)"
+        instance.note_progress(sent_at - load.core_silent_s)
+        bound = instance.stall_bound_s(self.settings.stall)
+        if load.core_silent_s >= bound:
+            return (f"engine core silent for {load.core_silent_s:.1f}s with work in flight "
+                    f"(stall bound {bound:.1f}s)")
+        return ""
+
+    async def confirm_progress(self, instance: Instance) -> None:
+        """Ask `instance` how its core is doing now (one GetLoad, shared by every caller
+        meanwhile) and record the evidence; a call that fails or times out records none."""
+        task = instance.progress_check
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(
+                self._ask_progress(instance), name=f"confirm-progress {instance.address}")
+            instance.progress_check = task
+        await asyncio.shield(task)
+
+    async def _ask_progress(self, instance: Instance) -> None:
+        sent_at = time.monotonic()
+        stub = instance.prefill_stub() if instance.role == "prefill" else instance.decode_stub()
+        try:
+            load = await stub.GetLoad(engine_pb2.GetLoadRequest(),
+                                      timeout=self.settings.rpc_timeout_s)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+            return
+        self._take_progress(instance, load, sent_at)
 
     def _incompatibility(self, info: engine_pb2.EngineInfo) -> str:
         """Why `info` cannot join this cluster, or '' if it can. The first compatible

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdmesh.engine.llm import apply_chat_template
+from pdmesh.chat_templates import CHAT_TEMPLATES, named_chat_template
+from pdmesh.engine.chat_template import apply_chat_template
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_bound import NoBound, PromptBound
@@ -35,22 +36,41 @@ LARGE_PROMPT_BYTES = 32 * 1024
 """Above this a prompt takes a large-prompt lane (tens of milliseconds of tokenizing and up)."""
 
 
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""`tokenizer_class` values that name the generic fast tokenizer: nothing model-specific to
+construct, so the router loads it without transformers' auto classes, which import torch (the
+router would carry ~300 MB of it for nothing)."""
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, as the engines load it (`AutoTokenizer`), but without torch
+    where the checkpoint names the generic fast class."""
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 class PromptTokenizer:
     """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
 
     def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         model_dir = resolve_model(model)
-        copies = [AutoTokenizer.from_pretrained(model_dir) for _ in range(pool_size)]
+        copies = [load_tokenizer(model_dir) for _ in range(pool_size)]
         template = load_chat_template(chat_template)
         if template is not None:
             for copy in copies:
                 copy.chat_template = template
         config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(config.get("vocab_size") or len(copies[0]))
+        self.model_dir = model_dir
         self.pool_size = pool_size
         self.bound = _bound_of(copies[0])
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -188,16 +208,22 @@ def chat_tools(chat: Any) -> list[dict[str, Any]] | None:
 
 
 def load_chat_template(template: str | None) -> str | None:
-    """`--chat-template`: a file's contents, or the argument itself when it is a template
-    (vLLM accepts both); None when not given. A missing file is a ValueError naming it."""
+    """`--chat-template`: a file's contents, the argument itself when it is a template (vLLM
+    accepts both), or a template shipped with pdmesh by name (`hermes`, `llama3_json`; a file
+    of that name wins); None when not given. Anything else is a ValueError naming it."""
     if template is None or not template.strip():
         return None
     if "{" in template:  # Jinja syntax: the template itself
         return template
     path = Path(template).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--chat-template: {template!r} is neither a file nor a template")
-    return path.read_text()
+    if path.is_file():
+        return path.read_text()
+    shipped = named_chat_template(template.strip())
+    if shipped is None:
+        raise ValueError(
+            f"--chat-template: {template!r} is neither a file, a template nor a shipped "
+            f"template name ({', '.join(CHAT_TEMPLATES)})")
+    return shipped
 
 
 def _bound_of(tokenizer: Any) -> PromptBound | None:

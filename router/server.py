@@ -1,6 +1,8 @@
 """The Router gRPC service (`pdmesh router`): the cluster's only public front door.
 
 Generate = admit (validate, tokenize, budget) → route and run (orchestrator) → stream back.
+The process around the service (start-up, health mirroring, drain, teardown) is
+`router/process.py`.
 Tokenize, ListModels and GetStatus answer from the router's own state. The standard health
 service reports, updated after every instance poll:
 
@@ -23,42 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
 from pdmesh.engine.generation_config import (
     GenerationDefaults,
     apply_to_proto,
-    load_generation_defaults,
-)
-from pdmesh.engine.model_store import resolve_model
-from pdmesh.gc_heap import freeze_startup_heap
-from pdmesh.grpc_common import (
-    DRAINING,
-    REFUSED_KEY,
-    GrpcServer,
-    await_bounded,
-    install_shutdown_signals,
-)
-from pdmesh.kvstore.instance_registry import InstanceRegistry
-from pdmesh.kvstore.prefix_index import PrefixIndex
-from pdmesh.kvstore.redis_conn import RedisConnection
-from pdmesh.kvstore.redis_schema import KeySpace
-from pdmesh.logs import run_service
-from pdmesh.metrics import (
-    RouterCollector,
-    RouterMetrics,
-    RouterState,
-    process_registry,
-    router_metrics,
-    start_metrics_server,
 )
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
@@ -73,16 +50,14 @@ from pdmesh.router.admission import (
     sampling_from_proto,
     validate_prompt,
 )
-from pdmesh.router.config import RouterConfig, parse_router_config
-from pdmesh.router.instances import InstancePool, PoolSettings
-from pdmesh.router.orchestrator import (
-    UNAVAILABLE_RETRY_AFTER_S,
-    Orchestrator,
-    PreparedRequest,
-    RouteError,
-)
+from pdmesh.router.config import RouterConfig
+from pdmesh.router.failures import RouteError
+from pdmesh.router.grammar_check import GrammarCheck
+from pdmesh.router.instances import InstancePool
+from pdmesh.router.orchestrator import Orchestrator
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
-from pdmesh.router.routing import make_policy
+from pdmesh.router.queue_delay import QueueDelay, Worker
+from pdmesh.router.request import PreparedRequest
 from pdmesh.tracing import (
     SpanKind,
     extract_metadata,
@@ -126,6 +101,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.orchestrator = orchestrator
         self.metrics = orchestrator.metrics
         self.admission = Admission(config.admission_limits())
+        self.queue_delay = QueueDelay(config.max_queue_delay_s)
+        self.grammars = GrammarCheck(tokenizer.model_dir, tokenizer.vocab_size,
+                                     config.structured_output_compile_timeout_s)
         self._inflight: set[str] = set()
 
     # -- Generate ----------------------------------------------------------------------------
@@ -171,6 +149,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         status: _CallStatus,
     ) -> None:
         """Serve one Generate, or abort the call (raising) with the status noted in `status`."""
+        rejected = self.metrics.admission_rejections
+        if not _valid_request_id(request_id):
+            # Before anything is sent: the id goes out as metadata, where gRPC allows only
+            # printable ASCII (anything else would fail the call with INTERNAL).
+            rejected.labels("invalid_argument").inc()
+            await _abort(context, status, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_id: must be printable ASCII and at most "
+                         f"{MAX_REQUEST_ID_BYTES} bytes")
         if request_id in self._inflight:
             self.metrics.admission_rejections.labels("duplicate_request_id").inc()
             await _abort(
@@ -181,7 +167,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         await context.send_initial_metadata((("x-request-id", request_id),))
         self._inflight.add(request_id)
-        rejected = self.metrics.admission_rejections
         try:
             await self._generate(request, request_id, received, context)
         except InvalidRequest as exc:
@@ -219,13 +204,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         received: float,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        if len(request_id.encode()) > MAX_REQUEST_ID_BYTES or not request_id.isprintable():
-            raise InvalidRequest(
-                "request_id", f"must be printable and at most {MAX_REQUEST_ID_BYTES} bytes"
-            )
         self._check_model(request.model)
+        if not request.HasField("sampling"):
+            # Unset would mean every default, max_tokens included: up to the context limit,
+            # far more than a client that forgot the message expects.
+            raise InvalidRequest(
+                "sampling", "required; send an empty SamplingParams to take every default"
+            )
         sampling = apply_to_proto(request.sampling, self.defaults)  # request > server default
         params = sampling_from_proto(sampling)
+        await self.grammars.check(params.structured_output)  # compiles, within its budget
         max_model_len = self.pool.max_model_len()
         ids = await self.tokenizer.encode(request, max_model_len)  # refuses provably too long
         tokenize_ms = (time.monotonic() - received) * 1000
@@ -264,7 +252,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 )
             )
             span.set_attribute("pdmesh.tokenize_ms", tokenize_ms)
-        budget = budget_tokens(len(ids), max_tokens, params.n)
+        budget = budget_tokens(len(ids), max_tokens, params.n, self.pool.block_size)
+        workers = self._workers()
+        self.queue_delay.observe(workers)
+        self.queue_delay.admit(len(ids), workers)  # OverCapacity when it would wait too long
         wait_s = prepared.deadline - time.monotonic()
         with get_tracer().start_as_current_span(
             "pdmesh.router.admission", attributes={"pdmesh.admission.budget_tokens": budget}
@@ -281,7 +272,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 }
             )
         async with ticket:
-            await self.orchestrator.run(prepared, context.write)
+            await self._run_counting_backlog(prepared, context)
+
+    async def _run_counting_backlog(self, prepared: PreparedRequest,
+                                    context: grpc.aio.ServicerContext) -> None:
+        """Run the request with its prompt on the queue-delay backlog until its first output
+        (or its end, whichever comes first)."""
+        prompt = len(prepared.prompt_token_ids)
+        self.queue_delay.started(prompt)
+        waiting = True
+
+        async def write(message: router_pb2.GenerateResponse) -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self.queue_delay.first_token(prompt)
+            await context.write(message)
+
+        try:
+            await self.orchestrator.run(prepared, write)
+        finally:
+            if waiting:
+                self.queue_delay.first_token(prompt)
+
+    def _workers(self) -> list[Worker]:
+        return [Worker(i.address, i.role == "prefill", i.healthy, i.load.scheduled_tokens,
+                       i.load.step_seconds) for i in self.pool.instances()]
 
     def _check_model(self, model: str) -> None:
         if model and model != self.config.model_name:
@@ -357,6 +373,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         )
 
 
+def _valid_request_id(request_id: str) -> bool:
+    return (request_id.isascii() and request_id.isprintable()
+            and len(request_id) <= MAX_REQUEST_ID_BYTES)
+
+
 @dataclass
 class _CallStatus:
     """The status one Generate call ends with, counted once, as soon as it is known: an abort
@@ -387,176 +408,3 @@ async def _abort(
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     mark_error(span, f"{code.name}: {details}")
     await context.abort(code, details, trailing_metadata=trailing_metadata)
-
-
-class HealthReporter:
-    """Mirrors the pool's state into the health service: whether a request can be routed
-    (SERVICE_NAME) and whether the prefix index is reachable (INDEX_HEALTH_NAME). "" is left
-    SERVING: it is the process's liveness, not its readiness."""
-
-    def __init__(self, server: GrpcServer, pool: InstancePool) -> None:
-        self._server = server
-        self._pool = pool
-        self._last: dict[str, bool] = {}
-
-    async def update(self) -> None:
-        servable = self._pool.servability()
-        await self._set(SERVICE_NAME, servable.serving, "router", servable.detail)
-        await self._set(INDEX_HEALTH_NAME, self._pool.index_available, "prefix index",
-                        self._pool.index_detail or "routing on load only")
-
-    async def run(self) -> None:
-        """Update after every completed poll round, until cancelled."""
-        while True:
-            await self._pool.wait_polled()
-            await self.update()
-
-    async def _set(self, name: str, ok: bool, what: str, detail: str) -> None:
-        previous = self._last.get(name)
-        if previous == ok:
-            return
-        self._last[name] = ok
-        await self._server.health.set(
-            name,
-            health_pb2.HealthCheckResponse.SERVING if ok
-            else health_pb2.HealthCheckResponse.NOT_SERVING,
-        )
-        if previous is None:
-            logger.info("%s %s %s", what, "SERVING" if ok else "NOT_SERVING:", detail)
-        elif not ok:
-            logger.warning("%s NOT_SERVING: %s", what, detail)
-        else:
-            logger.info("%s SERVING again", what)
-
-
-async def _first_contact(pool: InstancePool, timeout_s: float) -> None:
-    """Poll until a decode instance is routable (or `timeout_s` passes), so that a router
-    that says "ready" can serve at once; without one it still starts and keeps polling."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        await pool.poll_once()
-        if pool.routable("decode") or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    if not pool.routable("decode"):
-        logger.warning("no routable decode instance after %gs; serving anyway", timeout_s)
-
-
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the router until `stop` is set (SIGINT/SIGTERM when not given)."""
-    stop = stop or asyncio.Event()
-    install_shutdown_signals(stop, config.drain_timeout_s)
-    metrics: RouterMetrics = router_metrics()
-    tokenizer = await asyncio.to_thread(
-        PromptTokenizer, config.model_source, config.tokenizer_pool_size, config.chat_template
-    )
-    defaults = load_generation_defaults(config.generation_config,
-                                        resolve_model(config.model_source))
-    conn = RedisConnection.from_url(
-        config.redis_url, password_file=config.redis_password_file, ca_file=config.redis_ca,
-    ) if config.redis_url else None
-    keys = KeySpace(model=config.model_name)
-    static = [("prefill", a) for a in config.prefill] + [("decode", a) for a in config.decode]
-    pool = InstancePool(
-        PoolSettings(
-            model=config.model_name,
-            poll_interval_s=config.poll_interval_s,
-            failure_threshold=config.failure_threshold,
-            rpc_timeout_s=config.rpc_timeout_s,
-            tls=config.tls,
-            max_message_bytes=config.max_message_bytes,
-            token=config.cluster_token,
-        ),
-        static=static,
-        registry=InstanceRegistry(conn, keys) if conn else None,
-    )
-    orchestrator = Orchestrator(
-        pool,
-        {
-            role: make_policy(config.routing_policy, prefix_weight=config.prefix_weight)
-            for role in ("prefill", "decode")
-        },
-        PrefixIndex(conn, keys) if conn else None,
-        local_prefill_threshold=config.local_prefill_threshold,
-        rpc_timeout_s=config.rpc_timeout_s,
-        migration_limit=config.migration_limit,
-        metrics=metrics,
-        token=config.cluster_token,
-    )
-    service = RouterService(config, tokenizer, pool, orchestrator, defaults)
-    collector = RouterCollector(
-        lambda: RouterState(
-            running=service.admission.running,
-            queued=service.admission.queued,
-            inflight_tokens=service.admission.inflight_tokens,
-            instances=[(i.role, i.healthy) for i in pool.instances()],
-            index_up=pool.index_available if conn is not None else None,
-        )
-    )
-    server = GrpcServer(
-        [SERVICE_NAME],
-        host=config.host,
-        port=config.port,
-        tls=config.tls,
-        max_message_bytes=config.max_message_bytes,
-        drain_methods=[f"/{SERVICE_NAME}/Generate"],
-        refusal=_refuse_draining,
-    )
-    router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
-    await _first_contact(pool, timeout_s=config.startup_wait_s)
-    endpoint = None
-    if config.metrics_port >= 0:  # before serving: a taken port must fail the start-up
-        endpoint = start_metrics_server(config.metrics_host or config.host, config.metrics_port,
-                                        certfile=config.tls_cert, keyfile=config.tls_key)
-    process_registry().register(collector)
-    pool.start()
-    address = await server.start()
-    health = HealthReporter(server, pool)
-    await health.update()  # start() said SERVING for every name; correct that at once
-    health_task = asyncio.create_task(health.run())
-    logger.info("router serving address=%s policy=%s", address, config.routing_policy)
-    freeze_startup_heap()  # the tokenizer, the pool, gRPC: no more GC scans of them
-    print(f"ready {address} metrics={endpoint.url if endpoint else ''}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        health_task.cancel()  # it must not report SERVING again while draining
-        if stop.is_set():
-            # Drain: NOT_SERVING, refuse new Generate calls, let the running streams finish.
-            logger.info("router draining calls=%d timeout_s=%g", server.gate.inflight,
-                        config.drain_timeout_s)
-            left = await server.drain(config.drain_timeout_s)
-            (logger.warning if left else logger.info)("router drained; cutting calls=%d", left)
-        logger.info("router shutting down")
-        process_registry().unregister(collector)
-        if endpoint is not None:
-            endpoint.close()
-        # Each step bounded: a library stuck in its close must not keep the process (and its
-        # port) past the drain deadline; the log names the step that hung. Together they stay
-        # inside TEARDOWN_BOUND_S, before the exit watchdog.
-        await await_bounded("the gRPC server's stop", server.stop(grace_s=1.0), 3.0)
-        await await_bounded("cleanup calls", orchestrator.drain(timeout_s=2.0), 2.5)
-        await await_bounded("the instance pool's stop", pool.stop(), 1.5)
-        tokenizer.close()
-        if conn is not None:
-            await await_bounded("the Redis connection's close", conn.aclose(), 1.0)
-
-
-async def _refuse_draining(context: grpc.aio.ServicerContext) -> None:
-    """A Generate arriving while this router drains: UNAVAILABLE with a retry hint, marked
-    refused-before-work, so a client (or the gateway) may send it to another router."""
-    context.set_trailing_metadata((
-        (REFUSED_KEY, DRAINING),
-        (RETRY_AFTER_KEY, retry_after_ms(UNAVAILABLE_RETRY_AFTER_S)),
-    ))
-    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                        "router is draining before shutdown; retry in a moment")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_router_config(argv)
-    return run_service("router", config.log_level, lambda: serve(config))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

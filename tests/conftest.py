@@ -1,4 +1,19 @@
-"""Shared fixtures: the real SmolLM2 weights and the transformers reference on them."""
+"""Shared fixtures (the real SmolLM2 weights and the transformers reference on them), and the
+rule that keeps the test tiers honest.
+
+Every test names its tier with markers (pyproject.toml lists them), set once per module with
+`pytestmark` and, where a module's tests differ, on the tests themselves:
+
+* `fast`: runs in-process only: no child process, no Redis, no model files. `pytest -m fast`
+  is the loop to run on every edit (under 2 minutes on 2 cores); keep a fast test fast.
+* otherwise what the test needs: `weights` (model_dir, hf_model, hf_tokenizer, an engine on
+  SmolLM2), `redis` (a redis-server), `processes` (anything started with subprocess); plus
+  `slow` when it takes seconds, and `e2e` for a mesh of real services.
+
+`pytest_runtest_setup` below fails a test that names no tier, and a `fast` test that also names
+a heavier tier or asks for a fixture of one (tests/tiers.py), so the tiers stay true as tests
+are added.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +21,17 @@ import os
 
 import pytest
 
+from tests.tiers import tier_problem
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail a test whose markers do not say honestly what it needs (tests/tiers.py)."""
+    problem = tier_problem(item.nodeid, {mark.name for mark in item.iter_markers()},
+                           set(getattr(item, "fixturenames", ())))
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from pdmesh.router.routing.base import (
     NoCandidateError,
     RouteRequest,
     RoutingPolicy,
-    make_policy,
 )
+from pdmesh.router.routing.factory import make_policy
 
 __all__ = [
     "Candidate",

@@ -1,9 +1,11 @@
 """The routing interface: a policy is a pure choice over candidates the caller assembled.
 
-The caller (the orchestrator) gathers everything a policy may look at — each live instance's
+The caller (router/planner.py) gathers everything a policy may look at — each live instance's
 load snapshot and, for prefix-aware routing, how many leading prompt blocks the cluster index
 says it holds — so policies stay synchronous, deterministic and unit-testable. Only the
 round-robin policy keeps state (its cursor).
+
+The policies import this module, so it imports none of them: `factory.py` builds one by name.
 """
 
 from __future__ import annotations
@@ -87,18 +89,5 @@ def require_candidates(candidates: Sequence[Candidate]) -> None:
 
 
 POLICY_NAMES = ("prefix_aware", "round_robin", "least_loaded")
+"""The `--routing-policy` names; `factory.make_policy` builds each."""
 
-
-def make_policy(name: str, *, prefix_weight: float = 1.0) -> RoutingPolicy:
-    """Build a policy by its `--routing-policy` name."""
-    from pdmesh.router.routing.least_loaded import LeastLoadedPolicy
-    from pdmesh.router.routing.prefix_aware import PrefixAwarePolicy
-    from pdmesh.router.routing.round_robin import RoundRobinPolicy
-
-    if name == "prefix_aware":
-        return PrefixAwarePolicy(prefix_weight=prefix_weight)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    raise ValueError(f"routing_policy must be one of {POLICY_NAMES}, got {name!r}")

@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from pdmesh import LLM, SamplingParams
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 LONG_PROMPT = "The river runs past the mill and under the old stone bridge. " * 40
 

@@ -37,11 +37,12 @@ from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "64MiB"
 MODEL = "smollm2"

@@ -27,11 +27,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "8MiB"  # about 11 blocks of 16 tokens for SmolLM2-135M in fp32
 PROMPT = "The history of the old stone bridge in our town begins in the twelfth century, when"

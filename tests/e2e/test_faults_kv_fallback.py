@@ -34,12 +34,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig
+from pdmesh.serve import Child, LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "64MiB"
 KV_FETCH_TIMEOUT_S = 1.5  # a suspended prefill makes the pull time out after this

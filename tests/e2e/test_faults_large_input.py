@@ -26,11 +26,12 @@ import grpc
 import httpx
 import pytest
 
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import router_pb2, router_pb2_grpc
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "384MiB"  # holds SmolLM2's 8192 positions (fp32 on CPU), so max_model_len = 8192
 BODY_CAP = 16 * 2**20  # the gateway's default --max-request-bytes

@@ -26,12 +26,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 MAX_TOKENS = 64
 KILL_AFTER_TOKENS = 3  # every stream has at least this many tokens when the decode dies

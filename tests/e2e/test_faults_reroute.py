@@ -23,11 +23,12 @@ import httpx
 import pytest
 
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "96MiB"
 MAX_TOKENS = 6

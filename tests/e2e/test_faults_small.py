@@ -17,10 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
-from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.serve import Child, pdmesh_command
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 SEGMENT = re.compile(r"pdmesh-kv-\d+-(\d+)-[0-9a-f]{32}")
 

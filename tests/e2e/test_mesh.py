@@ -25,11 +25,12 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 MAX_TOKENS = 10
 PROMPTS = [
@@ -266,7 +267,7 @@ def test_greedy_output_equals_offline_llm_and_kv_bytes_move(
 def test_admission_errors_name_the_field(mesh: Mesh) -> None:
     cases = [
         ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=2.0)}, "top_p"),
-        ({"token_ids": router_pb2.TokenIds(ids=[10**7])}, "token_ids"),
+        ({"token_ids": router_pb2.TokenIds(ids=[10**7]), "sampling": greedy()}, "token_ids"),
         ({"sampling": greedy()}, "prompt"),
         ({"text": "hi", "sampling": greedy(10**6)}, "max_tokens"),
     ]

@@ -25,10 +25,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 T = TypeVar("T")
 # Long enough for several full KV blocks, so the repeat hits the prefill's prefix cache.

@@ -12,6 +12,7 @@ the model continue the prompt or emit noise instead.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -20,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.serve import Child, pdmesh_command
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COLORS = {"red", "blue", "green", "yellow", "orange", "purple", "black", "white", "pink",
@@ -73,3 +75,25 @@ def test_openai_example() -> None:
     finally:
         serve.terminate(grace_s=30)
     assert on_colors(" ".join(lines)), lines
+
+
+def test_tool_calling_example() -> None:
+    """The tool example against the server started as the README's tool command says (its
+    shipped `--chat-template hermes`), on a free port and a small KV budget."""
+    command = next(b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.DOTALL)
+                   if "--chat-template" in b)
+    flags = command.replace("\\\n", " ").split()
+    assert flags[:3] == [".venv/bin/pdmesh", "serve", "smollm2"], flags
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = Child("serve-tools", pdmesh_command(*flags[1:], "--port", str(port),
+                                                "--kv-cache-memory", "96MiB"))
+    client = ('from openai import OpenAI\n'
+              f'client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")\n')
+    try:
+        serve.wait_ready(timeout_s=240)
+        lines = run(client + block_with("tools=[weather]"))
+    finally:
+        serve.terminate(grace_s=30)
+    assert list(json.loads(lines[-1])) == ["city"], lines

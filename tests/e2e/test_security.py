@@ -32,17 +32,19 @@ from pdmesh.auth import METADATA_KEY, ClusterToken
 from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
-from pdmesh.kvstore.transfer import KVHandle, KVReceiver, KVReceiverConfig
 from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVTransferDenied
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
 from pdmesh.kvstore.transfer.wire import MAGIC
-from pdmesh.router.local_mesh import Child, LocalMesh, MeshConfig, pdmesh_command
+from pdmesh.serve import Child, LocalMesh, MeshConfig, pdmesh_command
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.certs import CertSet, make_test_certs
 from tests.polling import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 TOKEN = ClusterToken("e2e-cluster-token-" + "z" * 26)
 AUTH = ((METADATA_KEY, TOKEN.value),)

@@ -37,7 +37,8 @@ from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer, free_port
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.anyio]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.anyio, pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 MODEL = "smollm2"
 LEASE_S = 3.0

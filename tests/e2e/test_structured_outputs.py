@@ -10,19 +10,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
 
 from pdmesh.auth import TOKEN_ENV
-from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.serve import Child, pdmesh_command
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "64MiB"
-ENV = {**os.environ, TOKEN_ENV: "structured-outputs-test-token"}
+COMPILE_BUDGET_S = 1.5
+ENV = {**os.environ, TOKEN_ENV: "structured-outputs-test-token",
+       "PDMESH_STRUCTURED_OUTPUT_COMPILE_TIMEOUT_S": str(COMPILE_BUDGET_S)}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -132,3 +137,56 @@ def test_schema_that_does_not_compile_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="at most one structured output"):
         client.completions.create(model="smollm2", prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+
+
+def test_specs_past_the_size_limits_are_a_400_at_once(client: openai.OpenAI) -> None:
+    """The fuzzed inputs that once pinned an engine core for minutes: refused before anything
+    compiles, naming the limit."""
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match=r"json_schema is \d+ bytes; the limit is"):
+        client.chat.completions.create(
+            model="smollm2", messages=PERSON, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "h", "schema": huge}})
+    with pytest.raises(openai.BadRequestError, match="choice has 10000 entries; the limit is"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"guided_choice": [f"c{i}" for i in range(10_000)]})
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "does a thing",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+        for i in range(1000)]
+    with pytest.raises(openai.BadRequestError, match="the limit is"):
+        client.chat.completions.create(model="smollm2", messages=PERSON, max_tokens=8,
+                                       tools=tools, tool_choice="required")
+    assert time.monotonic() - started < 10
+
+
+def test_a_spec_too_slow_to_compile_is_a_400_and_others_are_served(
+        client: openai.OpenAI) -> None:
+    """2,000 optional properties (57 KB, inside the size limit) take xgrammar tens of seconds
+    and gigabytes: refused once the budget passes, while a small regex beside it is answered,
+    and the mesh serves structured requests right after."""
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+
+    def slow_request() -> float:
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError,
+                           match=r"did not compile within the 1\.5 s budget"):
+            client.chat.completions.create(
+                model="smollm2", messages=PERSON, max_tokens=8,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "slow", "schema": slow}})
+        return time.monotonic() - started
+
+    def small_request() -> str:
+        return client.completions.create(model="smollm2", prompt="Call me at", max_tokens=8,
+                                         temperature=0.0, extra_body={"guided_regex": "[0-9]{3}"}
+                                         ).choices[0].text
+
+    with ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(slow_request)
+        small = pool.submit(small_request)
+        assert re.fullmatch("[0-9]{3}", small.result(timeout=120))
+        # The budget, plus the sandbox worker's start on a busy machine.
+        assert refused.result(timeout=120) < COMPILE_BUDGET_S + 30
+    assert re.fullmatch("[0-9]{3}", small_request())

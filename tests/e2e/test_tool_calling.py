@@ -2,10 +2,11 @@
 
 Two real meshes (`pdmesh serve`, one after the other): colocated, and 1 prefill + 1 decode with
 local prefill off (the first token is sampled on the prefill instance under the grammar). Both
-use SmolLM2's weights with a tool-aware chat template shipped with the tests, and
-`--enable-auto-tool-choice --tool-call-parser hermes`. The model's judgement is never tested:
-`tool_choice` "required" and named functions are enforced by structured outputs, and the
-auto path gets an output forced into the hermes format by a guided choice.
+use SmolLM2's weights with the tool-aware chat template shipped with pdmesh, as the README
+says: `--chat-template hermes --enable-auto-tool-choice --tool-call-parser hermes`. The
+model's judgement is never tested: `tool_choice` "required" and named functions are enforced
+by structured outputs, and the auto path gets an output forced into the hermes format by a
+guided choice.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,13 +23,13 @@ import openai
 import pytest
 
 from pdmesh.auth import TOKEN_ENV
-from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.serve import Child, pdmesh_command
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "64MiB"
 ENV = {**os.environ, TOKEN_ENV: "tool-calling-test-token"}
-TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_chat_template_hermes.jinja"
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]}},
@@ -65,7 +65,7 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
              ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-threshold", "0"])
     serve = Child(f"serve-{request.param}", pdmesh_command(
         "serve", *shape, "--kv-cache-memory", KV_MEMORY, "--port", "0",
-        "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
+        "--chat-template", "hermes", "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes"), env=ENV)
     try:
         serve.wait_ready(timeout_s=240)

@@ -26,10 +26,11 @@ import httpx
 import openai
 import pytest
 
-from pdmesh.router.local_mesh import Child, pdmesh_command
+from pdmesh.serve import Child, pdmesh_command
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 KV_MEMORY = "96MiB"
 ORIGIN = "http://app.example"

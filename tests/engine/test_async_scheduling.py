@@ -16,7 +16,7 @@ import torch
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 
 PROMPTS = [
     "The capital of France is",
@@ -56,8 +56,11 @@ def summary(outputs) -> list:
 @pytest.fixture(scope="module")
 def engines():
     common = dict(kv_cache_memory="128MiB", max_num_batched_tokens=256, seed=0)
-    return LLM("smollm2", async_scheduling=False, **common), \
+    pair = LLM("smollm2", async_scheduling=False, **common), \
         LLM("smollm2", async_scheduling=True, **common)
+    yield pair
+    for llm in pair:
+        llm.engine.core.close()  # its grammar sandbox's workers
 
 
 def test_mixed_features_match_the_synchronous_engine(engines):

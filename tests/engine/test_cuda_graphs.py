@@ -31,7 +31,7 @@ from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbe
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.engine.sequence import Sequence
-from pdmesh.kernels.backend import get_attention_backend
+from pdmesh.kernels.backend_selection import get_attention_backend
 from tests.triton_interpreter import outcomes_of, run_cases
 
 BLOCK_SIZE = 16
@@ -108,6 +108,7 @@ def record_buckets(graphs: DecodeGraphs) -> list[int]:
 # -- CPU: buckets and switches -----------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_capture_sizes_are_vllm_like_and_end_at_max_num_seqs() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(3) == [1, 2, 3]
@@ -138,6 +139,7 @@ def _tiny_runner(
     return runner, kv
 
 
+@pytest.mark.fast
 def test_no_graphs_on_cpu() -> None:
     runner, _ = _tiny_runner(_tiny_model(), "cpu", max_num_seqs=8)
     assert runner.cuda_graphs is None
@@ -148,6 +150,7 @@ class _Named:
         self.name = name
 
 
+@pytest.mark.fast
 def test_when_graphs_are_off() -> None:
     cuda = torch.device("cuda")
     assert graphs_unavailable_reason(cuda, _Named("triton"), enforce_eager=False) is None
@@ -204,6 +207,7 @@ def outcomes() -> dict[str, str | None]:
     return outcomes_of(__file__)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_graph_replay_path_in_the_interpreter(outcomes: dict[str, str | None], name: str) -> None:
@@ -227,6 +231,7 @@ def _cuda_runner(
     return runner, kv
 
 
+@pytest.mark.weights
 @pytest.mark.slow
 @needs_cuda
 def test_cuda_graph_greedy_matches_eager(model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -249,6 +254,7 @@ def test_cuda_graph_greedy_matches_eager(model_dir) -> None:  # type: ignore[no-
     assert sorted(set(seen)) == [1, 4, 8, 16], seen
 
 
+@pytest.mark.fast
 @needs_cuda
 def test_enforce_eager_turns_graphs_off_on_cuda() -> None:
     model = _tiny_model().to("cuda")

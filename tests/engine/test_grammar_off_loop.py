@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core import EngineCore, eos_token_ids
+from pdmesh.engine.core import EngineCore
 from pdmesh.engine.core_loop import CommandQueue, CoreLoop, take_queued
-from pdmesh.engine.core_protocol import Abort, AddRequest, Batch, Call, Reply, Result, Shutdown
+from pdmesh.engine.core_protocol import Abort, Add, Batch, Call, Reply, Result, Shutdown
 from pdmesh.engine.core_types import CoreOutput, EngineLoadSnapshot
+from pdmesh.engine.grammar import grammar_vocabulary
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.structured_output import StructuredOutput, grammar_vocabulary
+from pdmesh.engine.startup import eos_token_ids
+from pdmesh.engine.structured_output import StructuredOutput
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 
 REPLY_TIMEOUT_S = 60.0
 _specs = itertools.count()
@@ -99,6 +101,7 @@ def core(model_dir, hf_tokenizer) -> Iterator[EngineCore]:
     core.set_grammar_vocabulary(
         grammar_vocabulary(hf_tokenizer, core.model_config.vocab_size, eos))
     yield core
+    core.close()
 
 
 @pytest.fixture
@@ -128,10 +131,9 @@ def choice_params(*choices: str) -> SamplingParams:
 def test_other_requests_step_while_a_grammar_compiles(core: EngineCore, gate, hf_tokenizer):
     prompt = hf_tokenizer.encode("The capital of France is")
     loop = Driver(core)
-    plain = loop.send(AddRequest("plain", prompt, SamplingParams(max_tokens=12,
-                                                                  ignore_eos=True)))
+    plain = loop.send(Add("plain", prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
     params = choice_params("Paris", "London")
-    structured = loop.send(AddRequest("json", prompt, params))
+    structured = loop.send(Add("json", prompt, params))
     assert loop.result(plain).error is None
     assert len(loop.finished("plain")) == 12  # all of it while the grammar was still compiling
     assert structured not in loop.results and "json" not in core.requests
@@ -147,7 +149,7 @@ def test_other_requests_step_while_a_grammar_compiles(core: EngineCore, gate, hf
 
 def test_abort_while_compiling_leaves_nothing(core: EngineCore, gate, hf_tokenizer):
     loop = Driver(core)
-    add = loop.send(AddRequest("gone", hf_tokenizer.encode("Hello"), choice_params("a", "b")))
+    add = loop.send(Add("gone", hf_tokenizer.encode("Hello"), choice_params("a", "b")))
     abort = loop.send(Abort("gone"))
     assert loop.result(abort).value is True
     assert loop.result(add).error is None  # answered; the aborting side ended its stream
@@ -170,7 +172,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_add(core: EngineCore, gate, m
 
     monkeypatch.setattr(compiler, "_compile", failing)
     loop = Driver(core)
-    add = loop.send(AddRequest("bad", hf_tokenizer.encode("Hello"), choice_params("x", "y")))
+    add = loop.send(Add("bad", hf_tokenizer.encode("Hello"), choice_params("x", "y")))
     gate.set()
     result = loop.result(add)
     assert result.error_kind == "value" and "does not compile: too large" in result.error
@@ -180,7 +182,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_add(core: EngineCore, gate, m
 
 def test_shutdown_answers_the_adds_still_compiling(core: EngineCore, gate, hf_tokenizer):
     loop = Driver(core)
-    add = loop.send(AddRequest("late", hf_tokenizer.encode("Hello"), choice_params("p", "q")))
+    add = loop.send(Add("late", hf_tokenizer.encode("Hello"), choice_params("p", "q")))
     assert loop.shutdown().error is None
     result = loop.result(add)
     assert result.error_kind == "engine" and "shutting down" in result.error

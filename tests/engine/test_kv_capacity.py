@@ -17,11 +17,12 @@ import torch
 
 from pdmesh.engine.async_engine import AsyncEngine, EngineError
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.llm_engine import KVCacheFullError, LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 PROMPT = list(range(2000, 2020))  # 20 tokens: one full block and a partial one
 MAX_TOKENS = 6
@@ -75,6 +76,13 @@ def export(engine: LLMEngine, params: SamplingParams) -> tuple[list[int], torch.
     raise AssertionError("export did not finish")
 
 
+def imported(request_id: str, first: list[int], kv: torch.Tensor, params: SamplingParams,
+             num_cached_tokens: int = 0) -> EngineRequest:
+    """PROMPT continued from its exported KV and first tokens (the decode role)."""
+    return EngineRequest(request_id, PROMPT, params, kv=kv, given_tokens=[[t] for t in first],
+                         num_cached_tokens=num_cached_tokens)
+
+
 def add_hog(engine: LLMEngine, request_id: str, num_blocks: int) -> None:
     """A running request holding `num_blocks` blocks (its prompt ends inside the last one)."""
     ids = [1000 + i for i in range(num_blocks * engine.config.block_size - 8)]
@@ -111,7 +119,7 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_is_allocated(
     assert_clean(engine)
     first, kv = export(engine, greedy(n=n))
     with pytest.raises(KVCacheFullError, match=rf"n={n}"):
-        engine.add_imported_request("big-import", PROMPT, first, kv, greedy(n=n))
+        engine.add(imported("big-import", first, kv, greedy(n=n)))
     assert_clean(engine)
     # The prefill role only ever holds the prompt: the same request may export.
     assert len(first) == n
@@ -131,7 +139,7 @@ def test_import_whose_forks_do_not_fit_right_now_waits_and_finishes(engine: LLME
     first, kv = export(engine, greedy(n=n))
     # Leave room for the imported prompt (2 blocks) and a single copy-on-write block.
     add_hog(engine, "hog", engine.num_free_blocks - 3)
-    engine.add_imported_request("imp", PROMPT, first, kv, greedy(n=n))
+    engine.add(imported("imp", first, kv, greedy(n=n)))
     assert len(engine.scheduler.waiting) >= n - 2  # the forks that found no block wait
     outs = run_until_done(engine)
     assert {c.index: list(c.token_ids) for c in outs["imp"].outputs} == {
@@ -145,7 +153,7 @@ def test_import_with_no_room_for_its_prompt_waits_and_recomputes(engine: LLMEngi
     first, kv = export(engine, greedy(n=n))
     add_hog(engine, "hog", engine.num_free_blocks)  # the pool is full
     assert engine.num_free_blocks == 0
-    engine.add_imported_request("imp", PROMPT, first, kv, greedy(n=n), num_cached_tokens=16)
+    engine.add(imported("imp", first, kv, greedy(n=n), num_cached_tokens=16))
     outs = run_until_done(engine)
     assert {c.index: list(c.token_ids) for c in outs["imp"].outputs} == {
         i: want for i in range(n)}
@@ -157,7 +165,7 @@ def test_abort_while_forks_wait_frees_every_block_and_sequence(engine: LLMEngine
     n = 4
     first, kv = export(engine, greedy(n=n))
     add_hog(engine, "hog", engine.num_free_blocks - 3)
-    engine.add_imported_request("imp", PROMPT, first, kv, greedy(n=n))
+    engine.add(imported("imp", first, kv, greedy(n=n)))
     engine.step()
     assert engine.abort_request("imp")
     assert engine.abort_request("hog")
@@ -187,14 +195,13 @@ async def test_cancel_and_deadline_while_forks_wait_leave_nothing_behind(
     try:
         async def consume(request_id: str, max_tokens: int) -> RequestOutput | None:
             last = None
-            async for out in aengine.import_and_decode(request_id, PROMPT, first, kv,
-                                                       greedy(n=n, max_tokens=max_tokens)):
+            async for out in aengine.add(imported(request_id, first, kv,
+                                                  greedy(n=n, max_tokens=max_tokens))):
                 last = out
             return last
 
         async def cancelled_after_first(request_id: str) -> None:
-            stream = aengine.import_and_decode(request_id, PROMPT, first, kv,
-                                               greedy(n=n, max_tokens=long))
+            stream = aengine.add(imported(request_id, first, kv, greedy(n=n, max_tokens=long)))
             async for _ in stream:
                 break
             await stream.aclose()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.engine.engine_request import EngineRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,8 @@ def test_kv_export_import_continues_exactly(llm, params):
 
     decode = LLM("smollm2", kv_cache_memory="64MiB").engine
     first = [o.token_ids[0] for o in exported.outputs]
-    decode.add_imported_request("xfer", exported.prompt_token_ids, first, kv.clone(), params)
+    decode.add(EngineRequest("xfer", exported.prompt_token_ids, params, kv=kv.clone(),
+                             given_tokens=[[t] for t in first]))
     assert prefill.release_kv("xfer")
     assert all_blocks_free(llm)
     final = None

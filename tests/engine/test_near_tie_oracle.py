@@ -10,7 +10,7 @@ import pytest
 from pdmesh import LLM, SamplingParams
 from tests.near_tie import Pick, score_margin
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. This sentence is famous because"
 

@@ -11,7 +11,7 @@ import torch
 
 from pdmesh import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 MAX_NEW = 24
 LONG = (

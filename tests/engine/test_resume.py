@@ -1,7 +1,7 @@
 """Resuming a broken decode on another engine (decode migration), on real weights.
 
 A request whose decode instance died after k tokens is resumed elsewhere with those k tokens as
-*output* (`LLMEngine.add_resumed_request`): the continuation must equal an uninterrupted run's,
+*output* (`EngineRequest.given_tokens`): the continuation must equal an uninterrupted run's,
 token for token and character for character — greedy and seeded, with penalties, min_tokens,
 logprobs, stop strings spanning the resume point, and n > 1 sequences resumed each from its own
 point with its own child seed (a sequence that had already finished replays to the same finish
@@ -15,11 +15,12 @@ import itertools
 import pytest
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import CompletionOutput
 from tests.engine_steps import run_to_finish as run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 PROMPT = "Explain in one sentence why the sky is blue."
 _ids = itertools.count()
@@ -46,7 +47,7 @@ def resume(
     mid-way, the others with their complete (finished) output."""
     _, prompt_ids = engine.tokenize(prompt)
     given = [list(c.token_ids[:cut.get(c.index, len(c.token_ids))]) for c in ref]
-    engine.add_resumed_request(f"resume-{next(_ids)}", prompt_ids, given, params)
+    engine.add(EngineRequest(f"resume-{next(_ids)}", prompt_ids, params, given_tokens=given))
     return {c.index: c for c in run(engine).outputs}
 
 
@@ -117,8 +118,8 @@ def test_resume_refuses_what_an_uninterrupted_run_would_have_finished(other):
     _, ids = other.tokenize(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens"):
-        other.add_resumed_request("too-long", ids, [[11, 12, 13, 14, 15]], params)
+        other.add(EngineRequest("too-long", ids, params, given_tokens=[[11, 12, 13, 14, 15]]))
     with pytest.raises(ValueError, match="per sample"):
-        other.add_resumed_request("bad-n", ids, [[11], [12]], params)
+        other.add(EngineRequest("bad-n", ids, params, given_tokens=[[11], [12]]))
     assert not other.requests
     assert other.num_free_blocks == other.num_total_blocks

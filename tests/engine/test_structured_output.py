@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
 
 from pdmesh import LLM, SamplingParams
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.outputs import RequestOutput
-from pdmesh.engine.structured_output import StructuredOutput
+from pdmesh.engine.structured_output import MAX_SPEC_BYTES, StructuredOutput
 from tests.engine_steps import run_to_finish as run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 
 CHOICES = ["Paris", "London", "Berlin"]
 SCHEMA = {
@@ -28,8 +30,10 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2", kv_cache_memory="64MiB", max_model_len=512)
+def llm() -> Iterator[LLM]:
+    llm = LLM("smollm2", kv_cache_memory="64MiB", max_model_len=512)
+    yield llm
+    llm.engine.core.close()  # its grammar sandbox's workers
 
 
 
@@ -78,7 +82,7 @@ def test_resumed_request_replays_partial_json(llm: LLM) -> None:
     prefix = engine.tokenizer('{"name": "Al', add_special_tokens=False)["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=60,
                             structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
-    engine.add_resumed_request(f"so-{next(_ids)}", prompt_ids, [prefix], params)
+    engine.add(EngineRequest(f"so-{next(_ids)}", prompt_ids, params, given_tokens=[prefix]))
     out = run(engine).outputs[0]
     assert out.text.startswith('{"name": "Al')  # the given tokens are output, then the rest
     assert out.finish_reason == "stop", out.text
@@ -92,15 +96,19 @@ def test_resumed_tokens_that_break_the_grammar_are_refused(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8,
                             structured_output=StructuredOutput(choice=tuple(CHOICES)))
     with pytest.raises(ValueError, match="structured_output"):
-        engine.add_resumed_request(f"so-{next(_ids)}", prompt_ids, [bad], params)
+        engine.add(EngineRequest(f"so-{next(_ids)}", prompt_ids, params, given_tokens=[bad]))
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
-def test_spec_that_does_not_compile_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"structured_output\.json_schema does not compile"):
-        SamplingParams(structured_output=StructuredOutput(json_schema='{"type": "nonsense"}'))
-    with pytest.raises(ValueError, match=r"structured_output\.regex does not compile"):
-        SamplingParams(structured_output=StructuredOutput(regex="(ab"))
+def test_spec_that_does_not_compile_is_refused_and_frees_nothing(llm: LLM) -> None:
+    """Whether a spec compiles is the engine's verdict (its sandbox), at add time."""
+    for spec, match in ((StructuredOutput(json_schema='{"type": "nonsense"}'),
+                         r"structured_output\.json_schema does not compile"),
+                        (StructuredOutput(regex="(ab"),
+                         r"structured_output\.regex does not compile")):
+        with pytest.raises(ValueError, match=match):
+            llm.engine.add_request(f"so-{next(_ids)}", "Hi", SamplingParams(structured_output=spec))
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
 def test_codec_maps_the_wire_oneof() -> None:
@@ -110,8 +118,9 @@ def test_codec_maps_the_wire_oneof() -> None:
     msg = common_pb2.SamplingParams()
     msg.structured_output.choice.choices.extend(CHOICES)
     assert sampling_from_proto(msg).structured_output == StructuredOutput(choice=tuple(CHOICES))
-    msg = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex="(ab"))
-    with pytest.raises(SamplingError) as info:
+    too_long = "a" * (MAX_SPEC_BYTES + 1)
+    msg = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex=too_long))
+    with pytest.raises(SamplingError, match="the limit is") as info:
         sampling_from_proto(msg)
     assert info.value.field == "sampling.structured_output.regex"
     empty = common_pb2.SamplingParams()
@@ -126,13 +135,13 @@ def test_the_core_compiles_grammars_only_from_a_vocabulary_it_was_sent(llm: LLM,
     clear error, and a vocabulary that is not one, or of another model, is refused."""
     from pdmesh.engine.config import EngineConfig
     from pdmesh.engine.core import EngineCore
-    from pdmesh.engine.structured_output import grammar_vocabulary
+    from pdmesh.engine.grammar import grammar_vocabulary
 
     eos = llm.engine.eos_token_ids
     core = EngineCore(EngineConfig(model="smollm2", kv_cache_memory="16MiB"), eos)
     params = SamplingParams(max_tokens=4, structured_output=StructuredOutput(choice=("a", "b")))
     with pytest.raises(ValueError, match="no grammar vocabulary"):
-        core.add_request("r", [1, 2, 3], params)
+        core.add(EngineRequest("r", [1, 2, 3], params))
     assert core.num_free_blocks == core.num_total_blocks and not core.requests
     with pytest.raises(ValueError, match="not a serialized xgrammar TokenizerInfo"):
         core.set_grammar_vocabulary("{")
@@ -140,7 +149,10 @@ def test_the_core_compiles_grammars_only_from_a_vocabulary_it_was_sent(llm: LLM,
     with pytest.raises(ValueError, match="tokens, but the model has"):
         core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab + 64, eos))
     core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab, eos))
-    core.add_request("r", [1, 2, 3], params)
-    while core.has_unfinished_requests():
-        core.step()
-    assert core.num_free_blocks == core.num_total_blocks
+    try:
+        core.add(EngineRequest("r", [1, 2, 3], params))
+        while core.has_unfinished_requests():
+            core.step()
+        assert core.num_free_blocks == core.num_total_blocks
+    finally:
+        core.close()

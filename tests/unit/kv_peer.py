@@ -19,8 +19,9 @@ from collections import defaultdict
 
 import torch
 
-from pdmesh.kvstore.transfer import KVSender, KVSenderConfig, TransferState
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
+from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.state import TransferState
 
 _print_lock = threading.Lock()
 

@@ -18,7 +18,7 @@ from pdmesh.router.admission import (
 )
 from pdmesh.v1 import common_pb2
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.fast]
 
 
 @pytest.fixture(name="anyio_backend")
@@ -151,6 +151,8 @@ def test_validate_prompt_resolves_max_tokens_and_names_fields() -> None:
         ([1, 99], params, "prompt.token_ids"),
         (list(range(8)), params, "prompt"),
         ([1, 2, 3], bounded, "sampling.max_tokens"),
+        ([1, 2, 3], sampling_from_proto(common_pb2.SamplingParams(min_tokens=6)),
+         "sampling.min_tokens"),
         ([1], sampling_from_proto(common_pb2.SamplingParams(stop_token_ids=[10])),
          "sampling.stop_token_ids"),
     ]
@@ -161,5 +163,8 @@ def test_validate_prompt_resolves_max_tokens_and_names_fields() -> None:
 
 
 def test_budget_counts_every_sequence() -> None:
-    assert budget_tokens(100, 10, 1) == 110
-    assert budget_tokens(100, 10, 4) == 140
+    assert budget_tokens(100, 10, 1, None) == 110
+    assert budget_tokens(100, 10, 4, None) == 140
+    # With the instances' block size: whole blocks, the prompt's full ones shared (the one
+    # footprint of engine/request_rules.py, which the engines' capacity check uses too).
+    assert budget_tokens(1000, 100, 4, 16) == 90 * 16

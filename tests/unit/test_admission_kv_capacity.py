@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdmesh.engine.kv_cache_manager import request_kv_blocks
+from pdmesh.engine.request_rules import request_kv_blocks
 from pdmesh.router.admission import ExceedsKVCapacity, check_kv_capacity
+
+pytestmark = pytest.mark.fast
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,14 @@ import pytest
 
 from pdmesh.engine.async_engine import AsyncEngine, EngineError, _Stream
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from tests.engine_steps import collect, reference, wait_all_free
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
 PROMPT = "The three primary colors are"
 
@@ -108,9 +109,9 @@ async def test_export_import_matches_colocated_seeded(
     assert await aengine.release_kv("p1")
     assert aengine.load().num_pinned_blocks == 0
     first = [c.token_ids[0] for c in sorted(exported.outputs, key=lambda c: c.index)]
-    outs = await collect(aengine.import_and_decode(
-        "d1", list(exported.prompt_token_ids), first, kv, params
-    ))
+    outs = await collect(aengine.add(EngineRequest(
+        "d1", list(exported.prompt_token_ids), params, kv=kv, given_tokens=[[t] for t in first]
+    )))
     got = {c.index: c.token_ids for c in outs[-1].outputs}
     want = {c.index: c.token_ids for c in seeded_ref.outputs}
     assert got == want

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from pdmesh.kernels import cpu_native, torch_ref
-from pdmesh.kernels.backend import (
-    AttentionMetadata,
+from pdmesh.kernels.backend import AttentionMetadata, TorchAttentionBackend
+from pdmesh.kernels.backend_selection import (
     Environment,
-    TorchAttentionBackend,
     available_backends,
     get_attention_backend,
     select_backend,
 )
 from pdmesh.kernels.cpu_attention import CpuAttentionBackend, gather_kv
+
+pytestmark = pytest.mark.fast
 
 CPU = Environment("cpu", has_flash_attn=False, has_triton=True, triton_interpret=False)
 CUDA_ALL = Environment("cuda", has_flash_attn=True, has_triton=True, triton_interpret=False)

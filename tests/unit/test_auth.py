@@ -48,6 +48,7 @@ TID = "0123456789abcdef0123456789abcdef"
 
 
 # -- the token ----------------------------------------------------------------------------
+@pytest.mark.fast
 def test_token_from_file_then_env_never_shown(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("s3cret-token-from-a-file\n")
@@ -66,6 +67,7 @@ def test_token_from_file_then_env_never_shown(tmp_path: Path) -> None:
         load_cluster_token(str(tmp_path / "empty"), env={})
 
 
+@pytest.mark.fast
 def test_token_matches_and_signatures_are_bound_to_everything() -> None:
     assert TOKEN.matches("t" * 40) and TOKEN.matches(b"t" * 40)
     assert not TOKEN.matches("t" * 39) and not TOKEN.matches(None) and not TOKEN.matches("é")
@@ -77,6 +79,7 @@ def test_token_matches_and_signatures_are_bound_to_everything() -> None:
     assert not TOKEN.verify("", "purpose", "ab", "c")
 
 
+@pytest.mark.fast
 def test_rotation_uses_the_first_token_and_accepts_all(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("new-token-aaaaaaaaaaaa\nold-token-bbbbbbbbbbbb\n")
@@ -91,6 +94,7 @@ def test_rotation_uses_the_first_token_and_accepts_all(tmp_path: Path) -> None:
 
 
 # -- transfer capabilities ------------------------------------------------------------------
+@pytest.mark.fast
 def test_capability_grants_one_transfer_to_one_receiver_until_it_expires() -> None:
     now = 1_000_000.0
     cap = TransferCapability.mint(TOKEN, TID, "decode-a", ttl_s=60, clock=lambda: now)
@@ -113,6 +117,7 @@ def _info(address: str = "127.0.0.1:5000") -> InstanceInfo:
                                scheme=HashScheme(block_size=16))
 
 
+@pytest.mark.fast
 def test_registration_signature_covers_address_and_identity() -> None:
     info = _info()
     assert registration_problem(info, None) is None  # no token: trusted, as before
@@ -130,6 +135,7 @@ def test_registration_signature_covers_address_and_identity() -> None:
                                 TOKEN) is None
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_signed_registration_survives_redis(conn: RedisConnection) -> None:
     keys = KeySpace(model="m")
@@ -143,6 +149,7 @@ async def test_signed_registration_survives_redis(conn: RedisConnection) -> None
 
 
 # -- Redis credentials ------------------------------------------------------------------------
+@pytest.mark.fast
 def test_redis_credentials_come_from_files_or_env_never_the_url(tmp_path: Path) -> None:
     secret = tmp_path / "redis-password"
     secret.write_text("pw-from-file\n")
@@ -158,6 +165,7 @@ def test_redis_credentials_come_from_files_or_env_never_the_url(tmp_path: Path) 
     assert redacted_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_redis_acl_user_and_password_from_a_file(
     redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -207,6 +215,7 @@ async def server_address_fixture() -> AsyncIterator[str]:
     await server.stop(0)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_internal_calls_need_the_token_health_does_not(server_address: str) -> None:
     async with grpc.aio.insecure_channel(server_address) as channel:

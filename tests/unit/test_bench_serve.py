@@ -18,11 +18,13 @@ def _result(ttft: float, latency: float, out: int, itl: list[float], prompt: int
                          latency_s=latency, itl_s=itl)
 
 
+@pytest.mark.fast
 def test_tpot_is_decode_time_over_tokens_after_the_first() -> None:
     assert bs.tpot_s(_result(0.2, 1.2, 11, [])) == pytest.approx(0.1)
     assert bs.tpot_s(_result(0.2, 0.2, 1, [])) is None  # one token: no TPOT
 
 
+@pytest.mark.fast
 def test_compute_metrics_on_crafted_timings() -> None:
     results = [
         _result(0.100, 1.100, 11, [0.1] * 10, prompt=20),   # tpot 100 ms
@@ -46,6 +48,7 @@ def test_compute_metrics_on_crafted_timings() -> None:
     assert m.goodput is None
 
 
+@pytest.mark.fast
 def test_percentiles_follow_linear_interpolation() -> None:
     s = bs.Stats.of(list(range(1, 101)))  # 1..100
     assert (s.mean, s.median) == (pytest.approx(50.5), pytest.approx(50.5))
@@ -54,6 +57,7 @@ def test_percentiles_follow_linear_interpolation() -> None:
     assert bs.Stats.of([]) == bs.Stats(0.0, 0.0, 0.0, 0.0)
 
 
+@pytest.mark.fast
 def test_goodput_counts_requests_meeting_every_slo() -> None:
     results = [
         _result(0.100, 1.100, 11, []),   # ttft 100, tpot 100, e2e 1100
@@ -69,12 +73,14 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
     assert e2e.goodput == pytest.approx(1 / 4.0)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("spec", ["ttft", "latency:5", "ttft:abc", "tpot:0"])
 def test_bad_goodput_specs(spec: str) -> None:
     with pytest.raises(ValueError):
         bs.parse_goodput([spec])
 
 
+@pytest.mark.fast
 def test_sse_parsing() -> None:
     assert bs.parse_sse_line("") is None
     assert bs.parse_sse_line("data: [DONE]") is None
@@ -86,6 +92,7 @@ def test_sse_parsing() -> None:
     assert bs.chunk_text({"choices": [], "usage": {"prompt_tokens": 1}}) == ""
 
 
+@pytest.mark.weights
 def test_random_dataset_lengths_and_seed(hf_tokenizer: Any) -> None:
     def make(seed: int) -> list[bs.Session]:
         source = bs.PromptSource(random.Random(seed), hf_tokenizer)
@@ -108,6 +115,7 @@ def test_random_dataset_lengths_and_seed(hf_tokenizer: Any) -> None:
         s.turns[0].prompt.token_ids for s in sessions]
 
 
+@pytest.mark.fast
 def test_random_words_without_a_tokenizer() -> None:
     sessions = bs.random_dataset(bs.PromptSource(random.Random(0)), 3, 12, 4)
     for s in sessions:
@@ -115,6 +123,7 @@ def test_random_words_without_a_tokenizer() -> None:
         assert piece.token_ids is None and len(piece.text.split()) == 12 == piece.length
 
 
+@pytest.mark.weights
 def test_shared_prefix_groups_share_exactly_their_prefix(hf_tokenizer: Any) -> None:
     source = bs.PromptSource(random.Random(0), hf_tokenizer)
     sessions = bs.shared_prefix_dataset(source, 10, num_groups=3, prefix_len=40, suffix_len=8,
@@ -127,12 +136,14 @@ def test_shared_prefix_groups_share_exactly_their_prefix(hf_tokenizer: Any) -> N
     assert ids[0][40:] != ids[3][40:]  # suffixes are per request
 
 
+@pytest.mark.fast
 def test_multi_turn_sessions_count_turns_not_conversations() -> None:
     source = bs.PromptSource(random.Random(0))
     sessions = bs.multi_turn_dataset(source, 10, turns=4, turn_len=6, output_len=3)
     assert [len(s.turns) for s in sessions] == [4, 4, 2]
 
 
+@pytest.mark.fast
 def test_later_turns_carry_the_conversation_so_far() -> None:
     turn = bs.Turn(bs.Piece("next", None, 1), output_len=3)
     history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
@@ -145,6 +156,7 @@ def test_later_turns_carry_the_conversation_so_far() -> None:
     assert first["prompt"] == [5, 6] and first["max_tokens"] == 3 and first["ignore_eos"]
 
 
+@pytest.mark.fast
 def test_poisson_arrivals_have_the_requested_rate() -> None:
     gaps = bs.arrival_delays(random.Random(0), 20000, rate=4.0)
     assert np.mean(gaps) == pytest.approx(0.25, rel=0.03)

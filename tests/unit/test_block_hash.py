@@ -44,6 +44,7 @@ def _hashes_here(salt: str | None) -> dict[str, object]:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
 def test_hashes_are_identical_in_another_process(salt: str | None) -> None:
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -62,6 +63,7 @@ def test_hashes_are_identical_in_another_process(salt: str | None) -> None:
     assert len(ours["sha256"]) == 3  # type: ignore[arg-type]
 
 
+@pytest.mark.fast
 def test_wire_format_is_pinned() -> None:
     """If this fails the hash bytes changed: bump SCHEME_VERSION so mismatches are detected."""
     scheme = HashScheme(block_size=16)
@@ -77,6 +79,7 @@ def test_wire_format_is_pinned() -> None:
     assert hash_token_blocks(scheme, list(range(32)))[1] == second
 
 
+@pytest.mark.fast
 def test_only_full_blocks_are_hashed() -> None:
     scheme = HashScheme(block_size=BS)
     assert hash_token_blocks(scheme, TOKENS[:3]) == []
@@ -91,6 +94,7 @@ def test_only_full_blocks_are_hashed() -> None:
         hash_block(scheme, None, TOKENS[:5])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("position", range(12))
 def test_changing_one_token_changes_its_block_and_every_later_one(position: int) -> None:
     scheme = HashScheme(block_size=BS)
@@ -104,12 +108,14 @@ def test_changing_one_token_changes_its_block_and_every_later_one(position: int)
         assert changed[i] != base[i], f"block {i} kept its hash after token {position} changed"
 
 
+@pytest.mark.fast
 def test_identical_blocks_at_different_positions_hash_differently() -> None:
     scheme = HashScheme(block_size=BS)
     hashes = hash_token_blocks(scheme, [5, 5, 5, 5] * 3)
     assert len(set(hashes)) == 3
 
 
+@pytest.mark.fast
 def test_incremental_hashing_matches_hashing_everything() -> None:
     scheme = HashScheme(block_size=BS)
     full = hash_token_blocks(scheme, TOKENS, "salt")
@@ -118,6 +124,7 @@ def test_incremental_hashing_matches_hashing_everything() -> None:
     assert head + tail == full
 
 
+@pytest.mark.fast
 def test_cache_salt_changes_the_first_block_and_so_everything_after() -> None:
     scheme = HashScheme(block_size=BS)
     plain = hash_token_blocks(scheme, TOKENS)
@@ -131,6 +138,7 @@ def test_cache_salt_changes_the_first_block_and_so_everything_after() -> None:
     assert hash_token_blocks(scheme, TOKENS, "") == plain
 
 
+@pytest.mark.fast
 def test_extra_keys_are_typed_and_length_prefixed() -> None:
     scheme = HashScheme(block_size=BS)
     block = TOKENS[:4]
@@ -139,6 +147,7 @@ def test_extra_keys_are_typed_and_length_prefixed() -> None:
     assert len(hashes) == len(variants)
 
 
+@pytest.mark.fast
 def test_fingerprint_and_hashes_differ_when_the_scheme_differs() -> None:
     base = HashScheme(block_size=BS)
     others = [
@@ -157,12 +166,14 @@ def test_fingerprint_and_hashes_differ_when_the_scheme_differs() -> None:
     assert len(base.fingerprint()) == 16
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("algorithm", ["sha256", "blake2b"])
 def test_digests_are_32_bytes(algorithm: str) -> None:
     scheme = HashScheme(block_size=BS, algorithm=algorithm)
     assert all(len(h) == 32 for h in hash_token_blocks(scheme, TOKENS))
 
 
+@pytest.mark.fast
 def test_invalid_schemes_are_refused() -> None:
     with pytest.raises(ValueError, match="algorithm"):
         HashScheme(block_size=BS, algorithm="md5")

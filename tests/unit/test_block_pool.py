@@ -8,6 +8,8 @@ from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
 from pdmesh.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+pytestmark = pytest.mark.fast
+
 SCHEME = HashScheme(block_size=4)
 
 

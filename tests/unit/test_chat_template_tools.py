@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from pdmesh.engine.llm import apply_chat_template
+from pdmesh.chat_templates import named_chat_template
+from pdmesh.engine.chat_template import apply_chat_template
 
-TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_chat_template_hermes.jinja"
+pytestmark = pytest.mark.weights
+
+TEMPLATE = named_chat_template("hermes") or ""
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -19,7 +22,7 @@ TOOL = {"type": "function", "function": {
 @pytest.fixture(name="tokenizer", scope="module")
 def tokenizer_fixture(model_dir: Path):  # type: ignore[no-untyped-def]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = TEMPLATE.read_text()
+    tokenizer.chat_template = TEMPLATE
     return tokenizer
 
 

@@ -12,6 +12,8 @@ import pytest
 from pdmesh.client import main as ask_main
 from pdmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+pytestmark = pytest.mark.fast
+
 
 class _RecordingRouter(router_pb2_grpc.RouterServicer):
     """A real gRPC Router that answers one token and keeps the requests it got."""

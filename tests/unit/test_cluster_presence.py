@@ -75,6 +75,7 @@ def server_fixture() -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.mark.fast
 def test_backoff_doubles_to_a_bound_with_jitter() -> None:
     import random
 
@@ -89,6 +90,7 @@ def test_backoff_doubles_to_a_bound_with_jitter() -> None:
     assert backoff.next_delay() <= 0.5
 
 
+@pytest.mark.redis
 async def test_outage_backs_off_then_reregisters_and_republishes(server: RedisServer) -> None:
     keys = KeySpace(model=MODEL)
     first = hash_token_blocks(SCHEME, list(range(64)))  # 4 blocks

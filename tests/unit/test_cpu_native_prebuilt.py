@@ -19,6 +19,7 @@ V3 = V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
+@pytest.mark.fast
 def test_levels_follow_the_cpu_flags() -> None:
     assert cpu_native.fitting_levels(frozenset(V4)) == ["x86-64-v4", "x86-64-v3", "x86-64-v2"]
     assert cpu_native.fitting_levels(frozenset(V3)) == ["x86-64-v3", "x86-64-v2"]
@@ -27,6 +28,7 @@ def test_levels_follow_the_cpu_flags() -> None:
     assert cpu_native.fitting_levels(frozenset()) == []
 
 
+@pytest.mark.fast
 def test_prebuild_refuses_an_unknown_level(tmp_path: Path) -> None:
     if cpu_native._compiler() is None:
         pytest.skip("no C compiler")
@@ -34,6 +36,7 @@ def test_prebuild_refuses_an_unknown_level(tmp_path: Path) -> None:
         cpu_native.prebuild(tmp_path, ("x86-64-v9",))
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
 def test_without_a_compiler_the_prebuilt_library_for_this_cpu_is_loaded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

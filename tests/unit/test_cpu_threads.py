@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from pdmesh.config import parse_config
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.cpu_threads import SHORT_SPIN, core_environment, core_threads, usable_cpus
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
+
+pytestmark = pytest.mark.fast
 
 
 def test_cpu_takes_every_usable_cpu() -> None:
@@ -38,8 +41,8 @@ def test_usable_cpus_is_the_affinity_mask() -> None:
 def test_engine_config_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig(cpu_threads=0)
-    with pytest.raises(ValueError, match="cpu-threads"):
-        MeshConfig(cpu_threads=0)
+    with pytest.raises(SystemExit):
+        parse_config(MeshConfig, ["--cpu-threads", "0"], prog="serve", env={})
 
 
 def _threads_flag(mesh: LocalMesh) -> str | None:
@@ -48,13 +51,13 @@ def _threads_flag(mesh: LocalMesh) -> str | None:
 
 
 def test_local_mesh_shares_the_cpus_among_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pdmesh.router.local_mesh.usable_cpus", lambda: 16)
+    monkeypatch.setattr("pdmesh.serve.mesh.usable_cpus", lambda: 16)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     env: dict[str, str] = {}
     assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=2), env=env)) == "5"
     assert _threads_flag(LocalMesh(MeshConfig(colocated=True, num_decode=1), env=env)) is None
-    assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=1, cpu_threads=4),
-                                   env=env)) == "4"
+    four = MeshConfig(num_prefill=1, num_decode=1, engine=EngineConfig(cpu_threads=4))
+    assert _threads_flag(LocalMesh(four, env=env)) == "4"
     omp = {"OMP_NUM_THREADS": "2"}
     assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=2), env=omp)) is None
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)

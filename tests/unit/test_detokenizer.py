@@ -126,6 +126,7 @@ def run_to_end(det: IncrementalDetokenizer, token_ids: list[int], chunk: int = 1
 # ---------------------------------------------------------------------------- plain text
 
 
+@pytest.mark.weights
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("skip_special", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3])
@@ -144,6 +145,7 @@ def test_text_equals_full_decode_and_deltas_concatenate(
     assert det.output_token_ids == ids
 
 
+@pytest.mark.weights
 def test_partial_characters_are_held_until_complete(tokenizer) -> None:
     ids = encode(tokenizer, "ok 😀🎉")
     pieces = [tokenizer.decode([i]) for i in ids]
@@ -158,6 +160,7 @@ def test_partial_characters_are_held_until_complete(tokenizer) -> None:
     assert seen == "ok 😀🎉"
 
 
+@pytest.mark.weights
 def test_ending_mid_character_matches_full_decode(tokenizer) -> None:
     ids = encode(tokenizer, "fin 🎉")[:-1]  # cut inside the emoji's bytes
     expected = tokenizer.decode(ids)
@@ -167,6 +170,7 @@ def test_ending_mid_character_matches_full_decode(tokenizer) -> None:
     assert det.output_text == expected and "".join(deltas) == expected
 
 
+@pytest.mark.weights
 def test_random_token_streams_match_full_decode(tokenizer) -> None:
     """Arbitrary ids, including byte fragments that never form valid UTF-8 and specials."""
     rng = random.Random(1234)
@@ -183,12 +187,14 @@ def test_random_token_streams_match_full_decode(tokenizer) -> None:
             assert "".join(deltas) == expected
 
 
+@pytest.mark.weights
 def test_the_decoder_follows_the_tokenizer(smollm2_tokenizer) -> None:
     assert isinstance(make_token_decoder(smollm2_tokenizer, [1, 2], True), StreamDecoder)
     assert isinstance(make_token_decoder(PythonOnly(smollm2_tokenizer), [1, 2], True),
                       WindowDecoder)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("python_only", [False, True])
 def test_sentencepiece_style_streams_match_full_decode(
     sentencepiece_tokenizer, python_only: bool
@@ -219,6 +225,7 @@ def test_sentencepiece_style_streams_match_full_decode(
             assert "".join(deltas) == expected
 
 
+@pytest.mark.weights
 def test_a_run_of_invalid_bytes_streams_within_the_window_bound(tokenizer) -> None:
     """Bytes that never complete a character are released after MAX_WINDOW_TOKENS tokens as
     U+FFFD (as a full decode shows them), not held to the end."""
@@ -236,6 +243,7 @@ def test_a_run_of_invalid_bytes_streams_within_the_window_bound(tokenizer) -> No
     assert det.output_text == tokenizer.decode(ids)
 
 
+@pytest.mark.fast
 def test_a_stream_that_refuses_its_prefix_goes_on_in_python() -> None:
     """WordPiece's clean-up rewrites text behind the newest token (" ' " -> "'"), which
     `DecodeStream` refuses; the `StreamDecoder` continues with the Python window from there,
@@ -271,6 +279,7 @@ class CountingTokenizer:
         return self.inner.decode(token_ids, **kwargs)
 
 
+@pytest.mark.weights
 def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
     counting = CountingTokenizer(tokenizer)
     ids = encode(tokenizer, " ".join(TEXTS) * 3)
@@ -287,6 +296,7 @@ def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
 # ---------------------------------------------------------------------------- stop strings
 
 
+@pytest.mark.weights
 def test_stop_string_spanning_tokens_is_found_and_cut(tokenizer) -> None:
     ids = encode(tokenizer, "a ST b STOP! after")
     assert not any("STOP!" in tokenizer.decode([i]) for i in ids)  # spans token boundaries
@@ -299,6 +309,7 @@ def test_stop_string_spanning_tokens_is_found_and_cut(tokenizer) -> None:
     assert "".join(d for _, d in results) + det.get_delta() == "a ST b "
 
 
+@pytest.mark.weights
 def test_streaming_holds_back_a_possible_stop_prefix(tokenizer) -> None:
     ids = encode(tokenizer, "a ST b STOP! after")
     det = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP!"]))
@@ -307,6 +318,7 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer) -> None:
     assert deltas == ["a", " ", "ST b", " ", "", ""]
 
 
+@pytest.mark.weights
 def test_include_stop_str_in_output_keeps_it_and_needs_no_hold_back(tokenizer) -> None:
     ids = encode(tokenizer, "a ST b STOP! after")
     params = SamplingParams(stop=["STOP!"], include_stop_str_in_output=True)
@@ -316,6 +328,7 @@ def test_include_stop_str_in_output_keeps_it_and_needs_no_hold_back(tokenizer) -
     assert det.output_text == "a ST b STOP!" and det.stop_reason == "STOP!"
 
 
+@pytest.mark.weights
 def test_text_after_the_stop_within_one_token_is_dropped(tokenizer) -> None:
     ids = encode(tokenizer, "The answer is 42. END of story, then more text.")
     for include, expected in (
@@ -328,6 +341,7 @@ def test_text_after_the_stop_within_one_token_is_dropped(tokenizer) -> None:
         assert det.output_text == expected and "".join(deltas) == expected
 
 
+@pytest.mark.weights
 def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
     ids = encode(tokenizer, "The answer is 42. END of story, then more text.")
     params = SamplingParams(stop=["story", "42. END", "answer"])
@@ -340,6 +354,7 @@ def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
     assert det.update(ids) == "42. END" and det.output_text == "The answer is "
 
 
+@pytest.mark.weights
 def test_stop_strings_are_ignored_before_min_tokens(tokenizer) -> None:
     ids = encode(tokenizer, "a ST b STOP! after STOP! end")
     # "STOP!" first completes on token 6; with min_tokens=6 it is not a stop yet.
@@ -352,6 +367,7 @@ def test_stop_strings_are_ignored_before_min_tokens(tokenizer) -> None:
     assert det.output_text == "a ST b "
 
 
+@pytest.mark.weights
 def test_stop_token_id_ends_without_text(tokenizer) -> None:
     ids = encode(tokenizer, "Stop here: ###\nrest")
     hashes = ids[3]
@@ -374,6 +390,7 @@ def test_stop_token_id_ends_without_text(tokenizer) -> None:
     assert det.output_text == "Stop here: ###\nrest" and det.stop_reason is None
 
 
+@pytest.mark.weights
 def test_eos_text_is_excluded_when_the_caller_marks_it(tokenizer) -> None:
     ids = [*encode(tokenizer, "Done."), tokenizer.eos_token_id]
     params = SamplingParams(skip_special_tokens=False)
@@ -390,6 +407,7 @@ def test_eos_text_is_excluded_when_the_caller_marks_it(tokenizer) -> None:
 # ---------------------------------------------------------------------------- pure helpers
 
 
+@pytest.mark.fast
 def test_find_stop_only_reports_matches_ending_in_new_text() -> None:
     assert find_stop("abcSTOPdef", ["STOP"], new_from=5) == (3, "STOP")
     assert find_stop("abcSTOPdef", ["STOP"], new_from=7) is None  # ended before the new text
@@ -398,6 +416,7 @@ def test_find_stop_only_reports_matches_ending_in_new_text() -> None:
     assert find_stop("abc", [], new_from=0) is None
 
 
+@pytest.mark.fast
 def test_stop_prefix_length_finds_the_longest_partial_stop() -> None:
     assert stop_prefix_length("hello ST", ["STOP"]) == 2
     assert stop_prefix_length("hello S", ["STOP", "S"]) == 1
@@ -406,6 +425,7 @@ def test_stop_prefix_length_finds_the_longest_partial_stop() -> None:
     assert stop_prefix_length("", ["STOP"]) == 0
 
 
+@pytest.mark.fast
 def test_stop_prefix_length_agrees_with_trying_every_suffix() -> None:
     def every_suffix(text: str, stops: list[str]) -> int:
         for length in range(len(text), 0, -1):

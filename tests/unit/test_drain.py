@@ -51,6 +51,7 @@ class WritingRouter(router_pb2_grpc.RouterServicer):
         await context.write(router_pb2.GenerateResponse())
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_running_calls_finish_new_ones_are_refused_small_calls_stay_open() -> None:
     decode, router = SlowDecode(), WritingRouter()
@@ -93,6 +94,7 @@ async def test_running_calls_finish_new_ones_are_refused_small_calls_stay_open()
         await server.stop(grace_s=0)
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_drain_timeout_returns_what_still_runs() -> None:
     decode = SlowDecode()
@@ -108,6 +110,11 @@ async def test_drain_timeout_returns_what_still_runs() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as cut:
                 await call.read()
             assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+            # The handler unwinds on the server's side after the client saw the cut: poll,
+            # bounded, for its count to come back.
+            deadline = asyncio.get_running_loop().time() + 5.0
+            while server.gate.inflight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
             assert server.gate.inflight == 0
     finally:
         await server.stop(grace_s=0)
@@ -124,6 +131,7 @@ class FloodDecode(engine_pb2_grpc.DecodeServicer):
             yield big
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_stream_cancelled_while_the_server_writes_leaves_the_gate() -> None:
     """The client stops reading and cancels while the server waits to write: the call leaves
@@ -177,6 +185,7 @@ def _signal_service(mode: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.processes
 def test_a_stuck_shutdown_dumps_its_stacks_and_exits_1() -> None:
     done = _signal_service("stuck")
     assert done.returncode == 1
@@ -184,12 +193,14 @@ def test_a_stuck_shutdown_dumps_its_stacks_and_exits_1() -> None:
     assert "in main" in done.stderr  # the frame that was stuck, for the operator
 
 
+@pytest.mark.processes
 def test_a_clean_shutdown_is_not_touched_by_the_watchdog() -> None:
     done = _signal_service("clean")
     assert done.returncode == 0
     assert "Timeout" not in done.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_stuck_teardown_step_is_bounded_and_named(caplog: pytest.LogCaptureFixture
                                                           ) -> None:

@@ -14,6 +14,8 @@ import torch
 
 from pdmesh.engine.model_loader import hf_state_dict, load_model
 
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 
 

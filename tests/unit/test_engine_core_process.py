@@ -4,6 +4,7 @@ aborts free blocks, a dead core fails everything at once; and the wire format re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -17,13 +18,14 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_protocol import (
     CALL_DECODER,
     ENCODER,
-    AddRequest,
+    Add,
     Call,
     TensorHeader,
     tensor_from_frame,
     tensor_to_frame,
 )
 from pdmesh.engine.cpu_threads import SHORT_SPIN, core_threads, usable_cpus
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
@@ -34,17 +36,30 @@ CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=51
 
 
 # -- the wire format (fast) ---------------------------------------------------------------------
+@pytest.mark.fast
 def test_sampling_params_cross_the_wire_validated() -> None:
     params = SamplingParams(n=2, temperature=0.7, seed=5, stop=["x"], logit_bias={3: 1.5},
                             structured_output=StructuredOutput(choice=("a", "b")))
-    call = CALL_DECODER.decode(ENCODER.encode(Call(7, AddRequest("r", [1, 2], params))))
+    call = CALL_DECODER.decode(ENCODER.encode(Call(7, Add("r", [1, 2], params))))
     assert call.call_id == 7 and call.command.params == params
-    bad = ENCODER.encode(Call(1, AddRequest("r", [1], SamplingParams()))).replace(
+    bad = ENCODER.encode(Call(1, Add("r", [1], SamplingParams()))).replace(
         b"\xa4seed\xc0", b"\xa4seed\xa1x")  # seed: a string
     with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
         CALL_DECODER.decode(bad)
 
 
+@pytest.mark.fast
+def test_an_add_carries_the_whole_engine_request_but_its_kv() -> None:
+    kv = torch.zeros(1)
+    request = EngineRequest("r", [1, 2], SamplingParams(n=2), priority=3, cache_salt="s",
+                            kv=kv, given_tokens=[[5], [6]], num_cached_tokens=16)
+    wire = {f.name for f in dataclasses.fields(EngineRequest)} - {"kv"}
+    assert set(Add.__struct_fields__) == wire
+    call = CALL_DECODER.decode(ENCODER.encode(Call(1, Add.of(request))))
+    assert call.command.request(kv) == request
+
+
+@pytest.mark.fast
 def test_tensor_frames_round_trip_and_refuse_mismatches() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         t = torch.randn(2, 3, 4).to(dtype)
@@ -74,6 +89,8 @@ async def proc_engine_fixture() -> AsyncIterator[AsyncEngine]:
 slow = pytest.mark.slow
 
 
+@pytest.mark.weights
+@pytest.mark.processes
 @slow
 @pytest.mark.anyio
 async def test_process_core_matches_in_process(llm_engine: LLMEngine,
@@ -102,6 +119,8 @@ async def test_process_core_matches_in_process(llm_engine: LLMEngine,
     await wait_all_free(proc_engine)
 
 
+@pytest.mark.weights
+@pytest.mark.processes
 @slow
 @pytest.mark.anyio
 async def test_kv_export_import_across_the_boundary(llm_engine: LLMEngine,
@@ -112,15 +131,18 @@ async def test_kv_export_import_across_the_boundary(llm_engine: LLMEngine,
     kv = await proc_engine.read_kv("x")
     assert kv.shape[2] == len(first.kv_export.block_ids)  # type: ignore[union-attr]
     assert await proc_engine.release_kv("x")
-    outs = await collect(proc_engine.import_and_decode(
-        "y", first.prompt_token_ids, [first.outputs[0].token_ids[0]], kv, params))
+    outs = await collect(proc_engine.add(EngineRequest(
+        "y", first.prompt_token_ids, params, kv=kv,
+        given_tokens=[[first.outputs[0].token_ids[0]]])))
     assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
     with pytest.raises(ValueError, match="kv: shape"):
-        await collect(proc_engine.import_and_decode(
-            "z", first.prompt_token_ids, [1], kv[:, :1], params))
+        await collect(proc_engine.add(EngineRequest(
+            "z", first.prompt_token_ids, params, kv=kv[:, :1], given_tokens=[[1]])))
     await wait_all_free(proc_engine)
 
 
+@pytest.mark.weights
+@pytest.mark.processes
 @slow
 @pytest.mark.anyio
 async def test_abort_and_errors_across_the_boundary(proc_engine: AsyncEngine) -> None:
@@ -137,6 +159,8 @@ async def test_abort_and_errors_across_the_boundary(proc_engine: AsyncEngine) ->
     await wait_all_free(proc_engine)
 
 
+@pytest.mark.weights
+@pytest.mark.processes
 @slow
 @pytest.mark.anyio
 async def test_dead_core_fails_everything_at_once() -> None:

@@ -10,6 +10,8 @@ import uvloop
 
 from pdmesh.logs import event_loop_factory, run_service
 
+pytestmark = pytest.mark.fast
+
 
 def test_services_run_on_uvloop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDMESH_EVENT_LOOP", raising=False)

@@ -9,6 +9,8 @@ import pytest
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
 from tests.certs import make_test_certs
 
+pytestmark = pytest.mark.fast
+
 
 def test_https_flags_are_validated(tmp_path: Path) -> None:
     certs = make_test_certs(tmp_path)

@@ -34,6 +34,7 @@ def unfrozen() -> Iterator[None]:
         gc.freeze()
 
 
+@pytest.mark.fast
 def test_frozen_heap_freezes_what_exists_only_while_it_runs(unfrozen: None) -> None:
     before = Node()
     with frozen_heap():
@@ -46,6 +47,7 @@ def test_frozen_heap_freezes_what_exists_only_while_it_runs(unfrozen: None) -> N
     assert ref() is None  # a cycle from before the block is still collected after it
 
 
+@pytest.mark.fast
 def test_frozen_heap_leaves_a_frozen_heap_frozen(unfrozen: None) -> None:
     kept = Node()
     freeze_startup_heap()
@@ -54,6 +56,7 @@ def test_frozen_heap_leaves_a_frozen_heap_frozen(unfrozen: None) -> None:
     assert gc.get_freeze_count() > 0 and not tracked(kept)
 
 
+@pytest.mark.weights
 def test_generate_leaves_nothing_frozen_and_a_dropped_engine_collectable(unfrozen: None) -> None:
     from pdmesh import LLM, SamplingParams
 

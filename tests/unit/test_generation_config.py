@@ -20,6 +20,8 @@ from pdmesh.engine.generation_config import (
 )
 from pdmesh.v1 import common_pb2
 
+pytestmark = pytest.mark.fast
+
 MODEL_FILE = {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
               "max_new_tokens": 64, "bos_token_id": 1}
 

@@ -27,6 +27,7 @@ def load_bench():
     return module
 
 
+@pytest.mark.weights
 @pytest.mark.slow
 def test_tiny_shape_prints_every_row(tmp_path: Path, model_dir: Path, capsys) -> None:
     bench = load_bench()
@@ -63,6 +64,7 @@ def test_tiny_shape_prints_every_row(tmp_path: Path, model_dir: Path, capsys) ->
     assert tiny["weight_bytes"] > 0 and tiny["floor_ms_per_token"] > 0
 
 
+@pytest.mark.fast
 def test_unknown_shape_is_refused() -> None:
     bench = load_bench()
     with pytest.raises(SystemExit):

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from pdmesh.gateway.metrics import GatewayMetrics
@@ -24,6 +25,8 @@ from pdmesh.metrics import (
     kv_transfer_metrics,
     router_metrics,
 )
+
+pytestmark = pytest.mark.fast
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "pdmesh" / "dashboards" / "pdmesh.json"
 METRIC = re.compile(r"pdmesh:[A-Za-z0-9_:]+")

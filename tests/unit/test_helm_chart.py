@@ -30,7 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdmesh.config import parse_config
+from pdmesh.config import parse_config, settings
 from pdmesh.decode_svc.config import DecodeConfig
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.gateway.config import GatewayConfig, parse_gateway_config
@@ -193,12 +193,14 @@ def schema() -> dict[str, Any]:
     return json.loads((CHART / "values.schema.json").read_text())
 
 
+@pytest.mark.fast
 def test_values_schema_is_valid_and_accepts_every_variant(schema: dict[str, Any]) -> None:
     jsonschema.Draft7Validator.check_schema(schema)
     for variant in VARIANTS:
         jsonschema.validate(load_values(variant), schema)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("path", "value"),
     [
@@ -227,6 +229,7 @@ def test_values_schema_rejects_bad_values(
         jsonschema.validate(values, schema)
 
 
+@pytest.mark.fast
 def test_dockerfile_pins_cpu_torch_and_runs_unprivileged() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
@@ -244,6 +247,7 @@ def test_dockerfile_pins_cpu_torch_and_runs_unprivileged() -> None:
     assert re.search(r'^ENTRYPOINT \["pdmesh"\]$', text, re.M)
 
 
+@pytest.mark.fast
 def test_dockerignore_keeps_everything_the_package_build_needs() -> None:
     patterns = [
         line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
@@ -302,6 +306,7 @@ def render(helm: str) -> Callable[..., list[Manifest]]:
     return render_copy
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_helm_lint_strict(helm: str, variant: str) -> None:
@@ -310,6 +315,7 @@ def test_helm_lint_strict(helm: str, variant: str) -> None:
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rendered_manifests_validate_against_kubernetes_schemas(render, variant: str) -> None:
@@ -404,6 +410,7 @@ def check_service_monitor(m: Manifest, manifests: list[Manifest]) -> None:
             assert "metrics" not in ports, f"{component}: a metrics Service port with no server"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_default_renders_the_mesh_and_nothing_optional(render) -> None:
     kinds = sorted(m["kind"] for m in render("default"))
@@ -413,6 +420,7 @@ def test_default_renders_the_mesh_and_nothing_optional(render) -> None:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_container_env_configures_the_real_service(
@@ -446,7 +454,7 @@ def test_every_container_env_configures_the_real_service(
         assert command == ["pdmesh", c["name"]], command
         env = with_mounted_files(workload_of(manifests, c), c, resolved_env(c), tmp_path)
         assert not any("$(" in v for v in env.values()), f"{c['name']}: unresolved {env}"
-        allowed = {f"PDMESH_{f.upper()}" for f in fields[c["name"]].__dataclass_fields__}
+        allowed = {s.env for s in settings(fields[c["name"]]).values()}
         unknown = {n for n in env if n.startswith("PDMESH_")} - allowed - PDMESH_ENV_NOT_CONFIG
         assert not unknown, f"{c['name']}: env that no config field reads: {unknown}"
         try:
@@ -471,12 +479,13 @@ def test_every_container_env_configures_the_real_service(
         else:
             assert engine.public_host == POD_IP, "engines must register their pod IP"
         assert engine.model_name == router.model == values["model"]["name"]
-    assert (prefill.block_size, prefill.hash_algorithm, prefill.hash_root_seed) == (
-        decode.block_size, decode.hash_algorithm, decode.hash_root_seed
+    assert (prefill.engine.block_size, prefill.engine.hash_algorithm,
+            prefill.engine.hash_root_seed) == (
+        decode.engine.block_size, decode.engine.hash_algorithm, decode.engine.hash_root_seed
     ), "engines with different hashing never share prefix hits"
     model = values["model"]
     expected = model["path"] if model["source"] == "volume" else model["alias"]
-    assert prefill.model == decode.model == router.tokenizer == expected
+    assert prefill.engine.model == decode.engine.model == router.tokenizer == expected
     assert prefill.kv_port == values["prefill"]["kvPort"]
 
 
@@ -493,6 +502,7 @@ def check_metrics_server(
     assert (config.metrics_host or config.host) == "0.0.0.0", f"{name}: {config.metrics_host!r}"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("variant", "extra"),
@@ -539,6 +549,7 @@ def test_metrics_servers_are_named_ports_on_their_services(
         check_service_monitor(monitor, manifests)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_probes_are_native_grpc_health_checks(render, variant: str) -> None:
@@ -558,6 +569,7 @@ def test_probes_are_native_grpc_health_checks(render, variant: str) -> None:
     assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_router_pod_carries_the_gateway_sidecar_and_one_service_exposes_both(render) -> None:
     manifests = render("default")
@@ -571,6 +583,7 @@ def test_router_pod_carries_the_gateway_sidecar_and_one_service_exposes_both(ren
     assert ports["grpc"]["port"] == values["router"]["port"]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_services_select_their_pods_and_engine_services_are_headless(
@@ -604,6 +617,7 @@ def test_services_select_their_pods_and_engine_services_are_headless(
         assert name in pods, f"HorizontalPodAutoscaler {name} has no Deployment of its name"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("variant", "extra"),
@@ -640,6 +654,7 @@ def test_grace_period_covers_prestop_and_drain(render, variant: str, extra: tupl
                 assert pre_stop is None, name
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_replica_counts(render) -> None:
     manifests = render("replicas-2x3")
@@ -648,8 +663,11 @@ def test_replica_counts(render) -> None:
     }
     assert counts == {"router": 2, "prefill": 2, "decode": 3}
     assert workload(manifests, "redis")["spec"]["replicas"] == 1
+    # By default two routers: one dying (or rolling) never leaves the API without a front door.
+    assert workload(render("default"), "router")["spec"]["replicas"] == 2
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_gpu_limits_only_when_asked(render) -> None:
     for variant, gpus in (("default", None), ("gpu", 1)):
@@ -671,6 +689,7 @@ def test_gpu_limits_only_when_asked(render) -> None:
         assert "nvidia.com/gpu" not in router["resources"]["limits"]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_redis_built_in_or_external(render) -> None:
     default = render("default")
@@ -698,6 +717,7 @@ def test_redis_built_in_or_external(render) -> None:
         }
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_tracing_off_by_default_and_wired_when_on(render) -> None:
     for _, c in all_pod_containers(render("default")):
@@ -724,6 +744,7 @@ def test_tracing_off_by_default_and_wired_when_on(render) -> None:
     assert services == {"pdmesh-router", "pdmesh-gateway", "pdmesh-prefill", "pdmesh-decode"}
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_autoscaling_takes_over_replicas_and_servicemonitor_renders(render) -> None:
     manifests = render("autoscaling-monitoring")
@@ -748,6 +769,7 @@ def test_autoscaling_takes_over_replicas_and_servicemonitor_renders(render) -> N
         (CHART / "dashboards" / "pdmesh.json").read_text())
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_model_from_a_volume_or_an_init_step(render) -> None:
     init = render("default")
@@ -769,6 +791,7 @@ def test_model_from_a_volume_or_an_init_step(render) -> None:
     assert {p["name"] for p in containers(decode)["decode"]["ports"]} == {"grpc", "kv", "metrics"}
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
@@ -805,6 +828,7 @@ def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
     assert {"router", "gateway", "prefill", "decode"} <= seen
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -923,6 +947,7 @@ def policy_allows(
     )
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["default", *TLS_VARIANTS, "external-redis"])
 def test_network_policies_admit_only_legitimate_callers(render, variant: str) -> None:
@@ -1026,6 +1051,7 @@ def test_network_policies_admit_only_legitimate_callers(render, variant: str) ->
         assert not policy_allows(manifests, src, router, r["gateway"]["port"], "TCP", ("egress",))
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_network_policies_can_be_turned_off_and_extended(render) -> None:
     assert not by_kind(render("default", "--set", "networkPolicy.enabled=false"),
@@ -1037,6 +1063,7 @@ def test_network_policies_can_be_turned_off_and_extended(render) -> None:
         assert has == (not name.endswith("-redis")), name
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["default", *TLS_VARIANTS])
 def test_tls_wired_to_every_service(render, variant: str) -> None:
@@ -1077,6 +1104,7 @@ def test_tls_wired_to_every_service(render, variant: str) -> None:
                 assert "subdomain" not in spec and host == POD_IP
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["default", "tls", "external-redis"])
 def test_cluster_token_secret_mounted_in_every_internal_container(render, variant: str) -> None:
@@ -1105,6 +1133,7 @@ def test_cluster_token_secret_mounted_in_every_internal_container(render, varian
             assert volume["secret"]["defaultMode"] & 0o007 == 0, "not world-readable"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["default", "tls", "external-redis", "external-redis-secret"])
 def test_redis_password_wired_to_redis_and_every_client(render, variant: str) -> None:
@@ -1144,6 +1173,7 @@ def test_redis_password_wired_to_redis_and_every_client(render, variant: str) ->
     assert not {k for k in env_of(gateway) if k.startswith("PDMESH_REDIS")}
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),

@@ -32,6 +32,7 @@ print(" ".join(map(str, faults)))
 """
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("environ", "want"), [
     ({}, True),
     ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}, True),
@@ -52,6 +53,7 @@ def faults_per_step(mode: str) -> list[int]:
     return [int(n) for n in out.stdout.strip().splitlines()[-1].split()]
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="glibc's mallopt")
 def test_fixed_thresholds_stop_page_faults_on_reused_temporaries() -> None:

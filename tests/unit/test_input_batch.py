@@ -23,7 +23,9 @@ from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbe
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import ScheduledSeq
 from pdmesh.engine.sequence import Sequence
-from pdmesh.kernels.backend import get_attention_backend
+from pdmesh.kernels.backend_selection import get_attention_backend
+
+pytestmark = pytest.mark.fast
 
 BS = 4
 MAX_POSITIONS = 256

@@ -19,7 +19,7 @@ from pdmesh.kvstore.redis_server import RedisServer
 from pdmesh.router.instances import InstancePool, PoolSettings
 from tests.redis_fixture import anyio_backend_fixture  # noqa: F401  (fixture by import)
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 MODEL = "test/pool-rejoin"
 
 

@@ -21,8 +21,8 @@ from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
 from pdmesh.kvstore.redis_server import RedisServer
+from pdmesh.router.failures import cancelled_from_outside
 from pdmesh.router.instances import Instance, InstancePool, PoolSettings
-from pdmesh.router.orchestrator import cancelled_from_outside
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.redis_fixture import anyio_backend_fixture  # noqa: F401  (fixture by import)
 
@@ -106,6 +106,7 @@ async def departed_mid_stream(model: str) -> AsyncIterator[Departed]:
             redis.stop()
 
 
+@pytest.mark.redis
 async def test_a_departed_instance_finishes_its_running_stream() -> None:
     async with departed_mid_stream(MODEL) as departed:
         assert list(departed.first.delta.token_ids) == TOKENS[:1]
@@ -130,6 +131,7 @@ async def test_a_departed_instance_finishes_its_running_stream() -> None:
             await departed.instance.decode_stub().Abort(engine_pb2.AbortRequest(request_id="r"))
 
 
+@pytest.mark.redis
 async def test_stopping_the_pool_does_not_wait_for_a_departed_instance_s_calls() -> None:
     """The router's own shutdown does not wait out the retired channel's grace (its own calls
     were drained, or cancelled, before the pool stops)."""
@@ -140,6 +142,7 @@ async def test_stopping_the_pool_does_not_wait_for_a_departed_instance_s_calls()
         departed.call.cancel()
 
 
+@pytest.mark.fast
 async def test_a_call_cancelled_under_a_task_is_told_from_the_task_s_own_cancellation() -> None:
     """The router migrates a stream whose call was cancelled under it (its channel closed)
     and stops for a request whose own task was cancelled (its client went away)."""

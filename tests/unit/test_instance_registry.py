@@ -49,12 +49,14 @@ def make_info(
 # --- pure parts -------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_new_instance_id_is_per_process_and_unique() -> None:
     first, second = new_instance_id("prefill"), new_instance_id("prefill")
     assert first != second
     assert first.startswith("prefill-") and f"-{os.getpid()}-" in first
 
 
+@pytest.mark.fast
 def test_info_validation() -> None:
     keys = KeySpace(model="m")
     good = make_info(keys, 1)
@@ -68,6 +70,7 @@ def test_info_validation() -> None:
     assert validate_load({"running": 2, "kv_usage": 0.5}) == {"running": 2, "kv_usage": 0.5}
 
 
+@pytest.mark.fast
 def test_fields_round_trip_and_malformed_fields_are_rejected() -> None:
     info = make_info(KeySpace(model="m"), 7, role="prefill")
     fields = info.to_fields()
@@ -82,6 +85,7 @@ def test_fields_round_trip_and_malformed_fields_are_rejected() -> None:
         InstanceInfo.from_fields(info.instance_id, missing)
 
 
+@pytest.mark.fast
 def test_describe_scheme_diff_names_the_differing_parts() -> None:
     a = HashScheme(block_size=16).describe()
     b = HashScheme(block_size=32, algorithm="blake2b").describe()
@@ -91,6 +95,7 @@ def test_describe_scheme_diff_names_the_differing_parts() -> None:
 # --- against Redis ----------------------------------------------------------------------
 
 
+@pytest.mark.redis
 async def test_register_and_list_live_instances_by_role(
     conn: RedisConnection, keyspace: KeySpace
 ) -> None:
@@ -110,6 +115,7 @@ async def test_register_and_list_live_instances_by_role(
     assert await registry.live_instances(role="colocated") == []
 
 
+@pytest.mark.redis
 async def test_heartbeat_updates_load_and_extends_ttl(
     conn: RedisConnection, keyspace: KeySpace, raw: aioredis.Redis
 ) -> None:
@@ -126,6 +132,7 @@ async def test_heartbeat_updates_load_and_extends_ttl(
     assert got.heartbeat_at is not None and got.heartbeat_at >= info.started_at
 
 
+@pytest.mark.redis
 async def test_heartbeat_of_unknown_instance_asks_to_register_again(
     conn: RedisConnection, keyspace: KeySpace, raw: aioredis.Redis
 ) -> None:
@@ -134,6 +141,7 @@ async def test_heartbeat_of_unknown_instance_asks_to_register_again(
     assert not await raw.exists(keyspace.instance("decode-nohost-1-deadbeef"))
 
 
+@pytest.mark.redis
 async def test_scheme_mismatch_is_refused_loudly(conn: RedisConnection, keyspace: KeySpace) -> None:
     registry = InstanceRegistry(conn, keyspace)
     first = make_info(keyspace, 1)
@@ -157,12 +165,14 @@ async def test_scheme_mismatch_is_refused_loudly(conn: RedisConnection, keyspace
     assert await registry.register(odd) == []
 
 
+@pytest.mark.redis
 async def test_wrong_model_is_rejected(conn: RedisConnection, keyspace: KeySpace) -> None:
     registry = InstanceRegistry(conn, keyspace)
     with pytest.raises(ValueError, match="model"):
         await registry.register(make_info(KeySpace(model="elsewhere"), 1))
 
 
+@pytest.mark.redis
 async def test_expired_instances_leave_routing_and_sweep_clears_membership(
     conn: RedisConnection, keyspace: KeySpace, raw: aioredis.Redis
 ) -> None:
@@ -183,6 +193,7 @@ async def test_expired_instances_leave_routing_and_sweep_clears_membership(
     assert await long.sweep() == []
 
 
+@pytest.mark.redis
 async def test_reregistration_keeps_membership_and_deregister_is_idempotent(
     conn: RedisConnection, keyspace: KeySpace
 ) -> None:
@@ -196,6 +207,7 @@ async def test_reregistration_keeps_membership_and_deregister_is_idempotent(
     assert await registry.live_instances() == []
 
 
+@pytest.mark.redis
 async def test_unreadable_registration_is_skipped(
     conn: RedisConnection, keyspace: KeySpace, raw: aioredis.Redis
 ) -> None:

@@ -10,6 +10,8 @@ from pdmesh.engine.kv_events import BlockRemoved, BlockStored
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.sequence import Sequence
 
+pytestmark = pytest.mark.fast
+
 BS = 4
 SCHEME = HashScheme(block_size=BS)
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks + 2

@@ -8,18 +8,19 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pdmesh.kvstore.transfer import (
-    ChecksumAlgo,
-    KVHandle,
-    KVLayout,
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo
+from pdmesh.kvstore.transfer.errors import (
     KVTransferCancelled,
     KVTransferExpired,
     KVTransferNotFound,
     KVTransferRejected,
-    ReleaseReason,
-    TransferState,
 )
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable
+from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
+
+pytestmark = pytest.mark.fast
 
 
 @dataclass

@@ -17,19 +17,16 @@ import torch
 
 from pdmesh.auth import ClusterToken
 from pdmesh.grpc_common import TLSConfig
-from pdmesh.kvstore.transfer import (
-    KVReceiver,
-    KVReceiverConfig,
-    KVSender,
-    KVSenderConfig,
-    ReleaseReason,
-    TransferState,
-)
 from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVTransferDenied, KVTransferError
+from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
+from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 from pdmesh.kvstore.transfer.wire import MAGIC
 from tests.certs import CertSet, make_test_certs
+
+pytestmark = pytest.mark.fast
 
 T = TypeVar("T")
 TOKEN = ClusterToken("k" * 43)

@@ -22,26 +22,23 @@ from typing import Any
 import pytest
 import torch
 
-from pdmesh.kvstore.transfer import (
-    Deadline,
+from pdmesh.kvstore.transfer.backends import unavailable_reason
+from pdmesh.kvstore.transfer.deadline import Deadline
+from pdmesh.kvstore.transfer.errors import (
     KVChecksumError,
-    KVHandle,
-    KVReceiver,
-    KVReceiverConfig,
-    KVSender,
-    KVSenderConfig,
     KVSenderUnavailable,
     KVTransferCancelled,
     KVTransferError,
     KVTransferExpired,
     KVTransferTimeout,
-    ReleaseReason,
-    TransferState,
 )
-from pdmesh.kvstore.transfer.backends import unavailable_reason
+from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
+from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
+from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.processes]
 
 PEER = Path(__file__).with_name("kv_peer.py")
 UCXX_MISSING = unavailable_reason("ucxx")

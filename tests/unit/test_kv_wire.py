@@ -8,15 +8,10 @@ import struct
 import pytest
 import torch
 
-from pdmesh.kvstore.transfer import (
-    ChecksumAlgo,
-    KVChecksumError,
-    KVHandle,
-    KVHandleError,
-    KVLayout,
-    KVWireError,
-)
-from pdmesh.kvstore.transfer.checksum import tensor_checksum
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, tensor_checksum
+from pdmesh.kvstore.transfer.errors import KVChecksumError, KVHandleError, KVWireError
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.wire import (
     FIXED_HEADER_BYTES,
     WireHeader,
@@ -28,6 +23,8 @@ from pdmesh.kvstore.transfer.wire import (
     header_length,
 )
 from pdmesh.v1 import kv_transfer_pb2 as pb
+
+pytestmark = pytest.mark.fast
 
 TID = "0123456789abcdef0123456789abcdef"
 # Offsets into the fixed header (see wire.py).

@@ -99,6 +99,7 @@ for _dtype in (torch.float32, torch.bfloat16):
             lambda ops, r=_rows, c=_cols, d=_dtype: _silu_and_mul(ops, r, c, d))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpu_ops_match_reference(name: str, native: bool, monkeypatch: pytest.MonkeyPatch
@@ -113,6 +114,7 @@ def test_cpu_ops_match_reference(name: str, native: bool, monkeypatch: pytest.Mo
     CASES[name](CpuLayerOps())
 
 
+@pytest.mark.fast
 def test_native_silu_at_extreme_gates_and_the_native_path_is_taken() -> None:
     if cpu_native.library() is None:
         pytest.skip("no C compiler: the native kernels are not built")
@@ -126,6 +128,7 @@ def test_native_silu_at_extreme_gates_and_the_native_path_is_taken() -> None:
     assert not cpu_native.can_rope(q.transpose(0, 1), q)  # heads not contiguous: torch path
 
 
+@pytest.mark.fast
 def test_reference_is_transformers_llama_math() -> None:
     """float32 greedy parity with transformers rests on the reference being its numbers."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -139,6 +142,7 @@ def test_reference_is_transformers_llama_math() -> None:
     assert diff <= 1e-6
 
 
+@pytest.mark.fast
 def test_selection() -> None:
     assert select_layer_ops("cpu").name == "cpu"
     assert select_layer_ops("cpu", "torch").name == "torch"
@@ -155,12 +159,14 @@ def interpreted() -> dict[str, str | None]:
     return outcomes_of(__file__)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_ops_match_reference_interpreted(interpreted: dict[str, Any], name: str) -> None:
     assert name in interpreted
     assert interpreted[name] is None, interpreted[name]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_ops_compiled_on_cuda() -> None:
     ops = select_layer_ops("cuda")

@@ -19,6 +19,8 @@ from pdmesh.metrics import (
     start_metrics_server,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
     text = generate_latest(registry).decode()

@@ -83,6 +83,7 @@ async def cluster(conn: RedisConnection, keyspace: KeySpace) -> AsyncIterator[Cl
     yield Cluster(conn, keyspace)
 
 
+@pytest.mark.fast
 def test_encode_events_flattens_ops_and_hex_hashes() -> None:
     args = encode_events([stored(0, 1), AllBlocksCleared(), removed(2)])
     assert args == ["S", "2", HASHES[0].hex(), HASHES[1].hex(), "C", "R", "1", HASHES[2].hex()]
@@ -90,11 +91,13 @@ def test_encode_events_flattens_ops_and_hex_hashes() -> None:
         encode_events([object()])  # type: ignore[list-item]
 
 
+@pytest.mark.fast
 def test_decode_prefix_reply_pairs() -> None:
     assert decode_prefix_reply(["a", 3, "b", 1]) == {"a": 3, "b": 1}
     assert decode_prefix_reply([]) == {}
 
 
+@pytest.mark.redis
 async def test_stored_and_removed_events_are_reflected(cluster: Cluster) -> None:
     a = await cluster.add()
     assert await cluster.index.longest_prefix(HASHES[:8]) == {}
@@ -108,6 +111,7 @@ async def test_stored_and_removed_events_are_reflected(cluster: Cluster) -> None
     assert await cluster.index.longest_prefix([]) == {}
 
 
+@pytest.mark.redis
 async def test_longest_prefix_partial_overlap_across_three_instances(cluster: Cluster) -> None:
     a, b, c, d = [await cluster.add() for _ in range(4)]
     await cluster.publish(a, stored(*range(8)))
@@ -125,6 +129,7 @@ async def commandstats(raw: aioredis.Redis) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
+@pytest.mark.redis
 async def test_lookup_is_one_round_trip_and_stops_at_first_miss(
     cluster: Cluster, raw: aioredis.Redis
 ) -> None:
@@ -150,6 +155,7 @@ async def test_lookup_is_one_round_trip_and_stops_at_first_miss(
         assert unexpected == {}
 
 
+@pytest.mark.redis
 async def test_sequence_gaps_and_duplicates_are_reported(cluster: Cluster) -> None:
     a = await cluster.add()
     index = cluster.index
@@ -175,6 +181,7 @@ async def test_sequence_gaps_and_duplicates_are_reported(cluster: Cluster) -> No
     assert await index.longest_prefix(HASHES[:8]) == {a: 4}
 
 
+@pytest.mark.redis
 async def test_all_blocks_cleared_removes_only_that_instance(
     cluster: Cluster, raw: aioredis.Redis
 ) -> None:
@@ -190,6 +197,7 @@ async def test_all_blocks_cleared_removes_only_that_instance(
     assert await cluster.index.longest_prefix(HASHES[:4]) == {a: 1, b: 2}
 
 
+@pytest.mark.redis
 async def test_events_from_unregistered_instance_are_refused(
     cluster: Cluster, raw: aioredis.Redis
 ) -> None:
@@ -199,6 +207,7 @@ async def test_events_from_unregistered_instance_are_refused(
     assert not await raw.exists(cluster.index.keys.block(HASHES[0]))
 
 
+@pytest.mark.redis
 async def test_expired_instance_drops_out_of_lookups_and_index(
     conn: RedisConnection, keyspace: KeySpace, raw: aioredis.Redis
 ) -> None:
@@ -224,6 +233,7 @@ async def test_expired_instance_drops_out_of_lookups_and_index(
     assert await cluster.index.longest_prefix(HASHES[:4]) == {b: 1}
 
 
+@pytest.mark.redis
 async def test_restart_behind_same_address_is_not_credited_with_old_blocks(
     cluster: Cluster,
 ) -> None:
@@ -241,6 +251,7 @@ async def test_restart_behind_same_address_is_not_credited_with_old_blocks(
     assert [i.instance_id for i in await cluster.registry.live_instances()] == [new.instance_id]
 
 
+@pytest.mark.redis
 class TestOutage:
     """Redis dies or hangs under a live client; the client fails fast and heals."""
 

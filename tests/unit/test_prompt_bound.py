@@ -52,6 +52,7 @@ def smollm2_bound(hf_tokenizer: Any) -> PromptBound:
     return PromptBound.of(hf_tokenizer.backend_tokenizer)
 
 
+@pytest.mark.weights
 def test_smollm2_bound_holds_on_adversarial_texts(
     hf_tokenizer: Any, smollm2_bound: PromptBound
 ) -> None:
@@ -64,6 +65,7 @@ def test_smollm2_bound_holds_on_adversarial_texts(
         assert counted <= len(text.encode())
 
 
+@pytest.mark.weights
 def test_smollm2_bound_is_useful(hf_tokenizer: Any, smollm2_bound: PromptBound) -> None:
     """Not vacuous: a long token repeated comes within a small factor of the bound."""
     vocab = hf_tokenizer.backend_tokenizer.get_vocab()
@@ -74,6 +76,7 @@ def test_smollm2_bound_is_useful(hf_tokenizer: Any, smollm2_bound: PromptBound) 
     assert smollm2_bound.max_bytes(MAX_MODEL_LEN) < 2 * 2**20  # a 2 MiB prompt is refused
 
 
+@pytest.mark.weights
 def test_check_refuses_only_provably_too_long_texts(smollm2_bound: PromptBound) -> None:
     bound = smollm2_bound
     limit = bound.max_bytes(MAX_MODEL_LEN)
@@ -92,6 +95,7 @@ def test_check_refuses_only_provably_too_long_texts(smollm2_bound: PromptBound) 
         bound.check("b" * (limit + 1), MAX_MODEL_LEN, field="messages")
 
 
+@pytest.mark.weights
 def test_check_of_a_huge_text_is_fast(smollm2_bound: PromptBound) -> None:
     text = "word " * (3 * 2**20)  # 15 MiB
     started = time.monotonic()
@@ -119,6 +123,7 @@ def _byte_level_bpe(normalizer: Any = None, lstrip_token: bool = False) -> Token
     return tokenizer
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("normalizer,shrink", [
     (None, 1),
     (normalizers.NFC(), 3),
@@ -135,6 +140,7 @@ def test_trained_byte_level_bpe_bound_holds(normalizer: Any, shrink: int) -> Non
         assert n >= bound.min_tokens(bound.counted_bytes(text)), (text[:10], n)
 
 
+@pytest.mark.fast
 def test_unbounded_tokenizers_have_no_bound() -> None:
     with pytest.raises(NoBound, match="StripAccents"):
         PromptBound.of(_byte_level_bpe(normalizers.StripAccents()))
@@ -154,6 +160,7 @@ def test_unbounded_tokenizers_have_no_bound() -> None:
         PromptBound.from_json(dropping)
 
 
+@pytest.mark.fast
 def test_sentencepiece_style_byte_fallback_is_bounded() -> None:
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     vocab.update({"\u2581hello": 256, "\u2581world": 257})
@@ -193,6 +200,7 @@ def test_normalizer_shrink_factors_cover_every_code_point() -> None:
     assert len(hangul.encode()) / len(unicodedata.normalize("NFC", hangul).encode()) <= 3
 
 
+@pytest.mark.fast
 def test_tokenizer_pool_size_is_validated() -> None:
     base = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
     assert RouterConfig(**base).tokenizer_pool_size == 2
@@ -205,6 +213,7 @@ def _text(text: str) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(text=text)
 
 
+@pytest.mark.weights
 def test_pool_refuses_provably_long_prompts_and_serves_small_ones_beside_big() -> None:
     tokenizer = PromptTokenizer("smollm2", pool_size=2)
     rng = random.Random(1)

@@ -65,6 +65,7 @@ def proto_copy(tmp_path: Path) -> Path:
 # --- stubs are current -------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_committed_stubs_are_current() -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to generate stubs")
     proc = subprocess.run(
@@ -77,6 +78,7 @@ def test_committed_stubs_are_current() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.fast
 def test_every_proto_has_all_three_stubs() -> None:
     protos = sorted(PACKAGE_DIR.glob("*.proto"))
     assert {"common.proto", "router.proto", "engine.proto"} <= {p.name for p in protos}
@@ -85,6 +87,7 @@ def test_every_proto_has_all_three_stubs() -> None:
             assert (PACKAGE_DIR / f"{proto.stem}{suffix}").is_file(), f"{proto.name}: {suffix}"
 
 
+@pytest.mark.fast
 def test_check_names_outdated_missing_and_orphaned_stubs(gen: ModuleType, proto_copy: Path) -> None:
     assert gen.find_stale(proto_copy) == []
     package = proto_copy / "pdmesh" / "v1"
@@ -102,6 +105,7 @@ def test_check_names_outdated_missing_and_orphaned_stubs(gen: ModuleType, proto_
     }
 
 
+@pytest.mark.fast
 def test_check_catches_a_proto_edited_without_regenerating(
     gen: ModuleType, proto_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -118,6 +122,7 @@ def test_check_catches_a_proto_edited_without_regenerating(
     assert "cached_prompt_tokens" in err or "more diff lines" in err
 
 
+@pytest.mark.fast
 def test_write_repairs_the_tree(gen: ModuleType, proto_copy: Path) -> None:
     package = proto_copy / "pdmesh" / "v1"
     (package / "common_pb2.py").write_text("broken\n")
@@ -131,6 +136,7 @@ def test_write_repairs_the_tree(gen: ModuleType, proto_copy: Path) -> None:
     assert (package / "router_pb2.py").stat().st_mtime_ns == untouched  # current files kept
 
 
+@pytest.mark.fast
 def test_check_reports_protoc_errors(gen: ModuleType, proto_copy: Path) -> None:
     (proto_copy / "pdmesh" / "v1" / "broken.proto").write_text(
         'syntax = "proto3";\npackage pdmesh.v1;\nmessage Broken { int32 x = 1 }\n'
@@ -138,6 +144,7 @@ def test_check_reports_protoc_errors(gen: ModuleType, proto_copy: Path) -> None:
     assert gen.main(["--check", "--proto-root", str(proto_copy)]) == 2
 
 
+@pytest.mark.fast
 def test_all_stub_modules_import_together() -> None:
     """Every proto of the package lands in one descriptor pool: duplicate names would fail here."""
     for path in sorted(PACKAGE_DIR.glob("*_pb2*.py")):
@@ -153,6 +160,7 @@ def _round_trip(msg: M) -> M:
     return again
 
 
+@pytest.mark.fast
 def test_unset_optional_sampling_fields_differ_from_zero() -> None:
     unset = _round_trip(common_pb2.SamplingParams())
     for field in (
@@ -178,6 +186,7 @@ def test_unset_optional_sampling_fields_differ_from_zero() -> None:
     assert zeros.HasField("skip_special_tokens") and zeros.skip_special_tokens is False
 
 
+@pytest.mark.fast
 def test_full_sampling_params_round_trip() -> None:
     params = common_pb2.SamplingParams(
         n=3,
@@ -206,6 +215,7 @@ def test_full_sampling_params_round_trip() -> None:
     assert list(again.stop) == ["\n\n", "</s>"]
 
 
+@pytest.mark.fast
 def test_generate_request_prompt_oneof() -> None:
     chat = router_pb2.Chat(
         messages=[
@@ -241,6 +251,7 @@ def _logprob(token_id: int, logprob: float, rank: int, text: str) -> common_pb2.
     )
 
 
+@pytest.mark.fast
 def test_generate_stream_messages_round_trip() -> None:
     delta = router_pb2.GenerateResponse(
         delta=common_pb2.SequenceDelta(
@@ -286,6 +297,7 @@ def test_generate_stream_messages_round_trip() -> None:
     assert result.result.usage.cached_prompt_tokens == 64
 
 
+@pytest.mark.fast
 def test_finish_stop_reason_is_unset_on_eos() -> None:
     eos = _round_trip(common_pb2.Finish(reason=common_pb2.FINISH_REASON_STOP))
     assert eos.WhichOneof("stop_reason") is None
@@ -311,6 +323,7 @@ def _kv_handle() -> Message:
     return handle
 
 
+@pytest.mark.fast
 def test_prefill_then_decode_handoff_round_trip() -> None:
     params = common_pb2.SamplingParams(n=2, temperature=0.8, seed=7, prompt_logprobs=1)
     prefill = _round_trip(
@@ -362,6 +375,7 @@ def test_prefill_then_decode_handoff_round_trip() -> None:
     assert not local.HasField("remote_prefill")  # absent = prefill locally
 
 
+@pytest.mark.fast
 def test_engine_info_and_load_round_trip() -> None:
     info = _round_trip(
         engine_pb2.EngineInfo(
@@ -394,6 +408,7 @@ def test_engine_info_and_load_round_trip() -> None:
 # --- services -----------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("module", "service", "methods"),
     [

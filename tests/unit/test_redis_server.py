@@ -8,6 +8,8 @@ import pytest
 
 from pdmesh.kvstore.redis_server import HOST, RedisServer, RedisServerError, server_pid
 
+pytestmark = pytest.mark.redis
+
 
 def test_starts_on_free_ports_and_stops_cleanly() -> None:
     with RedisServer() as first, RedisServer() as second:

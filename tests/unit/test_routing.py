@@ -13,6 +13,8 @@ from pdmesh.router.routing import (
 )
 from pdmesh.router.routing.prefix_aware import PrefixAwarePolicy, prefix_cost
 
+pytestmark = pytest.mark.fast
+
 
 def load(free: int, total: int = 200, running: int = 0, inflight_blocks: int = 0) -> LoadSnapshot:
     return LoadSnapshot(

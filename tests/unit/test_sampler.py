@@ -18,6 +18,8 @@ from pdmesh.engine.sampler import (
 )
 from pdmesh.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast
+
 GREEDY = SamplingParams(temperature=0.0)
 
 

@@ -16,6 +16,8 @@ import torch
 from pdmesh.engine.sampler import Sampler, SamplingMetadata, make_generator
 from pdmesh.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 ROWS = [

@@ -20,6 +20,8 @@ from pdmesh.engine.sampler import (
 )
 from pdmesh.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast
+
 
 def _logits(rows: int, vocab: int, scale: float, seed: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale

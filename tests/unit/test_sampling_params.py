@@ -8,6 +8,8 @@ import pytest
 
 from pdmesh.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+pytestmark = pytest.mark.fast
+
 
 def test_defaults_match_vllm() -> None:
     p = SamplingParams()

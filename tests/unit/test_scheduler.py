@@ -26,6 +26,8 @@ from pdmesh.engine.scheduler import (
 )
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.fast
+
 BS = 4
 
 

@@ -13,7 +13,7 @@ import pytest
 from pdmesh.router.instances import InstancePool, PoolSettings
 from pdmesh.v1 import engine_pb2
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.fast]
 MAX_LEN = 2048
 
 

@@ -8,6 +8,8 @@ import pytest
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.stopping import check_stop, first_token_finish
 
+pytestmark = pytest.mark.fast
+
 EOS = {2}
 
 

@@ -18,7 +18,7 @@ from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import SamplingError, sampling_from_proto
 from pdmesh.engine_svc.config import EngineServiceConfig
-from pdmesh.router.local_mesh import LocalMesh, MeshConfig
+from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2
 
 TEXT = " one two three four five six seven eight nine ten eleven twelve"
@@ -41,6 +41,7 @@ def step(processor: OutputProcessor, request_id: str, index_tokens: dict[int, li
     return outputs
 
 
+@pytest.mark.weights
 @pytest.mark.parametrize(("engine_interval", "request_interval", "want"), [
     (1, None, 1), (4, None, 4), (1, 4, 4), (4, 2, 4), (3, 5, 5),
 ])
@@ -67,6 +68,7 @@ def test_outputs_go_out_every_interval_tokens_and_at_the_end(
     assert "r" not in processor.requests
 
 
+@pytest.mark.weights
 def test_the_first_token_is_never_held(hf_tokenizer: Any) -> None:
     """An output before any token (the core reporting the queue time) does not count as the
     first: the first token still goes out at once."""
@@ -80,6 +82,7 @@ def test_the_first_token_is_never_held(hf_tokenizer: Any) -> None:
     assert step(processor, "r", {0: ids[1:2]}) == []
 
 
+@pytest.mark.weights
 def test_a_sample_that_finishes_goes_out_at_once(hf_tokenizer: Any) -> None:
     """n=2: one sample's finish is handed out at once, though the other is mid-interval."""
     processor = OutputProcessor(hf_tokenizer, {hf_tokenizer.eos_token_id}, stream_interval=8)
@@ -97,6 +100,7 @@ def test_a_sample_that_finishes_goes_out_at_once(hf_tokenizer: Any) -> None:
     assert outs[0].outputs[0].token_ids == ids[:7]
 
 
+@pytest.mark.weights
 def test_a_stop_string_ends_the_request_at_once(hf_tokenizer: Any) -> None:
     """A stop string found mid-interval: the output goes out then, cut at the stop, and the
     core is told to stop the sample."""
@@ -118,14 +122,18 @@ def test_a_stop_string_ends_the_request_at_once(hf_tokenizer: Any) -> None:
     assert handed[-1].outputs[0].text == " one two three four"
 
 
-def test_the_interval_is_validated_where_it_is_given() -> None:
-    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+@pytest.mark.fast
+def test_the_interval_is_validated_where_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
         SamplingParams(stream_interval=0)
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
-    with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
-        EngineServiceConfig(stream_interval=0)
-    assert EngineServiceConfig(stream_interval=8).engine_config().stream_interval == 8
+    with pytest.raises(SystemExit):
+        parse_config(EngineServiceConfig, ["--stream-interval", "0"], prog="engine", env={})
+    assert "--stream-interval must be an integer >= 1" in capsys.readouterr().err
+    config = parse_config(EngineServiceConfig, [], prog="engine",
+                          env={"PDMESH_STREAM_INTERVAL": "8"})
+    assert config.engine.stream_interval == 8
     wire = common_pb2.SamplingParams(stream_interval=6)
     assert sampling_from_proto(wire).stream_interval == 6
     assert sampling_from_proto(common_pb2.SamplingParams()).stream_interval is None
@@ -133,9 +141,10 @@ def test_the_interval_is_validated_where_it_is_given() -> None:
         sampling_from_proto(common_pb2.SamplingParams(stream_interval=0))
 
 
+@pytest.mark.fast
 def test_serve_hands_the_interval_to_its_engines() -> None:
-    argv = LocalMesh(MeshConfig(stream_interval=4, redis_url="redis://127.0.0.1:1/0"),
-                     env={}).engine_args("decode")
-    assert parse_config(DecodeConfig, argv, prog="decode").engine_config().stream_interval == 4
-    with pytest.raises(ValueError, match="stream-interval"):
-        MeshConfig(stream_interval=0)
+    config = parse_config(MeshConfig, ["--stream-interval", "4",
+                                       "--redis-url", "redis://127.0.0.1:1/0"],
+                          prog="serve", env={})
+    argv = LocalMesh(config, env={}).engine_args("decode")
+    assert parse_config(DecodeConfig, argv, prog="decode").engine.stream_interval == 4

@@ -10,9 +10,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.config import GatewayConfig
-from pdmesh.gateway.router_client import GatewayError
-from pdmesh.gateway.schemas import ChatCompletionRequest
+from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
@@ -23,6 +23,8 @@ from pdmesh.gateway.tool_parsers import (
     collect,
 )
 from pdmesh.gateway.tools import ToolSettings, plan_tools, required_schema
+
+pytestmark = pytest.mark.fast
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
            "required": ["city"]}

@@ -25,6 +25,7 @@ from pdmesh.tracing import (
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -41,6 +42,7 @@ def test_tracing_is_off_unless_the_otel_variables_ask(env: dict, expected: bool)
     assert tracing_requested(env) is expected
 
 
+@pytest.mark.fast
 def test_a_span_context_round_trips_through_grpc_metadata() -> None:
     tracer = TracerProvider().get_tracer("t")
     with tracer.start_as_current_span("parent") as span:
@@ -53,6 +55,7 @@ def test_a_span_context_round_trips_through_grpc_metadata() -> None:
         sc.trace_id, sc.span_id, True)
 
 
+@pytest.mark.fast
 def test_headers_and_strings_carry_the_same_context() -> None:
     from_headers = trace.get_current_span(extract_headers({"TraceParent": TP}))
     assert f"{from_headers.get_span_context().trace_id:032x}" == TP.split("-")[1]
@@ -62,6 +65,7 @@ def test_headers_and_strings_carry_the_same_context() -> None:
         assert context_from_traceparent(bad) is None
 
 
+@pytest.mark.fast
 def test_without_the_sdk_an_incoming_trace_passes_through() -> None:
     """The API's no-op tracer keeps the remote parent, so an untraced hop keeps one trace."""
     noop = trace.NoOpTracer()
@@ -72,6 +76,7 @@ def test_without_the_sdk_an_incoming_trace_passes_through() -> None:
     assert inject_metadata(ctx=trace.set_span_in_context(noop.start_span("root"))) == ()
 
 
+@pytest.mark.fast
 def test_gen_ai_request_attributes_follow_the_semantic_conventions() -> None:
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=5, max_tokens=7, n=2, seed=3,
                             stop=["\n"])
@@ -95,6 +100,7 @@ def _run(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=60, check=False)
 
 
+@pytest.mark.processes
 def test_configure_installs_the_sdk_only_when_asked() -> None:
     code = (
         "from opentelemetry import trace\n"

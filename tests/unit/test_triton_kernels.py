@@ -276,17 +276,20 @@ def outcomes() -> dict[str, str | None]:
     return outcomes_of(__file__)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_matches_reference(outcomes, name):
     assert name in outcomes
     assert outcomes[name] is None, outcomes[name]
 
 
+@pytest.mark.fast
 def test_this_process_stays_compiled():
     """The interpreter flag was given to the child only."""
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_kernels_on_cuda():
     """On a GPU, the same comparison with compiled kernels (in this process)."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdmesh.gateway.router_client import RETRY_AFTER_KEY, error_from_rpc
-from pdmesh.router.orchestrator import UNAVAILABLE_RETRY_AFTER_S, RouteError, unreached_reason
+from pdmesh.gateway.errors import RETRY_AFTER_KEY, error_from_rpc
+from pdmesh.router.failures import UNAVAILABLE_RETRY_AFTER_S, RouteError, unreached_reason
+
+pytestmark = pytest.mark.fast
 
 
 def rpc_error(code: grpc.StatusCode, details: str,

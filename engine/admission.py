@@ -1,0 +1,115 @@
+"""Placing a checked `EngineRequest`'s samples in the scheduler, whatever it brings.
+
+One path for every request (engine/engine_request.py), in two moves:
+
+1. *make the samples*: a prompt alone becomes one parent sequence that forks into `n` after its
+   first token (`fork_into`), or exports then; imported KV is written into fresh blocks of
+   a running parent, whose forks are made at once (no room for the prompt right now: the
+   parent waits like a preempted sequence and recomputes it); given tokens alone make one
+   waiting sequence per sample, each to prefill prompt + its tokens (prefix-cache hits make
+   the shared prompt cheap);
+2. *replay the given tokens*: a seeded sample's generator skips one draw per token (sampler
+   `skip_one_draw`), then each token is committed as if sampled here: its grammar accepts it
+   (or the request is refused), stop checks see it, and it counts as output. A sample they
+   end is finished at once and never continued.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.kv_cache_manager import KVCacheManager
+from pdmesh.engine.output_commit import OutputCommit
+from pdmesh.engine.request_state import CoreRequest, SampleMaker
+from pdmesh.engine.sampler import skip_one_draw
+from pdmesh.engine.scheduler import Scheduler
+from pdmesh.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler, kv_manager: KVCacheManager, kv_cache: torch.Tensor,
+                 samples: SampleMaker, commit: OutputCommit, vocab_size: int) -> None:
+        self.scheduler = scheduler
+        self.kv_manager = kv_manager
+        self.kv_cache = kv_cache
+        self.samples = samples
+        self.commit = commit
+        self.vocab_size = vocab_size
+
+    def place(self, state: CoreRequest, request: EngineRequest) -> None:
+        """Make `state`'s samples and queue them. On an error the caller aborts the request,
+        which frees whatever it holds by then."""
+        given = request.given_tokens
+        if request.kv is not None:
+            self._import(state, request, request.kv)
+        elif given is not None:
+            for i in range(request.params.n):
+                seq = self._new(request, i)
+                state.seqs.append(seq)
+                self.scheduler.add(seq)
+            if any(given):
+                state.first_token_time = time.monotonic()
+        else:
+            self._queue_prompt(state, request)
+            return
+        for seq, tokens in zip(list(state.seqs), given or [], strict=True):
+            self._replay(seq, tokens)
+
+    def _new(self, request: EngineRequest, index: int) -> Sequence:
+        ids = request.prompt_token_ids
+        return self.samples.new(request.request_id, index, list(ids), len(ids), request.params,
+                                request.priority, request.cache_salt)
+
+    def _queue_prompt(self, state: CoreRequest, request: EngineRequest) -> None:
+        """A fresh prompt: one parent; with `export_kv` it stops after its first token."""
+        params = request.params
+        seq = self._new(request, 0)
+        seq.fork_into = params.n
+        seq.export_kv = request.export_kv
+        seq.want_prompt_logprobs = params.prompt_logprobs is not None
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        state.seqs.append(seq)
+        self.scheduler.add(seq)
+
+    def _import(self, state: CoreRequest, request: EngineRequest, kv: torch.Tensor) -> None:
+        """The prompt's KV computed elsewhere: a running parent holding it, and its forks."""
+        parent = self._new(request, 0)
+        parent.num_cached_tokens = request.num_cached_tokens
+        parent.scheduled_once = True  # the prefill instance computed (and counted) the prompt
+        state.first_token_time = state.first_scheduled_time = time.monotonic()
+        state.seqs.append(parent)
+        num_prompt = len(request.prompt_token_ids)
+        if self.kv_manager.allocate_slots(parent, num_prompt):
+            block_ids = torch.tensor(self.kv_manager.block_ids(parent.seq_id),
+                                     device=self.kv_cache.device)
+            self.kv_cache.index_copy_(2, block_ids, kv.to(self.kv_cache.device,
+                                                           self.kv_cache.dtype))
+            parent.num_computed_tokens = num_prompt
+            self.scheduler.add_running(parent)
+        else:
+            # No room right now: wait like a preempted sequence and recompute the prompt here
+            # once blocks free up, instead of failing a request that fits the pool.
+            logger.debug("request_id=%s: no room for %d imported blocks; it waits",
+                         request.request_id, kv.shape[2])
+            self.scheduler.add(parent)
+        for i in range(1, request.params.n):
+            state.seqs.append(self.samples.fork_or_queue(parent, i))
+
+    def _replay(self, seq: Sequence, given: list[int]) -> None:
+        """Commit tokens produced elsewhere as this sample's output (not reported back)."""
+        if seq.generator is not None and not seq.params.is_greedy:
+            for _ in given:
+                skip_one_draw(seq.generator, self.vocab_size)
+        for j, token_id in enumerate(given):
+            if seq.status.is_finished:
+                raise ValueError(f"given_tokens: sample {seq.index} goes on after it stopped "
+                                 f"at position {j - 1}")
+            self.commit.append_token(seq, int(token_id), None, replay=True)
+        seq.num_emitted = seq.num_output_tokens

@@ -1,0 +1,70 @@
+"""The routes that generate nothing: readiness (/health, and vLLM's /ping), Prometheus metrics,
+the served models, the version, and vLLM's /tokenize and /detokenize (the router tokenizes
+exactly as Generate would).
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+
+from pdmesh import __version__
+from pdmesh.gateway.context import GatewayContext
+from pdmesh.gateway.info_schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pdmesh.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdmesh.gateway.router_client import RouterClient
+from pdmesh.v1 import router_pb2
+
+
+async def health(client: RouterClient) -> JSONResponse:
+    """Readiness: 200 while the router can serve a request now, else 503 and why. Also vLLM's
+    /ping (GET and POST, for SageMaker-style load balancers)."""
+    health = await client.healthy()
+    if health.serving:
+        return JSONResponse({"status": "ok", "router": health.status})
+    body = {"status": "unavailable", "router": health.status, "reason": health.reason}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def prometheus(metrics: GatewayMetrics) -> Response:
+    return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(context: GatewayContext) -> ModelList:
+    """The served models, as vLLM lists them; `root` is the model behind the served name
+    (`--model-root`, which `pdmesh serve` sets to its model), else the name itself."""
+    served = await context.client.list_models()
+    root = context.config.model_root if len(served) == 1 else None
+    return ModelList(data=[
+        ModelCard(id=m.id, created=context.started, root=root or m.id,
+                  max_model_len=m.max_model_len,
+                  permission=[ModelPermission(created=context.started)])
+        for m in served])
+
+
+def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+async def tokenize(client: RouterClient, body: TokenizeRequest) -> TokenizeResponse:
+    out = await client.tokenize(body.to_proto())
+    tokens = list(out.token_ids)
+    strs = None
+    if body.return_token_strs:
+        strs = list((await client.detokenize(router_pb2.DetokenizeRequest(
+            model=body.model, token_ids=tokens))).token_strs)
+    return TokenizeResponse(count=len(tokens), max_model_len=out.max_model_len,
+                            tokens=tokens, token_strs=strs)
+
+
+async def detokenize(client: RouterClient, body: DetokenizeRequest) -> DetokenizeResponse:
+    out = await client.detokenize(router_pb2.DetokenizeRequest(
+        model=body.model, token_ids=body.tokens))
+    return DetokenizeResponse(prompt=out.text)

@@ -1,0 +1,39 @@
+"""Request bodies as their models, read by the gateway rather than by FastAPI, whose answer to a
+wrong Content-Type, invalid UTF-8 or a 10k-deep body is a generic "error parsing the body" (or
+a field error): `parse_json_object` (gateway/body.py) says which (a 400), then validation names
+the field (a 400 via the RequestValidationError handler, gateway/errors.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from pdmesh.gateway.body import BadBody, parse_json_object
+from pdmesh.gateway.errors import GatewayError
+from pdmesh.gateway.ignored_fields import note_ignored_fields
+from pdmesh.gateway.schemas import RequestModel, ignored_fields
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+
+def json_body(model: type[BodyModel]) -> Callable[[Request], Awaitable[BodyModel]]:
+    """A route dependency: the request body as `model`, its ignored fields noted."""
+
+    async def parse(request: Request) -> BodyModel:
+        try:
+            data = parse_json_object(await request.body(), request.headers.get("content-type"))
+        except BadBody as exc:
+            raise GatewayError(400, str(exc), param=exc.param) from None
+        try:
+            body = model.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+        if isinstance(body, RequestModel):
+            note_ignored_fields(request, ignored_fields(body))
+        return body
+
+    return parse

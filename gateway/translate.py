@@ -1,0 +1,117 @@
+"""HTTP generation requests → router calls: a `GenerationPlan` per request, the `Generate`
+calls to make and the formatter that answers them.
+
+One call per prompt (completions accept several; choice index = prompt index × n + sequence
+index, as OpenAI numbers them), each under the client's X-Request-Id (suffixed `-<prompt
+index>` when there are several), so the id names the request in every service's logs and
+traces. Chat messages go as a `Chat` prompt (the router applies the template); tool calling
+adds the tools and, for `required` or a named function, a structured output (gateway/tools.py).
+What the answer needs of the prompts besides (the echoed text, its first token) is asked of the
+router here, before any call starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdmesh.gateway.chat_formatter import ChatFormatter
+from pdmesh.gateway.chat_schemas import ChatCompletionRequest
+from pdmesh.gateway.completion_formatter import CompletionFormatter
+from pdmesh.gateway.completion_schemas import CompletionRequest
+from pdmesh.gateway.formatter import Formatter
+from pdmesh.gateway.router_client import RouterClient
+from pdmesh.gateway.tools import ToolSettings, plan_tools
+from pdmesh.v1 import router_pb2
+
+
+@dataclass
+class GenerationPlan:
+    """One generation request, translated."""
+
+    id: str  # the response's id
+    model: str  # as requested ("": the served one)
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    continuous_usage: bool  # ... and continuous_usage_stats
+    requests: list[router_pb2.GenerateRequest]  # one per prompt
+    formatter: Formatter
+
+
+async def completion_plan(
+    client: RouterClient, body: CompletionRequest, request_id: str
+) -> GenerationPlan:
+    prompts = body.prompts()
+    requests = [body.to_generate(p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                for i, p in enumerate(prompts)]
+    formatter = CompletionFormatter(
+        n=body.n, prompts=len(prompts), want_logprobs=body.logprobs is not None,
+        prompt_logprobs=body.returned_prompt_logprobs,
+        echo=await _echo_texts(client, body) if body.echo else None,
+        echo_first_tokens=await _first_tokens(client, body) if body.echo_logprobs else None,
+        echo_k=body.logprobs,
+    )
+    return GenerationPlan(
+        id=f"cmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
+        include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
+        requests=requests, formatter=formatter,
+    )
+
+
+def chat_plan(
+    body: ChatCompletionRequest, request_id: str, tool_settings: ToolSettings
+) -> GenerationPlan:
+    tools = plan_tools(body, tool_settings)
+    request = (body.to_generate(request_id) if tools is None else
+               body.to_generate(request_id, tools.tools_json, tools.structured_output))
+    return GenerationPlan(
+        id=f"chatcmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
+        include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
+        requests=[request],
+        formatter=ChatFormatter(n=body.n, want_logprobs=body.logprobs,
+                                prompt_logprobs=body.returned_prompt_logprobs, tools=tools),
+    )
+
+
+async def count_prompt_tokens(
+    client: RouterClient, requests: list[router_pb2.GenerateRequest]
+) -> int:
+    """The prompts' tokens, as the router counts them (for usage in every streamed chunk)."""
+    total = 0
+    for r in requests:
+        kind = r.WhichOneof("prompt")
+        if kind == "token_ids":
+            total += len(r.token_ids.ids)
+            continue
+        tokenize = router_pb2.TokenizeRequest(model=r.model)
+        if kind == "text":
+            tokenize.text = r.text
+        else:
+            tokenize.chat.CopyFrom(r.chat)
+        total += len((await client.tokenize(tokenize)).token_ids)
+    return total
+
+
+async def _echo_texts(client: RouterClient, body: CompletionRequest) -> list[str]:
+    """Each prompt's text for `echo` (token-id prompts decoded by the router)."""
+    texts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        else:
+            texts.append((await client.detokenize(router_pb2.DetokenizeRequest(
+                model=body.model, token_ids=prompt))).text)
+    return texts
+
+
+async def _first_tokens(client: RouterClient, body: CompletionRequest) -> list[str]:
+    """Each prompt's first token's text, for `echo` with logprobs."""
+    firsts = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            prompt = list((await client.tokenize(router_pb2.TokenizeRequest(
+                model=body.model, text=prompt))).token_ids)
+        out = await client.detokenize(router_pb2.DetokenizeRequest(
+            model=body.model, token_ids=prompt[:1]))
+        firsts.append(out.text)
+    return firsts

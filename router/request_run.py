@@ -1,0 +1,376 @@
+"""The run of one request: prefill (maybe remotely), then decode, streamed back.
+
+With a prefill instance in the plan, Prefill runs there, its first tokens go to the client at
+once, and Decode continues with the KV handle; the decode instance pulls the KV straight from
+the prefill instance. Without one, the decode instance prefills locally and no KV moves.
+
+Every Prefill call and Decode stream runs under a progress watchdog (router/watchdog.py):
+once the call and its instance have both shown no progress for the instance's stall bound,
+the call is cancelled, the instance leaves routing (`mark_failed`; it comes back once a poll
+finds its core answering again) and the request moves as after a crash. A failed call is
+classified (router/failures.py) and re-routed or migrated (router/recovery.py); a failing
+instance leaves routing at once. A failed KV pull is the prefill instance's fault, charged
+there, never to the decode instance: the decode instance either recomputed the prompt
+(`DecodeResult.kv_load_fallback`) or refused with `kv_load_failed` (UNAVAILABLE before
+output, an error finish after).
+
+Before any output a failure is a status (`RouteError`); after output, unfinished sequences end
+with FINISH_REASON_ERROR and the stream still ends with a GenerateResult. With stream=false
+nothing is sent before the end, so every failure is a status. A cancelled client call
+cancels the Decode stream and releases the prefill side's KV, so every block comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from pdmesh.auth import ClusterToken
+from pdmesh.grpc_common import KV_LOAD_FAILED, refused_reason
+from pdmesh.kvstore.transfer.capability import TransferCapability
+from pdmesh.metrics import RouterMetrics
+from pdmesh.router.cleanup import CleanupCalls
+from pdmesh.router.failures import (
+    Broken,
+    RouteError,
+    Unreached,
+    broken_reason,
+    cancelled_from_outside,
+    cancelled_under_us,
+    fault_reason,
+    instance_error,
+    is_instance_fault,
+    stalled_error,
+    unreached_reason,
+)
+from pdmesh.router.instance import Instance
+from pdmesh.router.instances import InstancePool
+from pdmesh.router.load_slots import LoadSlots
+from pdmesh.router.planner import Planner
+from pdmesh.router.recovery import Recovery, resume_state
+from pdmesh.router.request import Plan, PreparedRequest
+from pdmesh.router.responses import (
+    ResponseStream,
+    final_prompt_logprobs,
+    final_usage,
+    served_by,
+)
+from pdmesh.router.watchdog import CallWatch
+from pdmesh.tracing import inject_metadata
+from pdmesh.v1 import engine_pb2
+
+Remote = engine_pb2.RemotePrefill | None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every request's run shares."""
+
+    pool: InstancePool
+    planner: Planner
+    cleanup: CleanupCalls
+    metrics: RouterMetrics
+    migration_limit: int
+    token: ClusterToken | None  # binds each KV handle to the decode instance it is sent to
+
+
+def granted(remote: Remote, token: ClusterToken | None, instance: Instance) -> Remote:
+    """`remote` with a capability for `instance` alone (with a cluster token): the sender
+    serves the KV only to its holder (kvstore/transfer/capability.py)."""
+    if remote is None or token is None:
+        return remote
+    grant = engine_pb2.RemotePrefill()
+    grant.CopyFrom(remote)
+    grant.capability.CopyFrom(TransferCapability.mint(
+        token, remote.kv.transfer_id, instance.instance_id).to_proto())
+    return grant
+
+
+class RequestRun:
+    """The state of one request while it runs (kept off the shared Orchestrator)."""
+
+    def __init__(self, ctx: RunContext, req: PreparedRequest, plan: Plan,
+                 responses: ResponseStream, slots: LoadSlots) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.plan = plan
+        self.responses = responses
+        self.recovery = Recovery(req, plan, slots, ctx.planner, ctx.metrics,
+                                 ctx.migration_limit)
+        self.prefill_resp: engine_pb2.PrefillResponse | None = None
+
+    async def execute(self) -> None:
+        remote: Remote = None
+        if self.plan.prefill is not None:
+            remote = await self._prefill_rerouting()
+            # None with no prefill instance left in the plan: the decode instance prefills.
+            if remote is None and self.plan.prefill is not None:
+                # every sequence finished on the prefill instance
+                assert self.prefill_resp is not None
+                await self._finish()
+                return
+        await self._decode_rerouting(remote)
+
+    async def _finish(self, result: engine_pb2.DecodeResult | None = None) -> None:
+        """The final message. A decode result's own usage stands unless the stream migrated;
+        otherwise usage is the undisturbed run's (responses.final_usage)."""
+        if result is not None and not self.recovery.migrations:
+            usage = result.usage
+        else:
+            usage = final_usage(self.req, self.responses.out.completion_tokens,
+                                self.prefill_resp, result)
+        await self.responses.finish(usage, final_prompt_logprobs(self.prefill_resp, result),
+                                    served_by(self.plan))
+
+    async def _fail_after_output(self, message: str) -> None:
+        await self.responses.fail_unfinished(message)
+        await self._finish()
+
+    # -- recovery loops ----------------------------------------------------------------------
+    async def _prefill_rerouting(self) -> Remote:
+        """Prefill, on another prefill instance when the chosen one cannot be reached or fails
+        with an instance fault, and on the decode instance itself (local prefill) when no
+        prefill instance is left: then `plan.prefill` becomes None and so does the result.
+        Nothing has gone to the client before the Prefill answer, so every retry is clean; the
+        request's deadline bounds them."""
+        while True:
+            instance = self.plan.prefill
+            assert instance is not None
+            try:
+                return await self._prefill(instance)
+            except Unreached as unreached:
+                failure = unreached
+            try:
+                self.recovery.reroute("prefill", instance, failure)
+            except RouteError as final:
+                if final.code != grpc.StatusCode.UNAVAILABLE:  # deadline exceeded
+                    raise
+                self.recovery.prefill_locally(instance, failure)
+                return None
+
+    async def _decode_rerouting(self, remote: Remote) -> None:
+        """Decode, on another decode instance when the chosen one cannot be reached before it
+        sent anything. The prefill's first tokens may already be with the client: the next
+        instance gets the same RemotePrefill (KV handle and first tokens) and continues after
+        them. Without a remote prefill the next instance prefills locally. A stream that
+        breaks later migrates: the next instance resumes every sequence after what the router
+        already holds."""
+        out = self.responses.out
+        resume: list[engine_pb2.ResumedSequence] = []
+        while True:
+            instance = self.plan.decode
+            try:
+                await self._decode(instance, remote, resume)
+                return
+            except Unreached as unreached:
+                failure = unreached
+            except Broken as broken:
+                if out.finished:
+                    await self._finish()
+                    return  # only the final result was lost
+                if self.recovery.migrate(instance, broken, out.completion_tokens) is None:
+                    if not self.responses.sent:
+                        raise broken.error from None
+                    await self._fail_after_output(str(broken.error))
+                    return
+                remote = None  # its KV was released; the next instance prefills itself
+                resume = resume_state(out) if out.started else []
+                continue
+            try:
+                self.recovery.reroute("decode", instance, failure)
+            except RouteError as final:
+                if remote is not None and self.plan.prefill is not None:
+                    self.ctx.cleanup.release_kv(self.plan.prefill, self.req.request_id,
+                                                remote.kv.transfer_id, "no decode instance left")
+                if not self.responses.sent:
+                    raise
+                await self._fail_after_output(str(final))
+                return
+
+    # -- prefill -----------------------------------------------------------------------------
+    async def _prefill(self, instance: Instance) -> Remote:
+        """One Prefill call; its first tokens go to the client. Raises Unreached (re-route
+        it) for an instance's failure, RouteError for an answer about the request."""
+        req = self.req
+        message = engine_pb2.PrefillRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
+        call = instance.prefill_stub().Prefill(
+            message, timeout=req.remaining_s(), metadata=inject_metadata()
+        )
+        watch = CallWatch(self.ctx.pool, instance, call.cancel, "prefill")
+        try:
+            async with watch:
+                resp = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            if cancelled_from_outside():
+                self._abort(instance, "prefill", "client cancelled")
+                raise
+            self._abort(instance, "prefill", "re-routed")
+            if watch.fired:  # nothing reached the client yet: another path takes it
+                raise Unreached(self._stalled(instance, "prefill", watch), "stalled") from None
+            raise Unreached(cancelled_under_us(instance, "prefill"), "channel_closed") from None
+        except grpc.aio.AioRpcError as exc:
+            error = self._failed(instance, "prefill", exc)
+            reason = unreached_reason(exc) or fault_reason(exc)
+            if reason is not None:  # nothing went to the client yet: another instance may
+                self._abort(instance, "prefill", "re-routed")
+                raise Unreached(error, reason) from None
+            raise error from None
+        self.prefill_resp = resp
+        self.responses.timings.append(resp.timing)
+        try:
+            await self.responses.send_prompt_logprobs(resp.prompt_logprobs)
+            for delta in resp.first:
+                await self.responses.emit(delta)
+        except BaseException:
+            if resp.HasField("kv"):
+                self.ctx.cleanup.release_kv(instance, req.request_id, resp.kv.transfer_id,
+                                            "client gone")
+            raise
+        if not resp.HasField("kv"):
+            return None
+        return engine_pb2.RemotePrefill(
+            kv=resp.kv, first=resp.first, cached_prompt_tokens=resp.cached_prompt_tokens
+        )
+
+    # -- decode ------------------------------------------------------------------------------
+    async def _decode(
+        self, instance: Instance, remote: Remote, resume: list[engine_pb2.ResumedSequence],
+    ) -> None:
+        """One Decode call, streamed through. Raises Unreached (re-route it) or Broken
+        (migrate it) for an instance's failure; fails the request for any other."""
+        req = self.req
+        message = engine_pb2.DecodeRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            remote_prefill=granted(remote, self.ctx.token, instance),
+            resume=resume,
+        )
+        result: engine_pb2.DecodeResult | None = None
+        answered = False  # the instance sent something: the call can no longer be re-routed
+        call = instance.decode_stub().Decode(
+            message, timeout=req.remaining_s(), metadata=inject_metadata()
+        )
+        watch = CallWatch(self.ctx.pool, instance, call.cancel, "decode")
+        try:
+            async with watch:
+                async for resp in call:
+                    answered = True
+                    watch.progressed()
+                    if resp.HasField("delta"):
+                        await self.responses.emit(resp.delta)
+                    elif resp.HasField("result"):
+                        result = resp.result
+                    elif resp.HasField("prompt_logprobs"):
+                        await self.responses.send_prompt_logprobs(resp.prompt_logprobs.entries)
+        except asyncio.CancelledError:
+            call.cancel()
+            if cancelled_from_outside():
+                self._cleanup_after_decode(instance, remote, "client cancelled")
+                raise
+            if watch.fired:  # hung: migrate, as after a crash
+                self._cleanup_after_decode(instance, remote, "no progress")
+                raise Broken(self._stalled(instance, "decode", watch), "stalled") from None
+            # Not this request's task: the call itself was cancelled under it (its channel
+            # closed). The stream broke on this side; the instance may be fine.
+            self._cleanup_after_decode(instance, remote, "decode call cancelled")
+            raise Broken(cancelled_under_us(instance, "decode"), "channel_closed") from None
+        except grpc.aio.AioRpcError as exc:
+            await self._decode_failed(instance, remote, exc, answered)
+            return
+        except BaseException:
+            call.cancel()
+            self._cleanup_after_decode(instance, remote, "router error")
+            raise
+        if result is None:
+            self._cleanup_after_decode(instance, remote, "decode stream ended without a result")
+            message_text = f"decode instance {instance.address} ended without a result"
+            raise Broken(RouteError(grpc.StatusCode.UNAVAILABLE, message_text), "no_result")
+        self.responses.timings.append(result.timing)
+        if result.kv_load_fallback:  # recomputed on decode: still the prefill's fault
+            self._charge_kv_load_failure(result.kv_load_fallback)
+            if remote is not None and self.plan.prefill is not None:  # never pulled: free it
+                self.ctx.cleanup.release_kv(self.plan.prefill, req.request_id,
+                                            remote.kv.transfer_id,
+                                            "KV load failed; recomputed on decode")
+        await self._finish(result)
+
+    async def _decode_failed(self, instance: Instance, remote: Remote,
+                             exc: grpc.aio.AioRpcError, answered: bool) -> None:
+        """A Decode call ended with a status: re-route it (Unreached) when it never reached
+        a working instance, migrate it (Broken) after an instance fault, else fail the
+        request (a status before output, error finishes after)."""
+        if refused_reason(exc) == KV_LOAD_FAILED:  # the prefill instance's fault
+            error = self._kv_load_failed(exc)
+            self._cleanup_after_decode(instance, remote, "KV load failed")
+            if not self.responses.sent:
+                raise error from None
+            await self._fail_after_output(str(error))
+            return
+        error = self._failed(instance, "decode", exc)
+        reason = unreached_reason(exc)
+        if not answered and reason is not None:
+            # The KV stays leased for the next decode instance; only this one forgets it.
+            self._abort(instance, "decode", "re-routed")
+            raise Unreached(error, reason) from None
+        self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
+        if is_instance_fault(exc):
+            raise Broken(error, broken_reason(exc)) from None
+        if not self.responses.sent:
+            raise error from None
+        await self._fail_after_output(str(error))
+
+    # -- failures and cleanup ----------------------------------------------------------------
+    def _failed(self, instance: Instance, what: str, exc: grpc.aio.AioRpcError) -> RouteError:
+        """What a failed call means to the client; an instance at fault leaves routing."""
+        if is_instance_fault(exc):
+            self.ctx.pool.mark_failed(
+                instance, f"{what} failed: {exc.code().name} {exc.details()}")
+        return instance_error(instance, what, exc)
+
+    def _stalled(self, instance: Instance, what: str, watch: CallWatch) -> RouteError:
+        """A call on `instance` fired its progress watchdog: the instance leaves routing (a
+        poll that finds its core answering brings it back)."""
+        quiet = watch.fired_after_s or 0.0
+        self.ctx.pool.mark_failed(instance, f"{what} call made no progress for {quiet:.1f}s")
+        return stalled_error(instance, what, quiet)
+
+    def _kv_load_failed(self, exc: grpc.aio.AioRpcError) -> RouteError:
+        """A decode instance refused the request because it could not pull its KV
+        (`--kv-load-failure-policy fail`): the prefill instance is charged, the decode
+        instance stays routable."""
+        self._charge_kv_load_failure(exc.details() or "KV load failed")
+        return RouteError(grpc.StatusCode.UNAVAILABLE,
+                          f"decode instance could not load the KV cache: {exc.details()}")
+
+    def _charge_kv_load_failure(self, reason: str) -> None:
+        """The KV the prefill instance published could not be pulled: its fault, so it leaves
+        routing until a poll succeeds (a dead or stopped one stays out)."""
+        prefill = self.plan.prefill
+        if prefill is None:
+            return
+        self.ctx.pool.mark_failed(prefill, f"KV pull from it failed: {reason}")
+        trace.get_current_span().add_event("pdmesh.kv_load_failed", {
+            "pdmesh.prefill.address": prefill.address, "pdmesh.kv.failure_reason": reason,
+        })
+
+    def _abort(self, instance: Instance, role: str, reason: str) -> None:
+        self.ctx.cleanup.abort(instance, role, self.req.request_id, reason)
+
+    def _cleanup_after_decode(self, decode: Instance, remote: Remote, reason: str) -> None:
+        self._abort(decode, "decode", reason)
+        if remote is not None and self.plan.prefill is not None:
+            self.ctx.cleanup.release_kv(self.plan.prefill, self.req.request_id,
+                                        remote.kv.transfer_id, reason)
