@@ -46,6 +46,7 @@ from pdmesh.engine.core_protocol import (
 )
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.cpu_threads import core_environment
+from pdmesh.leftovers import pid_namespace, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +59,10 @@ _CORE_DIR = re.compile(rf"{CORE_DIR_PREFIX}(\d+)-(\d+)-\w+")
 namespace and pid (a /tmp shared between containers holds pids of several namespaces)."""
 
 
-def _pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
 
 def core_dir_prefix() -> str:
     """This process's socket directories start with it."""
-    return f"{CORE_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"
+    return f"{CORE_DIR_PREFIX}{pid_namespace()}-{os.getpid()}-"
 
 
 def sweep_core_dirs(pids: Collection[int] | None = None, root: str | None = None) -> int:
@@ -75,32 +70,9 @@ def sweep_core_dirs(pids: Collection[int] | None = None, root: str | None = None
     of every dead pid (of our pid namespace). A SIGKILLed service cannot remove its own, so
     whoever comes next does (`pdmesh serve` after its child, every service at start-up).
     Returns how many."""
-    root = root or tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return 0
-    removed, namespace = 0, _pid_namespace()
-    for name in names:
-        match = _CORE_DIR.fullmatch(name)
-        if match is None or match.group(1) != namespace:
-            continue
-        pid = int(match.group(2))
-        if (pids is not None and pid not in pids) or _alive(pid):
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        removed += 1
-    return removed
+    return sweep(root or tempfile.gettempdir(), _CORE_DIR,
+                 lambda path: shutil.rmtree(path, ignore_errors=True), pids)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class _LoopTransport:

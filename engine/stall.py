@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdmesh.config import about
 
 RECENT_STEPS = 256
 """Steps `StepTimes` remembers; an old long step stops widening the bound after this many."""
@@ -52,6 +54,34 @@ class StallBound:
         if not max_step_s:
             return self.max_s
         return min(self.max_s, max(self.min_s, self.step_multiple * max_step_s))
+
+
+@dataclass
+class StallConfig:
+    """The stall bound's knobs, declared once: the router's and the engine services' configs
+    embed it (same flags, each its own value)."""
+
+    stall_timeout_s: float = field(default=StallBound.max_s, metadata=about(
+        "the longest an instance (router: a call waiting on it; engine service: its core with "
+        "work in flight) may show no progress before it counts as hung: the router moves the "
+        "call, the service reports NOT_SERVING (seconds; the stall bound's upper clamp)"))
+    stall_timeout_min_s: float = field(default=StallBound.min_s, metadata=about(
+        "the stall bound's lower clamp (seconds)"))
+    stall_step_multiple: float = field(default=StallBound.step_multiple, metadata=about(
+        "the stall bound in multiples of the engine's longest expected step (GetLoad's "
+        "max_step_s), between the clamps"))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stall_timeout_min_s <= self.stall_timeout_s:
+            raise ValueError("need 0 < --stall-timeout-min-s <= --stall-timeout-s, got "
+                             f"{self.stall_timeout_min_s} and {self.stall_timeout_s}")
+        if self.stall_step_multiple <= 0:
+            raise ValueError(f"--stall-step-multiple must be > 0, got "
+                             f"{self.stall_step_multiple}")
+
+    def bound(self) -> StallBound:
+        return StallBound(min_s=self.stall_timeout_min_s, max_s=self.stall_timeout_s,
+                          step_multiple=self.stall_step_multiple)
 
 
 class StepTimes:

@@ -15,7 +15,7 @@ from functools import cached_property
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.stall import StallConfig
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.kvstore.transfer.handle import BACKEND_NAMES
 
@@ -61,14 +61,7 @@ class EngineServiceConfig:
         "/metrics bind address; empty = --host"))
     drain_timeout_s: float = field(default=30.0, metadata=about(
         "on SIGTERM: how long in-flight requests may run on before they are cut (seconds)"))
-    stall_timeout_s: float = field(default=StallBound.max_s, metadata=about(
-        "longest the engine core may leave work unanswered before this instance reports "
-        "NOT_SERVING (seconds; the upper clamp of the stall bound)"))
-    stall_timeout_min_s: float = field(default=StallBound.min_s, metadata=about(
-        "the stall bound's lower clamp (seconds)"))
-    stall_step_multiple: float = field(default=StallBound.step_multiple, metadata=about(
-        "the stall bound in multiples of the core's longest expected step, between the "
-        "clamps (engine/stall.py)"))
+    stall: StallConfig = field(default_factory=StallConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -97,12 +90,6 @@ class EngineServiceConfig:
         if self.tls.enabled and self.kv_backend in ("ucxx", "torch_dist"):
             raise ValueError(f"--kv-backend {self.kv_backend} has no TLS; with --tls-* use "
                              "auto, shm or tcp")
-        if not 0 < self.stall_timeout_min_s <= self.stall_timeout_s:
-            raise ValueError("need 0 < --stall-timeout-min-s <= --stall-timeout-s, got "
-                             f"{self.stall_timeout_min_s} and {self.stall_timeout_s}")
-        if self.stall_step_multiple <= 0:
-            raise ValueError(f"--stall-step-multiple must be > 0, got "
-                             f"{self.stall_step_multiple}")
         self.cluster_token  # noqa: B018 - reads and validates the token once, at start-up
 
     @property
@@ -125,9 +112,6 @@ class EngineServiceConfig:
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
-    def stall_bound(self) -> StallBound:
-        return StallBound(min_s=self.stall_timeout_min_s, max_s=self.stall_timeout_s,
-                          step_multiple=self.stall_step_multiple)
 
     def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """The data planes to offer/accept: the configured one, or `preferred` for auto."""

@@ -64,7 +64,7 @@ class EngineService:
         self.instance_id = instance_id or new_instance_id(role)
         self.kv_backends = kv_backends
         self.counters = KVCounters()
-        self.watchdog = CoreWatchdog(engine, config.stall_bound(),
+        self.watchdog = CoreWatchdog(engine, config.stall.bound(),
                                      config.engine.max_num_batched_tokens)
 
     def info(self) -> engine_pb2.EngineInfo:

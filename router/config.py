@@ -14,7 +14,7 @@ from functools import cached_property
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about, parse_config, split_address
 from pdmesh.engine.generation_config import check_source
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.stall import StallConfig
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits
@@ -113,20 +113,7 @@ class RouterConfig:
         metadata=about("times one request's broken decode stream may resume on another decode "
                        "instance; 0 = never"),
     )
-    stall_timeout_s: float = field(
-        default=StallBound.max_s,
-        metadata=about("a call waiting on an instance that shows no progress moves to another "
-                       "instance after at most this long (seconds; the stall bound's upper "
-                       "clamp)"),
-    )
-    stall_timeout_min_s: float = field(
-        default=StallBound.min_s, metadata=about("the stall bound's lower clamp (seconds)")
-    )
-    stall_step_multiple: float = field(
-        default=StallBound.step_multiple,
-        metadata=about("the stall bound in multiples of the instance's longest expected step "
-                       "(its GetLoad max_step_s), between the clamps"),
-    )
+    stall: StallConfig = field(default_factory=StallConfig)
     tls_cert: str | None = field(default=None, metadata=about("PEM certificate (server+client)"))
     tls_key: str | None = field(default=None, metadata=about("PEM private key"))
     tls_ca: str | None = field(
@@ -187,12 +174,6 @@ class RouterConfig:
             )
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
-        if not 0 < self.stall_timeout_min_s <= self.stall_timeout_s:
-            raise ValueError("need 0 < --stall-timeout-min-s <= --stall-timeout-s, got "
-                             f"{self.stall_timeout_min_s} and {self.stall_timeout_s}")
-        if self.stall_step_multiple <= 0:
-            raise ValueError(f"--stall-step-multiple must be > 0, got "
-                             f"{self.stall_step_multiple}")
         if self.failure_threshold < 1:
             raise ValueError(f"--failure-threshold must be >= 1, got {self.failure_threshold}")
         if self.log_level not in LOG_LEVELS:
@@ -219,11 +200,6 @@ class RouterConfig:
     @property
     def tls(self) -> TLSConfig:
         return TLSConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
-
-    def stall_bound(self) -> StallBound:
-        """The progress watchdog's patience (router/watchdog.py)."""
-        return StallBound(min_s=self.stall_timeout_min_s, max_s=self.stall_timeout_s,
-                          step_multiple=self.stall_step_multiple)
 
     def admission_limits(self) -> AdmissionLimits:
         try:

@@ -141,7 +141,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
             tls=config.tls,
             max_message_bytes=config.max_message_bytes,
             token=config.cluster_token,
-            stall=config.stall_bound(),
+            stall=config.stall.bound(),
         ),
         static=static,
         registry=InstanceRegistry(conn, keys) if conn else None,

@@ -24,6 +24,8 @@ import socket
 import uuid
 from functools import cache
 
+from pdmesh.leftovers import pid_namespace
+
 NONCE_BYTES = 32
 _NONCE_NAME = re.compile(r"pdmesh-kv-\d+-\d+-[0-9a-f]{32}")
 
@@ -42,13 +44,6 @@ def host_key(shm_dir: str) -> str:
     return f"{boot}/{st.st_dev}:{st.st_ino}"
 
 
-@cache
-def pid_namespace() -> str:
-    """Distinguishes pids of different containers sharing one shm directory."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
 
 
 def _proof(nonce: bytes, transfer_id: str) -> str:

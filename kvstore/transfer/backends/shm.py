@@ -35,7 +35,7 @@ from pdmesh.kvstore.transfer.backends.base import (
     DataPlaneServer,
     run_blocking,
 )
-from pdmesh.kvstore.transfer.backends.hostid import HostChallenge, pid_namespace
+from pdmesh.kvstore.transfer.backends.hostid import HostChallenge
 from pdmesh.kvstore.transfer.checksum import tensor_bytes
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -53,6 +53,7 @@ from pdmesh.kvstore.transfer.wire import (
     decode_header,
     header_length,
 )
+from pdmesh.leftovers import pid_namespace, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -258,29 +259,5 @@ def sweep_stale(directory: str = DEFAULT_SHM_DIR, pids: Collection[int] | None =
     `pids` restricts the sweep to segments of those processes: a supervisor such as
     `pdmesh serve` cleans up after its own children, even ones that were SIGKILLed.
     """
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return 0
-    removed = 0
-    ns = pid_namespace()
-    for name in names:
-        match = _NAME.fullmatch(name)
-        if not match or match.group(1) != ns:
-            continue
-        pid = int(match.group(2))
-        if (pids is not None and pid not in pids) or _alive(pid):
-            continue
-        _unlink(os.path.join(directory, name))
-        removed += 1
-    return removed
+    return sweep(directory, _NAME, _unlink, pids)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
