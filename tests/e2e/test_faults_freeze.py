@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -40,6 +39,7 @@ from pdmesh.serve import Child, LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
+from tests.router_streams import PROMPTS, Stream, mixed_requests, run_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
@@ -48,71 +48,8 @@ MAX_TOKENS = 48
 STOP_AFTER_TOKENS = 3  # every stream has at least this many tokens when the process stops
 CONFIRM_S = 2.0  # the router's --rpc-timeout-s: its last GetLoad to a stopped process times out
 MOVE_SLACK_S = 10.0  # the move itself: a resume prefill elsewhere, on a busy 2-CPU machine
-PROMPTS = [
-    "The three primary colors are red, yellow and blue. Mixing two of them gives",
-    "Paris is the capital of France, and its most famous monument is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The quick brown fox jumps over the lazy dog. This sentence is famous because",
-]
 
-
-def sampling(i: int) -> common_pb2.SamplingParams:
-    """Greedy (0, 1, 4, 5) or seeded (2, 3, 6, 7), so that round robin puts both kinds on each
-    decode instance; 7 samples n = 2. Logprobs for the near-tie check."""
-    if i == 7:
-        return common_pb2.SamplingParams(temperature=0.8, seed=7, n=2, logprobs=0,
-                                         max_tokens=MAX_TOKENS, ignore_eos=True)
-    if i % 4 >= 2:
-        return common_pb2.SamplingParams(temperature=0.8, seed=100 + i, frequency_penalty=0.3,
-                                         logprobs=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return common_pb2.SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_TOKENS,
-                                     ignore_eos=True)
-
-
-REQUESTS = [(PROMPTS[i % len(PROMPTS)], sampling(i)) for i in range(8)]
-
-
-@dataclass
-class Stream:
-    """What one client saw of one streamed request, and when."""
-
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    finishes: dict[int, common_pb2.Finish] = field(default_factory=dict)
-    result: router_pb2.GenerateResult | None = None
-    errors: list[str] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # monotonic, one per message
-    started: threading.Event = field(default_factory=threading.Event)
-
-    def longest_pause_s(self) -> float:
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
-        return max(gaps, default=0.0)
-
-
-def run_stream(address: str, prompt: list[int], params: common_pb2.SamplingParams,
-               stream: Stream) -> Stream:
-    n = params.n or 1
-    with grpc.insecure_channel(address) as channel:
-        call = router_pb2_grpc.RouterStub(channel).Generate(
-            router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), stream=True,
-                                       sampling=params), timeout=240)
-        for resp in call:
-            stream.arrivals.append(time.monotonic())
-            if resp.HasField("result"):
-                stream.result = resp.result
-                continue
-            delta = resp.delta
-            stream.tokens.setdefault(delta.index, []).extend(delta.token_ids)
-            stream.logprobs.setdefault(delta.index, []).extend(
-                lp.logprob for lp in delta.logprobs)
-            if delta.HasField("finish"):
-                stream.finishes[delta.index] = delta.finish
-                if delta.finish.reason == common_pb2.FINISH_REASON_ERROR:
-                    stream.errors.append(f"error event: {delta.finish.message}")
-            if all(len(stream.tokens.get(i, [])) >= STOP_AFTER_TOKENS for i in range(n)):
-                stream.started.set()
-    stream.started.set()
-    return stream
+REQUESTS = mixed_requests(MAX_TOKENS)
 
 
 def run_all(address: str, prompts: dict[str, list[int]], indices: list[int],
@@ -121,7 +58,8 @@ def run_all(address: str, prompts: dict[str, list[int]], indices: list[int],
     streams = {i: Stream() for i in indices}
     with ThreadPoolExecutor(len(indices)) as pool:
         futures = {i: pool.submit(run_stream, address, prompts[REQUESTS[i][0]], REQUESTS[i][1],
-                                  streams[i]) for i in indices}
+                                  streams[i], started_after=STOP_AFTER_TOKENS,
+                                  timeout_s=240) for i in indices}
         if on_started is not None:
             for stream in streams.values():
                 assert stream.started.wait(timeout=180), "a stream never started"

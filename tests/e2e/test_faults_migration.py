@@ -16,11 +16,9 @@ a lost, duplicated or misaligned token or a random stream resumed at the wrong d
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -30,85 +28,23 @@ from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
+from tests.router_streams import PROMPTS, Stream, mixed_requests, run_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
 
 MAX_TOKENS = 64
 KILL_AFTER_TOKENS = 3  # every stream has at least this many tokens when the decode dies
-PROMPTS = [
-    "The three primary colors are red, yellow and blue. Mixing two of them gives",
-    "Paris is the capital of France, and its most famous monument is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The quick brown fox jumps over the lazy dog. This sentence is famous because",
-]
 
-
-def sampling(i: int) -> common_pb2.SamplingParams:
-    """Request i: greedy (0, 1, 4, 5) or seeded (2, 3, 6, 7), so that round robin puts both
-    kinds on each decode instance; request 7 samples n = 2 seeded sequences. Every request
-    returns its sampled tokens' logprobs: the near-tie check reads them."""
-    if i == 7:
-        return common_pb2.SamplingParams(temperature=0.8, seed=7, n=2, logprobs=0,
-                                         max_tokens=MAX_TOKENS, ignore_eos=True)
-    if i % 4 >= 2:
-        return common_pb2.SamplingParams(temperature=0.8, seed=100 + i, frequency_penalty=0.3,
-                                         logprobs=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return common_pb2.SamplingParams(temperature=0.0, logprobs=0, max_tokens=MAX_TOKENS,
-                                     ignore_eos=True)
-
-
-REQUESTS = [(PROMPTS[i % len(PROMPTS)], sampling(i)) for i in range(8)]
-
-
-
-
-@dataclass
-class Stream:
-    """What one client saw of one streamed request."""
-
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    text: dict[int, str] = field(default_factory=dict)
-    finishes: dict[int, common_pb2.Finish] = field(default_factory=dict)
-    result: router_pb2.GenerateResult | None = None
-    errors: list[str] = field(default_factory=list)
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-def run_stream(address: str, prompt: list[int], params: common_pb2.SamplingParams,
-               stream: Stream) -> Stream:
-    n = params.n or 1
-    with grpc.insecure_channel(address) as channel:
-        call = router_pb2_grpc.RouterStub(channel).Generate(
-            router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), stream=True,
-                                       sampling=params), timeout=180)
-        for resp in call:
-            if resp.HasField("result"):
-                stream.result = resp.result
-                continue
-            delta = resp.delta
-            if delta.index in stream.finishes:
-                stream.errors.append(f"delta after the finish of sequence {delta.index}")
-            stream.tokens.setdefault(delta.index, []).extend(delta.token_ids)
-            stream.logprobs.setdefault(delta.index, []).extend(
-                lp.logprob for lp in delta.logprobs)
-            stream.text[delta.index] = stream.text.get(delta.index, "") + delta.text
-            if delta.HasField("finish"):
-                stream.finishes[delta.index] = delta.finish
-                if delta.finish.reason == common_pb2.FINISH_REASON_ERROR:
-                    stream.errors.append(f"error event: {delta.finish.message}")
-            if all(len(stream.tokens.get(i, [])) >= KILL_AFTER_TOKENS for i in range(n)):
-                stream.started.set()
-    stream.started.set()
-    return stream
+REQUESTS = mixed_requests(MAX_TOKENS)
 
 
 def run_all(address: str, prompts: dict[str, list[int]],
             on_started: Callable[[list[Stream]], None] | None = None) -> list[Stream]:
     streams = [Stream() for _ in REQUESTS]
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
-        futures = [pool.submit(run_stream, address, prompts[prompt], params, stream)
+        futures = [pool.submit(run_stream, address, prompts[prompt], params, stream,
+                               started_after=KILL_AFTER_TOKENS, timeout_s=180)
                    for (prompt, params), stream in zip(REQUESTS, streams, strict=True)]
         if on_started is not None:
             for stream in streams:
