@@ -12,10 +12,9 @@ is marked dead (`dead_reason`, `dead_event`) and nothing waits for an output tha
 come.
 
 A core that lives but stops answering (a stopped process, a wedged device) is told apart from a
-busy one by time: `core_silent_s` says how long it has not answered while work was in flight,
-`probe` asks a silent core for a sign of life (answered between two steps), `step_times` says
-how long its steps take and `step_tokens_bound` how large its next step can be
-(`engine/stall.py`; the service's watchdog reads them).
+busy one by time: `liveness` (engine/core_liveness.py) says how long it has not answered while
+work was in flight and how long its steps take, and `probe` asks a silent core for a sign of
+life (answered between two steps); the service's watchdog reads them.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_client import ProcessCoreLink, ThreadCoreLink
+from pdmesh.engine.core_liveness import CoreLiveness
 from pdmesh.engine.core_protocol import (
     Abort,
     Add,
@@ -63,7 +62,6 @@ from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.stall import StepTimes
 from pdmesh.engine.startup import eos_token_ids
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
@@ -146,13 +144,7 @@ class AsyncEngine:
         self._core_gone = False
         self._grammar_lock = asyncio.Lock()
         self._grammar_sent = False
-        self.step_times = StepTimes()
-        self._answered_at = time.monotonic()  # the core's last reply
-        self._owed_since = self._answered_at  # since when it owes one (see core_silent_s)
-        self._owing = False  # a command went to the core, which has not answered since
-        self._unprefilled: dict[str, int] = {}  # prompt tokens of requests with no output yet
-        self.setting_up = False  # a one-off command that may hold the core for seconds is out
-        self._probed = False  # a probe is out and the core has not answered since
+        self.liveness = CoreLiveness(lambda: len(self._streams) + len(self._calls))
         if engine is not None:
             self._link: Any = ThreadCoreLink(engine.core, self._on_reply, self._on_dead,
                                              name=name)
@@ -209,44 +201,15 @@ class AsyncEngine:
     def load(self) -> EngineLoadSnapshot:
         return self._load
 
-    # -- liveness (engine_svc/watchdog.py) -------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        """The core owes an answer: requests or calls wait on it, or it has not answered a
-        command yet (every command is answered, fire-and-forget ones with a Batch; so a core
-        that hangs keeps owing after its requests were aborted)."""
-        return self._owing or bool(self._streams or self._calls)
-
-    def core_silent_s(self) -> float:
-        """Seconds the core has owed an answer without giving one: since its last reply or
-        since work arrived at an idle core, whichever is later (an idle core: 0)."""
-        return time.monotonic() - self._owed_since if self.busy else 0.0
-
-    def _owe(self) -> None:
-        """Work is about to wait on the core: an idle one starts owing an answer now."""
-        if not self.busy:
-            self._owed_since = time.monotonic()
-        self._owing = True
-
+    # -- liveness (engine_svc/watchdog.py reads `liveness`) ----------------------------------------
     def step_tokens_bound(self, budget_tokens: int) -> int:
-        """The most tokens the core's next step can compute: the prompts not computed yet (as
-        far as this side knows: none of their outputs came) plus a token per request, within
-        the step budget. A long step is only possible when a long prompt waits."""
-        return min(budget_tokens, sum(self._unprefilled.values()) + len(self._streams))
-
-    @property
-    def answered_at(self) -> float:
-        """When the core last answered (monotonic)."""
-        return self._answered_at
+        return self.liveness.step_tokens_bound(budget_tokens, len(self._streams))
 
     def probe(self) -> None:
         """Ask the core for a sign of life unless a probe is already out: a core that lives
         answers it between two steps (a fire-and-forget command is answered with a Batch)."""
-        if self._probed or self._closed:
-            return
-        self._probed = True
-        self._owe()
-        self._link.send(Call(0, ReleaseKV(PROBE_REQUEST_ID)))
+        if not self._closed and self.liveness.take_probe():
+            self._link.send(Call(0, ReleaseKV(PROBE_REQUEST_ID)))
 
     def check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise `KVCacheFullError` for a request that can never fit this engine's KV pool.
@@ -360,7 +323,7 @@ class AsyncEngine:
     # -- plumbing --------------------------------------------------------------------------------
     def _send(self, command: Command) -> None:
         if not self._closed:
-            self._owe()
+            self.liveness.owe()
             self._link.send(Call(0, command))
 
     async def _call(self, command: Command, tensor: torch.Tensor | None = None) -> Any:
@@ -368,7 +331,7 @@ class AsyncEngine:
             raise EngineError(self.dead_reason or "engine is shut down")
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._owe()
+        self.liveness.owe()
         self._calls[call_id] = future
         self._link.send(Call(call_id, command), tensor)
         try:
@@ -386,9 +349,9 @@ class AsyncEngine:
         if params.structured_output is not None:
             await self._send_grammar_vocabulary()
         stream = _Stream(request_id)
-        self._owe()
+        self.liveness.owe()
         self._streams[request_id] = stream
-        self._unprefilled[request_id] = request.num_prefill_tokens
+        self.liveness.unprefilled[request_id] = request.num_prefill_tokens
         # Tracked before the core sees it: its first outputs may arrive right behind the reply.
         stopped = self.processor.add_request(request_id, prompt, list(request.prompt_token_ids),
                                              params, export_kv=request.export_kv, given=given,
@@ -403,7 +366,7 @@ class AsyncEngine:
         except BaseException:
             if self._streams.get(request_id) is stream:
                 self._streams.pop(request_id)
-                self._unprefilled.pop(request_id, None)
+                self.liveness.unprefilled.pop(request_id, None)
                 self.processor.abort(request_id)
             raise
         if stopped:
@@ -430,15 +393,16 @@ class AsyncEngine:
                 return
             vocabulary = await asyncio.to_thread(
                 grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
-            self.setting_up = True  # the core imports xgrammar meanwhile: seconds, no answer
+            # The core imports xgrammar meanwhile: seconds without an answer.
+            self.liveness.setting_up = True
             try:
                 await self._call(SetGrammarVocabulary(vocabulary))
             finally:
-                self.setting_up = False
+                self.liveness.setting_up = False
             self._grammar_sent = True
 
     def _end_stream(self, request_id: str, error: BaseException) -> None:
-        self._unprefilled.pop(request_id, None)
+        self.liveness.unprefilled.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         self.processor.abort(request_id)
         if stream is not None:
@@ -446,8 +410,7 @@ class AsyncEngine:
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
-        self._answered_at = self._owed_since = time.monotonic()
-        self._owing = self._probed = False
+        self.liveness.answered()
         try:
             self._handle(reply, tensor)
         except Exception as exc:  # a bug here must not leave streams waiting forever
@@ -456,7 +419,7 @@ class AsyncEngine:
 
     def _handle(self, reply: Reply, tensor: torch.Tensor | None) -> None:
         load = reply.load
-        self.step_times.observe(load.num_steps, load.step_seconds, load.scheduled_tokens)
+        self.liveness.step_times.observe(load.num_steps, load.step_seconds, load.scheduled_tokens)
         if isinstance(reply, Batch):
             self._load = reply.load
             self._deliver(reply)
@@ -474,7 +437,7 @@ class AsyncEngine:
         for request_id, indices in stops:
             self._send(StopSequences(request_id, indices))
         for out in outputs:
-            self._unprefilled.pop(out.request_id, None)
+            self.liveness.unprefilled.pop(out.request_id, None)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

@@ -4,7 +4,7 @@ flight, SERVING again as soon as it answers.
 A core process that is stopped (SIGSTOP), or wedged in a device call, neither dies nor answers:
 without this its service would go on passing health checks and load polls, and routers would
 keep sending it requests that wait for as long as the hang lasts. The service sees every reply
-the core sends; while work waits on the core (`AsyncEngine.busy`) and the core has been silent
+the core sends; while work waits on the core (`CoreLiveness.busy`) and the core has been silent
 for a moment, it sends a probe, which a live core answers between two steps. A core that has
 owed an answer for longer than the stall bound (`engine/stall.py`: a multiple of its longest
 expected step, clamped to `--stall-timeout-min-s` .. `--stall-timeout-s`) is *stalled*: health
@@ -47,16 +47,16 @@ class CoreWatchdog:
         self.stalled = False
         self._stalled_at = 0.0
         self._checked_at = time.monotonic()
-        self._seen_answer = engine.answered_at
+        self._seen_answer = engine.liveness.answered_at
         self._awake_silence = 0.0  # core silence seen while this watchdog ran
 
     def max_step_s(self) -> float:
         """The longest step the core may legitimately take now; 0 before its first step. While
-        a slow one-off command is out (`AsyncEngine.setting_up`), the bound's upper clamp."""
-        if self.engine.setting_up:
+        a slow one-off command is out (`CoreLiveness.setting_up`), the bound's upper clamp."""
+        if self.engine.liveness.setting_up:
             return self.bound.max_s
         step_tokens = self.engine.step_tokens_bound(self.budget_tokens)
-        return self.engine.step_times.longest_step_s(step_tokens)
+        return self.engine.liveness.step_times.longest_step_s(step_tokens)
 
     def bound_s(self) -> float:
         return self.bound.seconds(self.max_step_s())
@@ -65,15 +65,15 @@ class CoreWatchdog:
         """How long the core has owed an answer (while stalled: since its last one), counting
         only time this watchdog was awake to see."""
         if self.stalled:
-            return time.monotonic() - self.engine.answered_at
-        return min(self.engine.core_silent_s(), self._awake_silence)
+            return time.monotonic() - self.engine.liveness.answered_at
+        return min(self.engine.liveness.silent_s(), self._awake_silence)
 
     def _watch_silence(self) -> None:
         now = time.monotonic()
         gap, self._checked_at = min(now - self._checked_at, MAX_TICK_S), now
-        answered = self.engine.answered_at != self._seen_answer
-        self._seen_answer = self.engine.answered_at
-        if answered or not self.engine.busy:
+        answered = self.engine.liveness.answered_at != self._seen_answer
+        self._seen_answer = self.engine.liveness.answered_at
+        if answered or not self.engine.liveness.busy:
             self._awake_silence = 0.0
         else:
             self._awake_silence += gap
@@ -84,17 +84,17 @@ class CoreWatchdog:
         self._watch_silence()
         silent = self.silent_s()
         if silent >= PROBE_AFTER_S or (
-                self.stalled and time.monotonic() - engine.answered_at >= PROBE_AFTER_S):
+                self.stalled and time.monotonic() - engine.liveness.answered_at >= PROBE_AFTER_S):
             engine.probe()
         if self.stalled:
-            if engine.answered_at > self._stalled_at:
+            if engine.liveness.answered_at > self._stalled_at:
                 self.stalled = False
                 logger.warning("engine core answers again after %.1fs; serving",
                                time.monotonic() - self._stalled_at)
                 return True
             return None
         bound = self.bound_s()
-        engine.step_times.credible_s = bound  # a step longer than this is a hang
+        engine.liveness.step_times.credible_s = bound  # a step longer than this is a hang
         if silent >= bound:
             self.stalled, self._stalled_at = True, time.monotonic()
             logger.error("engine core stalled: no answer for %.1fs with work in flight (bound "

@@ -79,11 +79,11 @@ async def test_stopped_core_is_stalled_after_the_bound_and_serving_once_continue
     params = SamplingParams(temperature=0.0, max_tokens=8)
     async for _ in engine.generate("warm", "The three primary colors are", params):
         pass
-    assert watchdog.max_step_s() > 0 and not engine.busy
+    assert watchdog.max_step_s() > 0 and not engine.liveness.busy
     for _ in range(10):  # idle: owes nothing, a probe is answered
         assert watchdog.check() is None
         await asyncio.sleep(0.05)
-    assert engine.core_silent_s() == 0.0 and not watchdog.stalled
+    assert engine.liveness.silent_s() == 0.0 and not watchdog.stalled
 
     pid = engine.core_pid
     assert pid is not None
@@ -98,8 +98,8 @@ async def test_stopped_core_is_stalled_after_the_bound_and_serving_once_continue
         assert watchdog.check() is None and not watchdog.stalled
         await judge_until(watchdog, False, timeout_s=30)
         bound = watchdog.bound_s()
-        assert watchdog.stalled and engine.busy
-        assert engine.core_silent_s() >= bound
+        assert watchdog.stalled and engine.liveness.busy
+        assert engine.liveness.silent_s() >= bound
         await stream.aclose()  # the consumer leaves: the abort is owed too, still stalled
         for _ in range(5):
             assert watchdog.check() is None and watchdog.stalled
