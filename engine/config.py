@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from pdmesh.config import about
+from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -128,10 +129,7 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
-                or self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be an integer >= 1, got "
-                             f"{self.stream_interval!r}")
+        check_stream_interval(self.stream_interval)
         if not 0 < self.structured_output_compile_timeout_s <= 3600:
             raise ValueError(f"structured_output_compile_timeout_s must be in (0, 3600], got "
                              f"{self.structured_output_compile_timeout_s}")
