@@ -1,147 +1,295 @@
-"""KV-transfer throughput of every available backend, beside a local memory copy.
+"""KV handoff, prefill core's cache -> decode core's cache, beside a local memory copy.
 
-The sender runs in a second process (spawned), the receiver here; each measurement is one
-complete `KVReceiver.fetch` into a preallocated destination (control RPCs, data plane,
-checksum verification and ack included), on the SmolLM2-135M KV layout: 30 layers,
-3 KV heads, head_dim 64, block size 16, float32 (720 KiB per block). The local limit is
-`dst.copy_(src)` and `src.clone()` of the same bytes in this process.
+SmolLM2-135M KV layout: 30 layers, 3 KV heads, head_dim 64, block size 16, float32 (720 KiB per
+block). Both caches hold max(--blocks) blocks; a transfer of n blocks reads n block ids of the
+sender's cache and writes n of the receiver's, each side a fixed shuffle of its cache (worst case
+for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run). Rows:
 
-The tcp backend is measured with and without mutual TLS (`--tls both`, rows `tcp` and
-`tcp+tls`; certificates made for the run), so the cost of encrypting the KV data plane is
-known.
+* `local copy_` / `local clone`: `dst.copy_(src)` / `src.clone()` of the same bytes, contiguous,
+  in one process: the reference.
+* `staged shm|tcp` (today's path): a child process holding the prefill cache gathers the blocks
+  (`cache.index_select(2, ids)`, the core's ReadKV) and `KVSender.publish`es them (whole-tensor
+  checksum); here `KVReceiver.fetch` pulls them into a fresh tensor (verify, ack) and
+  `dst_cache.index_copy_(2, dst_ids, kv)` imports them (the core's import). The ZeroMQ hops
+  between each core and its serving process (the gathered KV out of the prefill core, the
+  fetched KV into the decode core) are further copies NOT counted: these rows are a lower bound.
+* `core shm|tcp` (the engine cores move the blocks, `kvstore/connector/`): the child's cache is a
+  shared-memory file with a `KVConnector`; it `export`s the blocks (per-block checksums) and its
+  `KVSender(core=CoreCache(...))` `publish_export`s them. Here, the decode core: `KVReceiver.begin`,
+  `KVConnector.load` into this process's own shared cache (one copy, then per-block verify),
+  `KVReceiver.finish` (ack). `core X (load only)` is the `load` alone, in the same rounds (the
+  rest is control plane and export); `core export` is the child's `export` alone.
+* `... tcp+tls`: tcp under mutual TLS (control channel, staged data plane, the core's block
+  server; certificates made for the run). `--tls off|on|both` (on: no plaintext tcp rows).
 
-    .venv/bin/python bench/transfer.py [--blocks 8,64,512] [--budget-s 3] [--tls off|on|both]
+A staged or core round is timed here from the request to the child (a Pipe round trip) until
+the destination cache holds the verified blocks and the ack is answered. ms: median of up to
+--reps rounds within --budget-s per cell, after a warm-up round. `of copy_`: local copy_ ms /
+this ms. `vs staged`: staged ms / this ms, same transport (above 1: faster than today).
+
+    .venv/bin/python bench/transfer.py [--blocks 64,512] [--budget-s 3] [--reps 10]
+        [--tls off|on|both] [--backends shm,tcp] [--ids shuffled|consecutive] [--threads N]
+        [--json rows.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from pdmesh.grpc_common import TLSConfig
-from pdmesh.kvstore.transfer.backends import available_backends
+from pdmesh.kvstore.connector.cache_file import shared_zeros
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.grant_mac import new_key
+from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
+from pdmesh.kvstore.transfer.checksum import parse_algo
+from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
 from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.worker_planes import CoreCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4  # float32: 720 KiB
+DEADLINE_S = 60.0  # bound on one round, and on any answer of the child
+Timings = dict[str, float]
 
 
 def kv_shape(blocks: int) -> tuple[int, ...]:
     return (LAYERS, 2, blocks, BLOCK, HEADS, HEAD_DIM)
 
 
-def sender_main(
-    conn: Connection, backends: tuple[str, ...], shm_dir: str, tls: TLSConfig | None
-) -> None:
-    """Child process: publish KV on request, answer with the handle."""
-
-    async def run() -> None:
-        sender = KVSender(KVSenderConfig(backends=backends, shm_dir=shm_dir), lambda r, w: None,
-                          tls=tls)
-        await sender.start()
-        loop = asyncio.get_running_loop()
-        requests: asyncio.Queue[tuple | None] = asyncio.Queue()
-
-        def pump() -> None:
-            while True:
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    msg = None
-                loop.call_soon_threadsafe(requests.put_nowait, msg)
-                if msg is None:
-                    return
-
-        threading.Thread(target=pump, daemon=True).start()
-        tensors: dict[int, torch.Tensor] = {}
-        while (msg := await requests.get()) is not None:
-            _, blocks, request_id = msg
-            if blocks not in tensors:
-                tensors[blocks] = torch.randn(kv_shape(blocks), generator=torch.Generator()
-                                              .manual_seed(blocks))
-            handle = sender.publish(request_id, tensors[blocks], blocks * BLOCK)
-            conn.send(handle.to_dict())
-        await sender.stop()
-
-    asyncio.run(run())
+def block_ids(cache_blocks: int, n: int, seed: int, shuffled: bool) -> list[int]:
+    if not shuffled:
+        return list(range(n))
+    return torch.randperm(cache_blocks, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
-def median_seconds(fn: Callable[[], object], reps: int, budget_s: float) -> float:
-    fn()  # warm-up: page faults, connections
-    times: list[float] = []
-    stop = time.monotonic() + budget_s
-    while len(times) < reps and (not times or time.monotonic() < stop):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@dataclass(frozen=True)
+class Setup:
+    """One sender child and the receiving side here: the transports, the cache, TLS."""
+
+    staged: tuple[str, ...]  # KVSender.publish backends
+    core: tuple[str, ...]    # the connector's own transports (of WORKER_BACKENDS)
+    cache_blocks: int
+    shuffled: bool
+    shm_dir: str
+    tls: TLSConfig | None
+    threads: int
+
+    def connector_config(self, *, tcp: bool = True, grant_secret: str = "") -> KVConnectorConfig:
+        t = self.tls or TLSConfig()
+        return KVConnectorConfig(shm_dir=self.shm_dir, tcp=tcp, grant_secret=grant_secret,
+                                 tls_cert=t.cert or "", tls_key=t.key or "", tls_ca=t.ca or "")
 
 
-def bench_local(blocks: int, reps: int, budget_s: float) -> dict[str, float]:
-    src = torch.randn(kv_shape(blocks))
-    dst = torch.empty_like(src)
-    return {
-        "copy_": median_seconds(lambda: dst.copy_(src), reps, budget_s),
-        "clone": median_seconds(src.clone, reps, budget_s),
-    }
+def sender_main(conn: Connection, setup: Setup) -> None:
+    """Child process, the prefill core: one cache (a shared file, random contents), today's
+    sender over it, and the core's connector and control-plane sender; publishes on request."""
+    torch.set_num_threads(setup.threads)
+    cache = shared_zeros(kv_shape(setup.cache_blocks), torch.float32, setup.shm_dir)
+    connector = KVConnector(setup.connector_config(grant_secret=new_key()), cache.tensor, cache)
+    try:
+        cache.tensor.normal_(generator=torch.Generator().manual_seed(0))
+        connector.start()
+        asyncio.run(serve(conn, setup, connector))
+    except Exception as exc:  # a start-up failure: tell the parent rather than leave it waiting
+        with contextlib.suppress(OSError):
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        connector.close()  # stops the block server, unlinks the cache file
 
 
-def bench_backend(
-    conn: Connection, backend: str, blocks: int, reps: int, budget_s: float, shm_dir: str,
-    tls: TLSConfig | None = None,
-) -> float:
-    counter = iter(range(1_000_000))
-
-    async def run() -> float:
-        async with KVReceiver(KVReceiverConfig(shm_dir=shm_dir), tls=tls) as receiver:
-            out = torch.empty(kv_shape(blocks))
-            times: list[float] = []
-            stop = time.monotonic() + budget_s
-            for i in range(reps + 1):  # the first one warms up
-                conn.send(("publish", blocks, f"{backend}-{blocks}-{next(counter)}"))
-                handle = KVHandle.from_dict(conn.recv())
+async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
+    cache = connector.cache
+    senders: dict[str, KVSender] = {}
+    if setup.staged:
+        senders["staged"] = KVSender(KVSenderConfig(backends=setup.staged, shm_dir=setup.shm_dir),
+                                     lambda rid, why: None, tls=setup.tls)
+    if setup.core:
+        core = CoreCache(connector.cache_file_name, setup.cache_blocks,
+                         connector.block_server_address, connector.config.grant_secret)
+        senders["core"] = KVSender(KVSenderConfig(backends=setup.core, shm_dir=setup.shm_dir),
+                                   lambda rid, why: connector.release(rid), tls=setup.tls,
+                                   core=core)
+    loop = asyncio.get_running_loop()
+    try:
+        for sender in senders.values():
+            await sender.start()
+        conn.send({"ready": True})
+        # The next request is awaited off the loop: the loop serves the control plane meanwhile.
+        while (msg := await loop.run_in_executor(None, receive, conn)) is not None:
+            kind, n, rid = msg
+            src = block_ids(setup.cache_blocks, n, 1, setup.shuffled)
+            try:
+                if kind == "staged":  # ReadKV's gather, then today's publish
+                    kv = cache.index_select(2, torch.tensor(src))
+                    conn.send({"handle": senders[kind].publish(rid, kv, n * BLOCK).to_dict()})
+                    continue
                 start = time.perf_counter()
-                await receiver.fetch(handle, 60, out=out, backend=backend)
-                if i > 0:
-                    times.append(time.perf_counter() - start)
-                if times and time.monotonic() > stop:
-                    break
-            return statistics.median(times)
+                info = connector.export(rid, src, n * BLOCK)
+                export_s = time.perf_counter() - start
+                layout = KVLayout(LAYERS, n, BLOCK, HEADS, HEAD_DIM, torch.float32, n * BLOCK)
+                handle = senders[kind].publish_export(rid, layout, src, info.block_checksums,
+                                                      parse_algo(info.checksum_algo))
+                conn.send({"handle": handle.to_dict(), "export_s": export_s})
+            except Exception as exc:  # tell the parent rather than leave it waiting
+                conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        for sender in senders.values():
+            await sender.stop()
 
-    return asyncio.run(run())
+
+def receive(conn: Connection) -> tuple[str, int, str] | None:
+    with contextlib.suppress(EOFError):
+        return conn.recv()
+    return None  # the parent is gone: stop
 
 
-@contextmanager
-def sender_process(
-    backends: tuple[str, ...], shm_dir: str, tls: TLSConfig | None
-) -> Iterator[Connection]:
-    """A sender child serving `backends`; yields the pipe that asks it to publish."""
-    parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(
-        target=sender_main, args=(child, backends, shm_dir, tls), daemon=True
-    )
+@contextlib.contextmanager
+def sender_process(setup: Setup) -> Iterator[Connection]:
+    """A sender child; yields the pipe that asks it to publish."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sender_main, args=(child, setup), daemon=True)
     proc.start()
     try:
+        ask(parent, None)
         yield parent
     finally:
-        parent.send(None)
+        with contextlib.suppress(OSError):
+            parent.send(None)
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+            proc.join(timeout=5)
+
+
+def ask(conn: Connection, request: tuple[str, int, str] | None) -> dict:
+    """Send `request` (None: just wait for the child's start) and return the child's answer."""
+    if request is not None:
+        conn.send(request)
+    if not conn.poll(DEADLINE_S):
+        raise TimeoutError(f"the sender child did not answer {request} within {DEADLINE_S} s")
+    reply = conn.recv()
+    if "error" in reply:
+        raise RuntimeError(f"sender child: {reply['error']}")
+    return reply
+
+
+async def rounds(one: Callable[[], Awaitable[Timings]], reps: int,
+                 budget_s: float) -> list[Timings]:
+    await one()  # warm-up: page faults, connections, the peer cache's mapping
+    out: list[Timings] = []
+    stop = time.monotonic() + budget_s
+    while len(out) < reps and (not out or time.monotonic() < stop):
+        out.append(await one())
+    return out
+
+
+class Decoder:
+    """The decode side, here: its serving process's KVReceiver and its core's cache and
+    connector (a shared file too, as a CPU engine allocates it)."""
+
+    def __init__(self, conn: Connection, setup: Setup, rx: KVReceiver) -> None:
+        self.conn, self.rx, self.ids = conn, rx, iter(range(1 << 30))
+        self.cache = shared_zeros(kv_shape(setup.cache_blocks), torch.float32, setup.shm_dir)
+        self.cache.tensor.fill_(0.0)  # commit the tmpfs pages: a serving cache is warm
+        self.connector = KVConnector(setup.connector_config(tcp=False), self.cache.tensor,
+                                     self.cache)
+
+    async def staged(self, backend: str, n: int, dst_ids: list[int]) -> Timings:
+        start = time.perf_counter()
+        reply = ask(self.conn, ("staged", n, f"s-{next(self.ids)}"))
+        kv = await self.rx.fetch(KVHandle.from_dict(reply["handle"]), DEADLINE_S,
+                                 backend=backend)
+        self.cache.tensor.index_copy_(2, torch.tensor(dst_ids), kv)
+        return {"total": time.perf_counter() - start}
+
+    async def core(self, backend: str, n: int, dst_ids: list[int]) -> Timings:
+        start = time.perf_counter()
+        reply = ask(self.conn, ("core", n, f"c-{next(self.ids)}"))
+        handle = KVHandle.from_dict(reply["handle"])
+        deadline = Deadline.after(DEADLINE_S)
+        pull = await self.rx.begin(handle, deadline, backend=backend)
+        source = KVSource(backend, pull.params, list(handle.block_checksums),
+                          str(handle.checksum_algo), handle.layout.num_tokens,
+                          (LAYERS, BLOCK, HEADS, HEAD_DIM), "float32",
+                          deadline_s=deadline.remaining())
+        loading = time.perf_counter()
+        try:
+            nbytes = self.connector.load(source, 0, dst_ids)
+        except BaseException as exc:
+            await self.rx.finish(pull, error=f"{type(exc).__name__}: {exc}")
+            raise
+        loaded = time.perf_counter()
+        await self.rx.finish(pull, nbytes=nbytes)
+        return {"total": time.perf_counter() - start, "load": loaded - loading,
+                "export": float(reply["export_s"])}
+
+
+async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: int,
+                  budget_s: float, suffix: str, exported: set[int]) -> list[dict[str, object]]:
+    """Staged and core rounds of every transport and block count."""
+    rows: list[dict[str, object]] = []
+
+    def row(path: str, n: int, transport: str, samples: list[Timings], key: str) -> None:
+        rows.append({"path": path, "blocks": n, "bytes": n * BLOCK_BYTES,
+                     "transport": transport, "rounds": len(samples),
+                     "seconds": statistics.median(t[key] for t in samples)})
+
+    async with KVReceiver(KVReceiverConfig(shm_dir=setup.shm_dir), tls=setup.tls) as rx:
+        decoder = Decoder(conn, setup, rx)
+        try:
+            for backend in dict.fromkeys(setup.staged + setup.core):
+                name = backend + suffix
+                for n in blocks_list:
+                    dst_ids = block_ids(setup.cache_blocks, n, 2, setup.shuffled)
+                    if backend in setup.staged:
+                        samples = await rounds(
+                            partial(decoder.staged, backend, n, dst_ids), reps, budget_s)
+                        row(f"staged {name}", n, name, samples, "total")
+                    if backend in setup.core:
+                        samples = await rounds(
+                            partial(decoder.core, backend, n, dst_ids), reps, budget_s)
+                        row(f"core {name}", n, name, samples, "total")
+                        row(f"core {name} (load only)", n, name, samples, "load")
+                        if n not in exported:  # the same work whatever the transport
+                            exported.add(n)
+                            row("core export", n, "", samples, "export")
+        finally:
+            decoder.connector.close()  # unlinks its cache file
+    return rows
+
+
+async def local_rounds(blocks: int, reps: int, budget_s: float) -> dict[str, float]:
+    src = torch.randn(kv_shape(blocks))
+    dst = torch.empty_like(src)
+
+    async def timed(fn: Callable[[], object]) -> Timings:
+        start = time.perf_counter()
+        fn()
+        return {"total": time.perf_counter() - start}
+
+    return {name: statistics.median(t["total"] for t in await rounds(
+                partial(timed, fn), reps, budget_s))
+            for name, fn in (("copy_", lambda: dst.copy_(src)), ("clone", src.clone))}
 
 
 def bench_certificates(directory: str) -> TLSConfig:
@@ -152,61 +300,74 @@ def bench_certificates(directory: str) -> TLSConfig:
     return make_test_certs(Path(directory)).tls
 
 
+def print_table(rows: list[dict[str, object]], shuffled: bool, cache_blocks: int) -> None:
+    print(f"KV handoff, SmolLM2-135M layout ({LAYERS} layers x 2 x {BLOCK} tokens x {HEADS} "
+          f"heads x {HEAD_DIM} dims, float32), caches of {cache_blocks} blocks, "
+          f"{'shuffled' if shuffled else 'consecutive'} block ids, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"| {'path':<24} | {'blocks':>6} | {'MB':>7} | {'ms':>8} | {'GB/s':>6} | "
+          f"{'of copy_':>8} | {'vs staged':>9} |")
+    print(f"|{'-' * 26}|{'-' * 7}:|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 9}:|{'-' * 10}:|")
+    for row in rows:
+        seconds, nbytes = float(row["seconds"]), int(row["bytes"])
+        of_copy = f"{float(row['vs_copy']):.0%}" if "vs_copy" in row else ""
+        vs_staged = f"{float(row['vs_staged']):.2f}x" if "vs_staged" in row else ""
+        print(f"| {row['path']!s:<24} | {row['blocks']:>6} | {nbytes / 1e6:>7.1f} | "
+              f"{seconds * 1e3:>8.2f} | {nbytes / seconds / 1e9:>6.2f} | {of_copy:>8} | "
+              f"{vs_staged:>9} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", default="8,64,512")
-    parser.add_argument("--backends", default=",".join(available_backends()))
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--blocks", default="64,512", help="block counts, e.g. 8,64,512")
+    parser.add_argument("--backends", default="shm,tcp",
+                        help="staged rows: any KVSender backend; core rows: shm and tcp")
+    parser.add_argument("--ids", choices=("shuffled", "consecutive"), default="shuffled")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads of both processes")
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=3.0, help="per table cell")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--tls", choices=("off", "on", "both"), default="both",
-                        help="tcp without TLS, with mutual TLS (row tcp+tls), or both")
+                        help="tcp without TLS, with mutual TLS (rows ... tcp+tls), or both")
     args = parser.parse_args()
     blocks_list = [int(b) for b in args.blocks.split(",")]
     backends = tuple(args.backends.split(","))
-    if args.tls == "on":
-        backends = tuple(b for b in backends if b != "tcp")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cache_blocks, shuffled = max(blocks_list), args.ids == "shuffled"
 
-    rows: list[dict[str, object]] = []
+    torch.set_num_threads(args.threads)
+    local = {n: asyncio.run(local_rounds(n, args.reps, args.budget_s)) for n in blocks_list}
+    rows: list[dict[str, object]] = [
+        {"path": f"local {name}", "blocks": n, "bytes": n * BLOCK_BYTES, "seconds": seconds}
+        for n, timings in local.items() for name, seconds in timings.items()]
     with tempfile.TemporaryDirectory(prefix="pdmesh-bench-", dir="/dev/shm") as shm_dir, \
             tempfile.TemporaryDirectory(prefix="pdmesh-bench-certs-") as cert_dir:
-        # (row name, backend, TLS): every backend plain, then tcp under mutual TLS.
-        runs: list[tuple[str, str, TLSConfig | None]] = [(b, b, None) for b in backends]
-        if args.tls != "off" and "tcp" in available_backends():
-            runs.append(("tcp+tls", "tcp", bench_certificates(cert_dir)))
-        local = {blocks: bench_local(blocks, args.reps, args.budget_s) for blocks in blocks_list}
-        for blocks, timings in local.items():
-            for name, seconds in timings.items():
-                rows.append({"path": f"local {name}", "blocks": blocks,
-                             "bytes": torch.empty(kv_shape(blocks)).nbytes, "seconds": seconds})
-        for tls in {id(t): t for _, _, t in runs}.values():
-            served = tuple(b for _, b, t in runs if t is tls)
-            with sender_process(served, shm_dir, tls) as conn:
-                for row_name, backend, _ in (r for r in runs if r[2] is tls):
-                    for blocks in blocks_list:
-                        nbytes = torch.empty(kv_shape(blocks)).nbytes
-                        seconds = bench_backend(conn, backend, blocks, args.reps,
-                                                args.budget_s, shm_dir, tls)
-                        rows.append({"path": row_name, "blocks": blocks, "bytes": nbytes,
-                                     "seconds": seconds,
-                                     "vs_copy": local[blocks]["copy_"] / seconds})
+        groups: list[tuple[str, tuple[str, ...], TLSConfig | None]] = []
+        plain = tuple(b for b in backends if not (b == "tcp" and args.tls == "on"))
+        if plain:
+            groups.append(("", plain, None))
+        if args.tls != "off" and "tcp" in backends:
+            groups.append(("+tls", ("tcp",), bench_certificates(cert_dir)))
+        exported: set[int] = set()
+        for suffix, served, tls in groups:
+            setup = Setup(served, tuple(b for b in served if b in WORKER_BACKENDS),
+                          cache_blocks, shuffled, shm_dir, tls, args.threads)
+            with sender_process(setup) as conn:
+                rows += asyncio.run(measure(conn, setup, blocks_list, args.reps,
+                                            args.budget_s, suffix, exported))
 
-    print(f"KV transfer, SmolLM2-135M layout ({LAYERS} layers x 2 x {BLOCK} tokens x {HEADS} "
-          f"heads x {HEAD_DIM} dims, float32), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"| {'path':<14} | {'blocks':>6} | {'MB':>7} | {'ms':>8} | {'GB/s':>6} | "
-          f"{'of copy_':>8} |")
-    print(f"|{'-' * 16}|{'-' * 8}:|{'-' * 9}:|{'-' * 10}:|{'-' * 8}:|{'-' * 10}:|")
-    for row in sorted(rows, key=lambda r: (r["blocks"], str(r["path"]))):
-        seconds, nbytes = float(row["seconds"]), int(row["bytes"])
-        share = f"{float(row['vs_copy']):.0%}" if "vs_copy" in row else ""
-        print(f"| {row['path']!s:<14} | {row['blocks']:>6} | {nbytes / 1e6:>7.1f} | "
-              f"{seconds * 1e3:>8.2f} | {nbytes / seconds / 1e9:>6.2f} | {share:>8} |")
+    staged = {(r["blocks"], r["transport"]): r["seconds"] for r in rows
+              if str(r["path"]).startswith("staged ")}
+    for row in (r for r in rows if r.get("transport")):
+        key, seconds = (row["blocks"], row["transport"]), float(row["seconds"])
+        row["vs_copy"] = local[int(row["blocks"])]["copy_"] / seconds
+        if key in staged and not str(row["path"]).startswith("staged "):
+            row["vs_staged"] = float(staged[key]) / seconds
+    rows.sort(key=lambda r: int(r["blocks"]))  # stable: the order measured within a count
+    print_table(rows, shuffled, cache_blocks)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -46,11 +46,14 @@ from pdmesh.engine_svc.codec import (
 )
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
 from pdmesh.kvstore.transfer.capability import TransferCapability
+from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
 from pdmesh.kvstore.transfer.handle import KVHandle
-from pdmesh.kvstore.transfer.receiver import KVReceiver
+from pdmesh.kvstore.transfer.receiver import KVReceiver, Pull
 from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
+from pdmesh.kvstore.transfer.worker_planes import core_backends
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
     Span,
@@ -85,19 +88,23 @@ class _Observed:
 
 @dataclass
 class _Admit:
-    """What a Decode call hands the engine: the request, and its given tokens' logprobs."""
+    """What a Decode call hands the engine: the request, and its given tokens' logprobs;
+    with `pull`, a transfer the engine core pulls itself (the request's `kv_source`)."""
 
     request: EngineRequest
     given_logprobs: list[list[TokenLogprobs | None]] | None = None
+    pull: Pull | None = None
 
 
 def _engine_request(request: engine_pb2.DecodeRequest, params: SamplingParams, *,
                     kv: torch.Tensor | None = None, given_tokens: list[list[int]] | None = None,
-                    num_cached_tokens: int = 0) -> EngineRequest:
+                    num_cached_tokens: int = 0, kv_source: KVSource | None = None
+                    ) -> EngineRequest:
     """The engine request of a Decode call, with the KV or the tokens it brings."""
     return EngineRequest(request.request_id, list(request.prompt_token_ids), params,
                          request.priority, request.cache_salt or None, kv=kv,
-                         given_tokens=given_tokens, num_cached_tokens=num_cached_tokens)
+                         given_tokens=given_tokens, num_cached_tokens=num_cached_tokens,
+                         kv_source=kv_source)
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
@@ -197,7 +204,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             admit = await self._resume(request, params, builder, context)
         else:
             admit = _Admit(_engine_request(request, params))
-        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs)
+        loads: list[LoadResult] = []
+        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs,
+                                  on_kv_load=loads.append)
         last: RequestOutput | None = None
         finished = False
         # Prefilled here: the prompt's logprobs go out before the first delta (DecodeResponse).
@@ -205,6 +214,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         try:
             async for out in outputs:
                 last = out
+                if admit.pull is not None and not admit.pull.ending:
+                    await self._pulled(admit.pull, loads, context, timing, seen)
                 if prompt_k is not None and out.prompt_logprobs is not None:
                     entries = prompt_logprobs_to_proto(out.prompt_logprobs, prompt, prompt_k)
                     prompt_k = None
@@ -239,6 +250,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         finally:
             if not finished:
                 self.engine.abort_nowait(rid)  # cancelled or failed: free its blocks now
+            if admit.pull is not None:
+                self.receiver.abandon(admit.pull, "the decode call ended before its pull")
         yield self._result(prompt, params, remote, last, received, timing,
                            kv_load_fallback=seen.kv_load_fallback)
 
@@ -280,12 +293,16 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                               for d in first]
         for d in first:
             builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
+        capability = (TransferCapability.from_proto(remote.capability)
+                      if remote.HasField("capability") else None)  # the router's grant
+        if handle.is_export:  # the prefill's core lends its blocks: our core pulls them
+            return await self._begin_pull(request, params, remote, handle, first_ids,
+                                          first_logprobs, capability, context, seen)
         started = time.monotonic()
         try:
             kv = await self.receiver.fetch(
                 handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span),
-                capability=(TransferCapability.from_proto(remote.capability)
-                            if remote.HasField("capability") else None),  # the router's grant
+                capability=capability,
             )
         except KVTransferError as exc:
             reason = kv_failure_reason(exc)
@@ -303,6 +320,72 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         return _Admit(_engine_request(request, params, kv=kv, given_tokens=first_ids,
                                       num_cached_tokens=remote.cached_prompt_tokens),
                       first_logprobs)
+
+    async def _begin_pull(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        remote: engine_pb2.RemotePrefill,
+        handle: KVHandle,
+        first_ids: list[list[int]],
+        first_logprobs: list[list[TokenLogprobs | None]] | None,
+        capability: TransferCapability | None,
+        context: grpc.aio.ServicerContext,
+        seen: _Observed,
+    ) -> _Admit:
+        """Start the transfer on the control plane; the engine core pulls the blocks its
+        prefix cache lacks while it admits the request (`_pulled` hears how it went)."""
+        info = self.engine.info
+        deadline = Deadline.after(self.kv_fetch_timeout_s)
+        try:
+            backend = self.receiver.choose_backend(
+                handle, among=core_backends(info.kv_cache_file, info.kv_block_server))
+            pull = await self.receiver.begin(handle, deadline, backend=backend,
+                                             traceparent=span_traceparent(seen.span),
+                                             capability=capability)
+        except KVTransferError as exc:
+            message = (f"KV transfer from {handle.sender_address} failed "
+                       f"({type(exc).__name__}): {exc}")
+            if self.kv_load_failure_policy == "fail":
+                await refuse(context, KV_LOAD_FAILED, message)
+            return self._recompute(request, params, first_ids, first_logprobs,
+                                   kv_failure_reason(exc), message, seen)
+        source = KVSource(backend, pull.params, list(handle.block_checksums),
+                          str(handle.checksum_algo), handle.layout.num_tokens,
+                          info.kv_shape, info.kv_dtype, deadline_s=deadline.remaining())
+        return _Admit(_engine_request(request, params, given_tokens=first_ids,
+                                      num_cached_tokens=remote.cached_prompt_tokens,
+                                      kv_source=source),
+                      first_logprobs, pull)
+
+    async def _pulled(self, pull: Pull, loads: list[LoadResult],
+                      context: grpc.aio.ServicerContext, timing: common_pb2.Timing,
+                      seen: _Observed) -> None:
+        """The core placed the request (its Add answered before this first output): settle
+        the transfer, and count what was pulled and what the prefix cache already had."""
+        result = loads[0] if loads else LoadResult(error="the core reported no pull",
+                                                   reason="error")
+        self.receiver.finish_soon(pull, nbytes=result.nbytes, error=result.error,
+                                  reason=result.reason)
+        timing.kv_transfer_ms = result.seconds * 1e3
+        self.metrics.kv_blocks(pulled=result.pulled_blocks, reused=result.reused_blocks)
+        if seen.span.is_recording():
+            seen.span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
+                                      "pdmesh.kv.bytes": result.nbytes,
+                                      "pdmesh.kv.blocks_pulled": result.pulled_blocks,
+                                      "pdmesh.kv.blocks_reused": result.reused_blocks})
+        if not result.error:
+            self.service.counters.add_received(result.nbytes)
+            return
+        if result.reason == "no_free_blocks":
+            return  # our pool is busy, not the prefill's fault: it recomputes when room frees
+        message = f"KV pull from {pull.handle.sender_address} failed: {result.error}"
+        if self.kv_load_failure_policy == "fail":
+            await refuse(context, KV_LOAD_FAILED, message)
+        seen.kv_load_fallback = result.reason
+        self.metrics.kv_load_fallback(result.reason)
+        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
+                       pull.handle.request_id, result.reason, message)
 
     def _recompute(
         self,

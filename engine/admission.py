@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import torch
 
 from pdmesh.engine.engine_request import EngineRequest
@@ -28,14 +29,19 @@ from pdmesh.engine.request_state import CoreRequest, SampleMaker
 from pdmesh.engine.sampler import skip_one_draw
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
+from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.transfer.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
 
 class Admission:
     def __init__(self, scheduler: Scheduler, kv_manager: KVCacheManager, kv_cache: torch.Tensor,
-                 samples: SampleMaker, commit: OutputCommit, vocab_size: int) -> None:
+                 samples: SampleMaker, commit: OutputCommit, vocab_size: int,
+                 connector: KVConnector | None = None) -> None:
         self.scheduler = scheduler
+        self.connector = connector
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
         self.samples = samples
@@ -46,8 +52,8 @@ class Admission:
         """Make `state`'s samples and queue them. On an error the caller aborts the request,
         which frees whatever it holds by then."""
         given = request.given_tokens
-        if request.kv is not None:
-            self._import(state, request, request.kv)
+        if request.kv is not None or request.kv_source is not None:
+            self._import(state, request)
         elif given is not None:
             for i in range(request.params.n):
                 seq = self._new(request, i)
@@ -78,29 +84,66 @@ class Admission:
         state.seqs.append(seq)
         self.scheduler.add(seq)
 
-    def _import(self, state: CoreRequest, request: EngineRequest, kv: torch.Tensor) -> None:
-        """The prompt's KV computed elsewhere: a running parent holding it, and its forks."""
+    def _import(self, state: CoreRequest, request: EngineRequest) -> None:
+        """The prompt's KV computed elsewhere: a running parent holding it, and its forks.
+
+        A `kv_source` is pulled by this core's connector, only the blocks after this core's
+        own prefix-cache hits; a tensor `kv` (a staged transport) is copied in whole. No room
+        right now, or a pull that fails: the parent waits like a preempted sequence and
+        recomputes the prompt here, instead of failing a request that fits the pool.
+        """
         parent = self._new(request, 0)
         parent.num_cached_tokens = request.num_cached_tokens
         parent.scheduled_once = True  # the prefill instance computed (and counted) the prompt
         state.first_token_time = state.first_scheduled_time = time.monotonic()
         state.seqs.append(parent)
         num_prompt = len(request.prompt_token_ids)
-        if self.kv_manager.allocate_slots(parent, num_prompt):
+        if request.kv_source is not None:
+            state.kv_load = self._pull(parent, request.kv_source, num_prompt)
+            loaded = not state.kv_load.error
+        elif self.kv_manager.allocate_slots(parent, num_prompt):
+            assert request.kv is not None
             block_ids = torch.tensor(self.kv_manager.block_ids(parent.seq_id),
                                      device=self.kv_cache.device)
-            self.kv_cache.index_copy_(2, block_ids, kv.to(self.kv_cache.device,
-                                                           self.kv_cache.dtype))
+            self.kv_cache.index_copy_(2, block_ids, request.kv.to(self.kv_cache.device,
+                                                                   self.kv_cache.dtype))
+            loaded = True
+        else:
+            loaded = False
+        if loaded:
             parent.num_computed_tokens = num_prompt
             self.scheduler.add_running(parent)
         else:
-            # No room right now: wait like a preempted sequence and recompute the prompt here
-            # once blocks free up, instead of failing a request that fits the pool.
-            logger.debug("request_id=%s: no room for %d imported blocks; it waits",
-                         request.request_id, kv.shape[2])
+            logger.debug("request_id=%s: imported KV not placed; it recomputes",
+                         request.request_id)
             self.scheduler.add(parent)
         for i in range(1, request.params.n):
             state.seqs.append(self.samples.fork_or_queue(parent, i))
+
+    def _pull(self, parent: Sequence, source: KVSource, num_prompt: int) -> LoadResult:
+        """Our own prefix hits for the leading blocks, the rest pulled through the connector
+        into fresh blocks that become findable by hash only once their KV checks out."""
+        assert self.connector is not None  # EngineCore.add refuses a kv_source without one
+        started = time.monotonic()
+        hits = self.kv_manager.find_cached_prefix(parent)
+        block_size = self.kv_manager.block_size
+        if not self.kv_manager.allocate_slots(parent, num_prompt - len(hits) * block_size,
+                                              hits, cache=False):
+            return LoadResult(error="no free KV blocks for the prompt right now",
+                              reason="no_free_blocks")
+        dst = self.kv_manager.block_ids(parent.seq_id)[len(hits):]
+        try:
+            source = msgspec.structs.replace(
+                source, deadline_s=source.deadline_s - (time.monotonic() - started))
+            nbytes = self.connector.load(source, len(hits), dst)
+        except (KVTransferError, ValueError) as exc:
+            self.kv_manager.free(parent.seq_id)  # never cached: the blocks go back clean
+            return LoadResult(reused_blocks=len(hits), error=f"{type(exc).__name__}: {exc}",
+                              reason=_failure_reason(exc),
+                              seconds=time.monotonic() - started)
+        self.kv_manager.cache_full_blocks(parent, num_prompt)
+        return LoadResult(reused_blocks=len(hits), pulled_blocks=len(dst), nbytes=nbytes,
+                          seconds=time.monotonic() - started)
 
     def _replay(self, seq: Sequence, given: list[int]) -> None:
         """Commit tokens produced elsewhere as this sample's output (not reported back)."""
@@ -113,3 +156,10 @@ class Admission:
                                  f"at position {j - 1}")
             self.commit.append_token(seq, int(token_id), None, replay=True)
         seq.num_emitted = seq.num_output_tokens
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The label a failed pull is counted under (the staged receiver's vocabulary)."""
+    from pdmesh.kvstore.transfer.receiver import failure_outcome
+
+    return failure_outcome(exc) if isinstance(exc, KVTransferError) else "invalid_source"

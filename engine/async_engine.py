@@ -23,9 +23,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from pdmesh.engine.config import EngineConfig
@@ -37,6 +38,7 @@ from pdmesh.engine.core_protocol import (
     Batch,
     Call,
     Command,
+    ExportKV,
     Failed,
     KVSnapshot,
     ReadKV,
@@ -63,6 +65,9 @@ from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.startup import eos_token_ids
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.connector import ExportInfo
+from pdmesh.kvstore.connector.source import LoadResult
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 
@@ -157,7 +162,8 @@ class AsyncEngine:
 
     @classmethod
     async def spawn(cls, config: EngineConfig, *, name: str = "engine",
-                    log_level: str = "WARNING") -> AsyncEngine:
+                    log_level: str = "WARNING",
+                    connector: KVConnectorConfig | None = None) -> AsyncEngine:
         """The core in a process of its own; returns once its model is loaded."""
         link = ProcessCoreLink.launch()  # imports torch while the tokenizer loads here
         try:
@@ -174,7 +180,8 @@ class AsyncEngine:
         def on_dead(reason: str) -> None:
             holder[0]._on_dead(reason)
 
-        await link.boot(config, eos, on_reply, on_dead, log_level=log_level)
+        await link.boot(config, eos, on_reply, on_dead, log_level=log_level,
+                        connector=connector)
         engine = cls(None, name=name, _link=link, _tokenizer=tokenizer, _eos=eos,
                      _stream_interval=config.stream_interval)
         holder.append(engine)
@@ -262,17 +269,20 @@ class AsyncEngine:
         *,
         prompt_text: str | None = None,
         given_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        on_kv_load: Callable[[LoadResult], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The one way in: queue a request (a prompt, imported KV, tokens produced elsewhere:
         engine/engine_request.py) and yield cumulative outputs until one has `finished`.
         Outputs carry its given tokens too, with `given_logprobs` if any. `KVCacheFullError`
-        and validation errors surface from the first iteration, before any output."""
+        and validation errors surface from the first iteration, before any output. A request
+        with a `kv_source` calls `on_kv_load` with what the core's pull did, before its first
+        output."""
         given, n = request.given_tokens, request.params.n
         if given is not None and len(given) != n:
             given = given_logprobs = None  # the core refuses the request
         elif given is not None and given_logprobs is not None:
             check_given_logprobs(given, given_logprobs, n)
-        async for out in self._stream(request, prompt_text, given, given_logprobs):
+        async for out in self._stream(request, prompt_text, given, given_logprobs, on_kv_load):
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -288,6 +298,12 @@ class AsyncEngine:
     async def read_kv(self, request_id: str) -> torch.Tensor:
         """A copy of an exported request's KV blocks."""
         return await self._call(ReadKV(request_id))  # type: ignore[no-any-return]
+
+    async def export_kv(self, request_id: str) -> ExportInfo:
+        """Lend an exported request's blocks to the core's KV connector (peers pull them
+        straight from its cache until `release_kv`); their per-block checksums."""
+        value = await self._call(ExportKV(request_id))
+        return value if isinstance(value, ExportInfo) else msgspec.convert(value, ExportInfo)
 
     async def release_kv(self, request_id: str) -> bool:
         return bool(await self._call(ReleaseKV(request_id)))
@@ -342,6 +358,7 @@ class AsyncEngine:
     async def _stream(
         self, request: EngineRequest, prompt: str | None, given: list[list[int]] | None,
         given_logprobs: list[list[TokenLogprobs | None]] | None,
+        on_kv_load: Callable[[LoadResult], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request_id, params = request.request_id, request.params
         if request_id in self._streams:
@@ -357,7 +374,7 @@ class AsyncEngine:
                                              params, export_kv=request.export_kv, given=given,
                                              given_logprobs=given_logprobs)
         try:
-            await self._call(Add.of(request), request.kv)
+            loaded = await self._call(Add.of(request), request.kv)
         except asyncio.CancelledError:
             # Cancelled while the core may be adding it: nobody will consume it, so drop it.
             if self._streams.get(request_id) is stream:
@@ -369,6 +386,9 @@ class AsyncEngine:
                 self.liveness.unprefilled.pop(request_id, None)
                 self.processor.abort(request_id)
             raise
+        if loaded is not None and on_kv_load is not None:
+            on_kv_load(loaded if isinstance(loaded, LoadResult)
+                       else msgspec.convert(loaded, LoadResult))
         if stopped:
             self._send(StopSequences(request_id, stopped))
         finished = False

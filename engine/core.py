@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import torch
 
 from pdmesh.engine.admission import Admission
@@ -49,13 +50,18 @@ from pdmesh.engine.startup import core_info, set_up_engine
 from pdmesh.engine.step_sampling import StepSampler
 from pdmesh.engine.structured_output import StructuredOutput
 from pdmesh.kernels.backend_selection import get_attention_backend
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: Collection[int],
+                 connector: KVConnectorConfig | None = None) -> None:
+        """`connector`: lend and pull KV blocks from this core (the engine services' roles);
+        None for an engine that only generates (offline `LLM`)."""
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
-        setup = set_up_engine(config)
+        setup = set_up_engine(config, connector)
         self.model_dir, self.device, self.dtype = setup.model_dir, setup.device, setup.dtype
         self.model, self.model_config, self.hf_config = (
             setup.model, setup.model_config, setup.hf_config)
@@ -85,13 +91,20 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
         )
         self.requests: dict[str, CoreRequest] = {}
+        # Exports lent to the KV connector (`export_kv`), out of `requests`: pinned until
+        # `release_kv`, while the id is free again (a colocated instance decodes it next).
+        self.lent: dict[str, CoreRequest] = {}
         samples = SampleMaker(self.scheduler, self.kv_manager, self.runner.copy_blocks,
                               self._grammar_matcher, self.device)
         self.commit = OutputCommit(self.requests, self.scheduler, self.kv_manager, samples,
                                    self.eos_token_ids, self.max_model_len)
         self.scheduler.on_preempt = self.commit.on_preempt
+        self.connector: KVConnector | None = None
+        if connector is not None:
+            self.connector = KVConnector(connector, self.kv_cache, setup.cache_file)
+            self.connector.start()
         self.admission = Admission(self.scheduler, self.kv_manager, self.kv_cache, samples,
-                                   self.commit, self.model_config.vocab_size)
+                                   self.commit, self.model_config.vocab_size, self.connector)
         self._pending_outputs: set[str] = set()  # changed outside step() (commands)
         self._grammar_compiler: GrammarCompiler | None = None  # built on first structured output
         self._in_flight: InFlightStep | None = None  # async scheduling: a step not landed yet
@@ -99,6 +112,10 @@ class EngineCore:
         self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
         self.scheduled_tokens = 0
         self._info = core_info(setup, config.block_size)
+        if self.connector is not None:
+            self._info = msgspec.structs.replace(
+                self._info, kv_cache_file=self.connector.cache_file_name,
+                kv_block_server=self.connector.block_server_address)
 
     def info(self) -> CoreInfo:
         return self._info
@@ -123,6 +140,13 @@ class EngineCore:
         check_request(request, self.model_config.vocab_size, self.max_model_len)
         if request.kv is not None:
             self._check_kv_shape(len(request.prompt_token_ids), request.kv)
+        if request.kv_source is not None:
+            if self.connector is None:
+                raise ValueError("kv_source: this engine has no KV connector")
+            self.connector.check_source(request.kv_source)
+            if request.kv_source.num_tokens != len(request.prompt_token_ids):
+                raise ValueError(f"kv_source: covers {request.kv_source.num_tokens} tokens, "
+                                 f"the prompt has {len(request.prompt_token_ids)}")
         if not request.export_kv:  # an export only ever holds its prompt, which is bounded
             self.check_kv_capacity(len(request.prompt_token_ids), request.params)
         state = CoreRequest(request.request_id, list(request.prompt_token_ids), request.params,
@@ -145,11 +169,13 @@ class EngineCore:
             raise ValueError(f"kv: shape {tuple(kv.shape)} does not match {expected}")
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; every block it holds is returned."""
+        """Stop a request wherever it is; every block it holds is returned (a lent export's
+        too: its lease is then over)."""
+        released = self.release_kv(request_id) if request_id in self.lent else False
         state = self.requests.pop(request_id, None)
         self._pending_outputs.discard(request_id)
         if state is None:
-            return False
+            return released
         seqs = list(state.seqs)  # and any sample scheduled but not recorded in it yet
         scheduled = (*self.scheduler.running, *self.scheduler.waiting)
         seqs += [s for s in scheduled if s.request_id == request_id and s not in seqs]
@@ -158,6 +184,8 @@ class EngineCore:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             elif seq.status is SequenceStatus.FINISHED_EXPORTED:
                 self.kv_manager.free(seq.seq_id)
+        if self.connector is not None:
+            self.connector.release(request_id)
         return True
 
     def stop_sequences(self, request_id: str, indices: Seq[int]) -> None:
@@ -214,6 +242,9 @@ class EngineCore:
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
             self._grammar_compiler = None
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
 
     # -- KV export (the prefill role) -----------------------------------------------------------
     def read_kv(self, request_id: str) -> torch.Tensor:
@@ -224,12 +255,28 @@ class EngineCore:
         ids = torch.tensor(state.kv_export.block_ids, device=self.device)
         return self.kv_cache.index_select(2, ids)
 
-    def release_kv(self, request_id: str) -> bool:
-        """Free an exported request's pinned blocks (they stay in the prefix cache)."""
+    def export_kv(self, request_id: str) -> ExportInfo:
+        """Lend an exported request's blocks to the KV connector: peers pull them straight
+        from the cache until `release_kv`. The answer carries one checksum per block."""
         state = self.requests.get(request_id)
         if state is None or state.kv_export is None:
-            return False
-        self.requests.pop(request_id)
+            raise KeyError(f"request {request_id!r} has no exported KV")
+        if self.connector is None:
+            raise ValueError("export_kv: this engine has no KV connector")
+        self.lent[request_id] = self.requests.pop(request_id)
+        return self.connector.export(request_id, list(state.kv_export.block_ids),
+                                     state.kv_export.num_tokens)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free an exported request's pinned blocks (they stay in the prefix cache)."""
+        state = self.lent.pop(request_id, None)
+        if state is None:
+            state = self.requests.get(request_id)
+            if state is None or state.kv_export is None:
+                return False
+            self.requests.pop(request_id)
+        if self.connector is not None:
+            self.connector.release(request_id)
         self.kv_manager.free(state.seqs[0].seq_id)
         return True
 
@@ -262,7 +309,8 @@ class EngineCore:
 
     def _check_progress(self) -> None:
         """Nothing was scheduled and nothing is in flight: only pinned KV may hold it up."""
-        pinned = any(s.kv_export is not None for s in self.requests.values())
+        pinned = bool(self.lent) or any(s.kv_export is not None
+                                        for s in self.requests.values())
         if self.scheduler.num_unfinished and not self.scheduler.running and not pinned:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
 
@@ -284,7 +332,7 @@ class EngineCore:
 
     def load(self) -> EngineLoadSnapshot:
         pinned = sum(
-            len(s.kv_export.block_ids) for s in self.requests.values()
+            len(s.kv_export.block_ids) for s in (*self.requests.values(), *self.lent.values())
             if s.kv_export is not None
         )
         stats = self.kv_manager.stats

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Collection
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import msgspec
 import torch
@@ -46,6 +46,7 @@ from pdmesh.engine.core_protocol import (
 )
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.cpu_threads import core_environment
+from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.leftovers import pid_namespace, sweep
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class ProcessCoreLink:
 
     def __init__(self) -> None:
         self.info: CoreInfo | None = None
+        self._connector: KVConnectorConfig | None = None
         self._loop = asyncio.get_running_loop()
         if swept := sweep_core_dirs():
             logger.info("removed %d engine core socket dirs of dead processes", swept)
@@ -167,11 +169,12 @@ class ProcessCoreLink:
 
     async def boot(self, config: EngineConfig, eos_token_ids: set[int], on_reply: OnReply,
                    on_dead: OnDead, *, log_level: str = "WARNING",
-                   timeout_s: float = 1800.0) -> None:
+                   timeout_s: float = 1800.0,
+                   connector: KVConnectorConfig | None = None) -> None:
         """Until the core has loaded the model and is Ready (or failed: RuntimeError, and the
         process is gone)."""
         try:
-            await self._boot(config, eos_token_ids, log_level, timeout_s)
+            await self._boot(config, eos_token_ids, log_level, timeout_s, connector)
         except BaseException:
             await self.abandon()
             raise
@@ -189,9 +192,13 @@ class ProcessCoreLink:
         return self._proc.pid if self._proc is not None else None
 
     async def _boot(self, config: EngineConfig, eos: set[int], log_level: str,
-                    timeout_s: float) -> None:
+                    timeout_s: float, connector: KVConnectorConfig | None) -> None:
         assert self._proc is not None, "launch() first"
-        boot = {"config": asdict(config), "eos_token_ids": sorted(eos), "log_level": log_level}
+        if connector is not None:  # its cache file is named after us (see cache_file.py)
+            connector = replace(connector, owner_pid=os.getpid())
+        self._connector = connector
+        boot = {"config": asdict(config), "eos_token_ids": sorted(eos), "log_level": log_level,
+                "connector": asdict(connector) if connector is not None else None}
         self._push.send(msgspec.json.encode(boot))
         deadline = self._loop.time() + timeout_s
         while True:
@@ -282,6 +289,10 @@ class ProcessCoreLink:
             self._ctx.destroy(linger=0)  # closes the sockets first: term() never blocks
             self._actx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._connector is not None and self.info is not None and self.info.kv_cache_file:
+            with contextlib.suppress(FileNotFoundError):  # a killed core's shared cache
+                os.unlink(os.path.join(os.path.realpath(self._connector.shm_dir),
+                                       self.info.kv_cache_file))
 
     def kill(self) -> None:
         """Tests and emergencies: the core dies at once (the link reports it as dead)."""

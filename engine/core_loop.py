@@ -32,6 +32,7 @@ from pdmesh.engine.core_protocol import (
     Add,
     Batch,
     Call,
+    ExportKV,
     Failed,
     KVSnapshot,
     ReadKV,
@@ -89,7 +90,9 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
     """Apply one command to the core; its result (a bool, a tensor, KV events or None)."""
     cmd = call.command
     if isinstance(cmd, Add):
-        core.add(cmd.request(tensor))
+        return core.add(cmd.request(tensor)).kv_load  # what a pull did, if it pulled
+    elif isinstance(cmd, ExportKV):
+        return core.export_kv(cmd.request_id)
     elif isinstance(cmd, Abort):
         return core.abort_request(cmd.request_id)
     elif isinstance(cmd, StopSequences):

@@ -40,6 +40,7 @@ from pdmesh.engine.core_protocol import (
 from pdmesh.engine.core_types import EngineLoadSnapshot
 from pdmesh.engine.cpu_threads import core_threads, usable_cpus
 from pdmesh.gc_heap import freeze_startup_heap
+from pdmesh.kvstore.connector.config import KVConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Boot(msgspec.Struct):
     config: dict[str, Any]
     eos_token_ids: list[int]
     log_level: str = "WARNING"
+    connector: dict[str, Any] | None = None  # KVConnectorConfig: the engine services' cores
 
 
 def engine_config_from(raw: dict[str, Any]) -> EngineConfig:
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         threads = core_threads(config.cpu_threads, config.torch_device().type, usable_cpus())
         config = replace(config, cpu_threads=threads)
         logger.info("engine core: %s torch threads", threads or torch.get_num_threads())
-        core = EngineCore(config, boot.eos_token_ids)
+        connector = (None if boot.connector is None
+                     else msgspec.convert(boot.connector, KVConnectorConfig))
+        core = EngineCore(config, boot.eos_token_ids, connector)
     except Exception as exc:
         logger.exception("engine core failed to start")
         transport.send(Failed([], f"engine core failed to start: {exc}", EngineLoadSnapshot()))

@@ -16,6 +16,7 @@ from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.source import KVSource
 
 # -- commands (serving process -> core) ------------------------------------------------------
 
@@ -31,6 +32,7 @@ class Add(msgspec.Struct, tag=True):
     export_kv: bool = False
     given_tokens: list[list[int]] | None = None
     num_cached_tokens: int = 0
+    kv_source: KVSource | None = None
 
     @classmethod
     def of(cls, request: EngineRequest) -> Add:
@@ -56,6 +58,13 @@ class ReadKV(msgspec.Struct, tag=True):
     request_id: str
 
 
+class ExportKV(msgspec.Struct, tag=True):
+    """Lend an exported request's blocks to the core's KV connector; the answer is its
+    per-block checksums (`kvstore.connector.connector.ExportInfo`)."""
+
+    request_id: str
+
+
 class ReleaseKV(msgspec.Struct, tag=True):
     request_id: str
 
@@ -75,8 +84,8 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Command = (Add | Abort | StopSequences | ReadKV | ReleaseKV | KVSnapshot | SetGrammarVocabulary
-           | Shutdown)
+Command = (Add | Abort | StopSequences | ReadKV | ExportKV | ReleaseKV | KVSnapshot
+           | SetGrammarVocabulary | Shutdown)
 
 
 class Call(msgspec.Struct):

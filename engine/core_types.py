@@ -97,3 +97,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     capacity_summary: str
     torch_threads: int
     """The core's intra-op threads (engine/cpu_threads.py)."""
+    kv_cache_file: str = ""
+    """The shm file holding a CPU cache that peer cores on this host copy blocks out of
+    (its name in the connector's shm directory); empty when the cache is not shared."""
+    kv_block_server: str = ""
+    """host:port of the core's block server (cross-host pulls); empty when off."""

@@ -27,6 +27,7 @@ import torch
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.request_rules import kv_capacity_shortfall
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.source import KVSource
 
 
 class KVCacheFullError(RuntimeError):
@@ -54,12 +55,20 @@ class EngineRequest:
     """Per sample, its output tokens produced elsewhere (possibly none); with `kv`, exactly
     its first token."""
     num_cached_tokens: int = 0
-    """With `kv`: prompt tokens the prefill found in its prefix cache (reported as they are)."""
+    """With `kv` or `kv_source`: prompt tokens the prefill found in its prefix cache
+    (reported as they are)."""
+    kv_source: KVSource | None = None
+    """Decode role: where this core pulls the prompt's KV from itself (its KV connector:
+    only the blocks its own prefix cache lacks). A pull that fails recomputes the prompt."""
+
+    @property
+    def imports_kv(self) -> bool:
+        return self.kv is not None or self.kv_source is not None
 
     @property
     def num_prefill_tokens(self) -> int:
         """Tokens computed here before the first output (imported KV: none)."""
-        if self.kv is not None:
+        if self.imports_kv:
             return 0
         return len(self.prompt_token_ids) + sum(map(len, self.given_tokens or ()))
 
@@ -85,7 +94,9 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_
 def check_request(request: EngineRequest, vocab_size: int, max_model_len: int) -> None:
     """ValueError for a request no engine with these figures could run as sent."""
     check_prompt(request.prompt_token_ids, request.params, vocab_size, max_model_len)
-    imported, given = request.kv is not None, request.given_tokens
+    imported, given = request.imports_kv, request.given_tokens
+    if request.kv is not None and request.kv_source is not None:
+        raise ValueError("kv_source: a request brings its KV or where to pull it, not both")
     if request.export_kv and (imported or given is not None):
         raise ValueError("export_kv: a request that brings KV or given tokens is not exported")
     if imported and given is None:

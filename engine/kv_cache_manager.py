@@ -95,11 +95,14 @@ class KVCacheManager:
 
     # -- allocation --------------------------------------------------------------------------
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[KVBlock] | None = None
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[KVBlock] | None = None,
+        *, cache: bool = True,
     ) -> bool:
         """Ensure `seq` has blocks for its computed tokens + `num_new_tokens`; False if full.
 
-        `cached_blocks` are prefix-cache hits for a sequence that has no blocks yet.
+        `cached_blocks` are prefix-cache hits for a sequence that has no blocks yet. With
+        `cache=False` the new full blocks are not findable by hash until `cache_full_blocks`:
+        blocks whose KV is still being pulled from a peer must not serve prefix hits.
         """
         cached_blocks = cached_blocks or []
         blocks = self._blocks.setdefault(seq.seq_id, [])
@@ -116,8 +119,13 @@ class KVCacheManager:
         blocks += cached_blocks
         if num_new_blocks > 0:
             blocks += self.pool.allocate(num_new_blocks)
-        self._cache_full_blocks(seq, num_computed + num_new_tokens)
+        if cache:
+            self._cache_full_blocks(seq, num_computed + num_new_tokens)
         return True
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Make `seq`'s full blocks up to `num_tokens` findable by their hashes."""
+        self._cache_full_blocks(seq, num_tokens)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.enable_prefix_caching:

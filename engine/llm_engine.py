@@ -23,6 +23,7 @@ from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.request_state import CoreRequest
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.startup import eos_token_ids
+from pdmesh.kvstore.connector.config import KVConnectorConfig
 
 __all__ = ["EngineRequest", "KVCacheFullError", "LLMEngine", "load_tokenizer", "tokenize_prompt"]
 
@@ -46,12 +47,13 @@ def tokenize_prompt(tokenizer: Any, prompt: str | dict) -> tuple[str | None, lis
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, connector: KVConnectorConfig | None = None
+                 ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.model_dir = resolve_model(config.model, config.load_format)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_dir)
-        self.core = EngineCore(config, self.eos_token_ids)
+        self.core = EngineCore(config, self.eos_token_ids, connector)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                          config.stream_interval)
 

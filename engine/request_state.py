@@ -11,6 +11,7 @@ generator starts from `child_seed(seed, i)`: samples differ, and each replays ex
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pdmesh.engine.sampler import make_generator
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence
+from pdmesh.kvstore.connector.source import LoadResult
 
 if TYPE_CHECKING:
     from pdmesh.engine.grammar import GrammarMatcher
@@ -42,6 +44,7 @@ class CoreRequest:
     prompt_logprobs_sent: bool = False
     export_kv: bool = False
     kv_export: KVExportInfo | None = None
+    kv_load: LoadResult | None = None  # a pull of the prompt's KV by this core's connector
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -74,13 +77,16 @@ class SampleMaker:
         self.copy_blocks = copy_blocks
         self.grammar_matcher = grammar_matcher
         self.device = device
+        self._serial = itertools.count()
 
     def new(self, request_id: str, index: int, token_ids: list[int], num_prompt: int,
             params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
             ) -> Sequence:
         """Sample `index`: its own generator, logprob list and grammar matcher."""
         seq = Sequence(
-            seq_id=f"{request_id}#{index}",
+            # Unique in the core: a colocated instance decodes an id whose export it still
+            # lends (EngineCore.lent), and blocks are kept by sequence id.
+            seq_id=f"{request_id}#{index}#{next(self._serial)}",
             request_id=request_id,
             index=index,
             token_ids=token_ids,

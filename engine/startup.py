@@ -27,6 +27,8 @@ from pdmesh.engine.memory import lazy_zeros
 from pdmesh.engine.model_loader import load_hf_config, load_model
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.kvstore.connector.cache_file import SharedCache, shared_zeros
+from pdmesh.kvstore.connector.config import KVConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +47,18 @@ class EngineSetup:
     kv_cache: torch.Tensor
     max_model_len: int
     capacity_summary: str
+    cache_file: SharedCache | None = None
 
     @property
     def num_blocks(self) -> int:
         return int(self.kv_cache.shape[2])
 
 
-def set_up_engine(config: EngineConfig) -> EngineSetup:
+def set_up_engine(config: EngineConfig,
+                  connector: KVConnectorConfig | None = None) -> EngineSetup:
     """Load the model and allocate its KV cache (ValueError when the budget does not hold
-    two blocks or the asked max_model_len)."""
+    two blocks or the asked max_model_len). With a KV connector that shares the cache, a CPU
+    cache lives in a shm file that peer cores on the host copy blocks out of."""
     model_dir = resolve_model(config.model, config.load_format)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
@@ -69,10 +74,13 @@ def set_up_engine(config: EngineConfig) -> EngineSetup:
                         root_seed=config.hash_root_seed)
     num_blocks = num_kv_blocks(config, model_config, dtype, device)
     mc = model_config
-    kv_cache = lazy_zeros(  # host pages committed as blocks are first used
-        (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim),
-        dtype=dtype, device=device,
-    )
+    shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+    cache_file = None
+    if connector is not None and connector.shared_cache and device.type == "cpu":
+        cache_file = shared_zeros(shape, dtype, connector.shm_dir, connector.owner_pid)
+        kv_cache = cache_file.tensor
+    else:
+        kv_cache = lazy_zeros(shape, dtype=dtype, device=device)  # pages committed on use
     capacity = num_blocks * config.block_size
     max_model_len = resolve_max_model_len(config.max_model_len, max_positions, capacity)
     summary = (
@@ -82,7 +90,7 @@ def set_up_engine(config: EngineConfig) -> EngineSetup:
     )
     logger.info(summary)
     return EngineSetup(model_dir, device, dtype, model, model_config, hf_config, scheme,
-                       kv_cache, max_model_len, summary)
+                       kv_cache, max_model_len, summary, cache_file)
 
 
 def model_max_positions(model_dir: Path, wanted: int | None) -> int:

@@ -36,6 +36,9 @@ from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME, ClusterPresence, Pr
 from pdmesh.engine_svc.service import EngineService, Role
 from pdmesh.gc_heap import freeze_startup_heap
 from pdmesh.grpc_common import GrpcServer, install_shutdown_signals
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.grant_mac import new_key
+from pdmesh.kvstore.connector.source import WORKER_BACKENDS
 from pdmesh.kvstore.instance_registry import (
     InstanceInfo,
     SchemeMismatchError,
@@ -130,7 +133,22 @@ def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
     return tuple(b for b in config.kv_backends(preferred) if b in usable)
 
 
-async def start_engine(config: EngineServiceConfig, role: Role) -> AsyncEngine:
+def connector_config(config: EngineServiceConfig,
+                     backends: tuple[str, ...]) -> KVConnectorConfig | None:
+    """How the engine core moves KV itself: its share of `backends` (shm: a cache file peer
+    cores copy from; tcp: a block server), on the service's host and TLS files, with a fresh
+    key the KV sender signs granted pulls with. None when only staged transports remain."""
+    own = [b for b in backends if b in WORKER_BACKENDS]
+    if not own:
+        return None
+    return KVConnectorConfig(
+        shared_cache="shm" in own, tcp="tcp" in own, tcp_host=config.host,
+        tcp_advertise_host=config.public_host, tls_cert=config.tls_cert or "",
+        tls_key=config.tls_key or "", tls_ca=config.tls_ca or "", grant_secret=new_key())
+
+
+async def start_engine(config: EngineServiceConfig, role: Role,
+                       connector: KVConnectorConfig | None = None) -> AsyncEngine:
     """The engine core in its own process (the default), or on a thread of this one."""
     engine_config = config.engine
     if engine_config.engine_core_process:
@@ -138,8 +156,8 @@ async def start_engine(config: EngineServiceConfig, role: Role) -> AsyncEngine:
         # start a spinning thread per core beside the core's (engine/cpu_threads.py).
         torch.set_num_threads(1)
         return await AsyncEngine.spawn(engine_config, name=f"{role}-engine",
-                                       log_level=config.log_level)
-    llm_engine = await asyncio.to_thread(LLMEngine, engine_config)
+                                       log_level=config.log_level, connector=connector)
+    llm_engine = await asyncio.to_thread(LLMEngine, engine_config, connector)
     return AsyncEngine(llm_engine, name=f"{role}-engine")
 
 
@@ -150,15 +168,15 @@ async def serve(
     stop = asyncio.Event()
     install_shutdown_signals(stop, config.drain_timeout_s)
     started = time.monotonic()
-    engine = await start_engine(config, role)
     backends = _kv_backends(config, role)
     if not backends:
         logger.error("no usable KV backend among %s",
                      config.kv_backends(SENDER_BACKENDS if role == "prefill"
                                         else RECEIVER_BACKENDS))
-        await engine.shutdown()
         return 2
-    service = EngineService(config, role, engine, kv_backends=backends)
+    connector = connector_config(config, backends)
+    engine = await start_engine(config, role, connector)
+    service = EngineService(config, role, engine, kv_backends=backends, connector=connector)
     metrics = engine_metrics(role, model_name=config.model_name)
     role_parts = [make(service, metrics) for make in parts]
     grpc_server = GrpcServer(

@@ -13,6 +13,7 @@ from typing import Literal
 from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.watchdog import CoreWatchdog
+from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.instance_registry import new_instance_id
 from pdmesh.metrics import EngineState
 from pdmesh.v1 import engine_pb2
@@ -57,8 +58,10 @@ class EngineService:
         *,
         instance_id: str | None = None,
         kv_backends: tuple[str, ...] = (),
+        connector: KVConnectorConfig | None = None,
     ) -> None:
         self.config = config
+        self.connector = connector  # how the engine core moves KV itself (None: staged only)
         self.role = role
         self.engine = engine
         self.instance_id = instance_id or new_instance_id(role)

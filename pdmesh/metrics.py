@@ -139,11 +139,18 @@ class EngineMetrics:
     generation_tokens: Counter
     kv_load_fallbacks: Counter
     itl: Histogram
+    kv_blocks_loaded: Counter
 
     def kv_load_fallback(self, reason: str) -> None:
         """A KV pull failed and this instance prefilled the prompt itself (`reason`: the
         transfer failure's label, e.g. timeout, expired, checksum, sender_unavailable)."""
         self.kv_load_fallbacks.labels(self.model_name, self.role, reason).inc()
+
+    def kv_blocks(self, *, pulled: int, reused: int) -> None:
+        """A prompt's KV placed by this instance's core: blocks pulled from the prefill
+        instance, and leading blocks its own prefix cache already held (not moved)."""
+        self.kv_blocks_loaded.labels(self.model_name, self.role, "pulled").inc(pulled)
+        self.kv_blocks_loaded.labels(self.model_name, self.role, "reused").inc(reused)
 
     def inter_token(self, gap_s: float) -> None:
         """One output delta `gap_s` after the request's previous one (vLLM's ITL)."""
@@ -201,6 +208,10 @@ def _build_engine(r: CollectorRegistry, role: str, model_name: str) -> EngineMet
         itl=Histogram(metric_name("inter_token_latency_seconds"),
                       "Time between two consecutive output deltas of one request",
                       labels, buckets=TOKEN_LATENCY_BUCKETS_S, registry=r),
+        kv_blocks_loaded=Counter(metric_name("kv_blocks_loaded"),
+                                 "Prompt KV blocks of remote prefills placed here: pulled from "
+                                 "the prefill instance, or reused from this prefix cache",
+                                 [*labels, "source"], registry=r),
     )
 
 

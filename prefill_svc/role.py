@@ -8,6 +8,7 @@ import grpc
 from pdmesh.engine_svc.process import SENDER_BACKENDS
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
+from pdmesh.kvstore.transfer.worker_planes import CoreCache
 from pdmesh.metrics import EngineMetrics
 from pdmesh.prefill_svc.servicer import PrefillServicer
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -34,6 +35,7 @@ class PrefillPart:
             on_release=self.servicer.on_release,
             tls=config.tls,
             token=config.cluster_token,
+            core=core_cache(service),
         )
 
     @property
@@ -50,3 +52,12 @@ class PrefillPart:
 
     async def stop(self) -> None:
         await self.sender.stop()  # releases every lease; on_release frees pinned blocks
+
+
+def core_cache(service: EngineService) -> CoreCache | None:
+    """What the KV sender tells receivers about the engine core's own transports."""
+    if service.connector is None:
+        return None
+    info = service.engine.info
+    return CoreCache(info.kv_cache_file, info.num_total_blocks, info.kv_block_server,
+                     service.connector.grant_secret)

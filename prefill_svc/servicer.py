@@ -22,14 +22,17 @@ from dataclasses import dataclass, replace
 import grpc
 
 from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.llm_engine import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.stopping import first_token_finish
 from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
 from pdmesh.engine_svc.service import EngineService
+from pdmesh.kvstore.transfer.checksum import parse_algo
 from pdmesh.kvstore.transfer.errors import KVTransferError
 from pdmesh.kvstore.transfer.handle import log_id
+from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME, KVLayout
 from pdmesh.kvstore.transfer.sender import KVSender
 from pdmesh.kvstore.transfer.state import ReleaseReason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
@@ -197,11 +200,21 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     async def _publish(self, rid: str, out: RequestOutput) -> kv_transfer_pb2.KVHandle:
         if self.sender is None:
             raise EngineError("this instance has no KV sender")
-        assert out.kv_export is not None
-        kv = await self.engine.read_kv(rid)
-        handle = await asyncio.to_thread(self.sender.publish, rid, kv, out.kv_export.num_tokens)
+        export = out.kv_export
+        assert export is not None
+        if self.sender.core is not None:  # the core lends its blocks: no KV byte comes here
+            info = await self.engine.export_kv(rid)
+            layout = export_layout(self.engine.info, len(export.block_ids), export.num_tokens)
+            handle = self.sender.publish_export(rid, layout, list(export.block_ids),
+                                                info.block_checksums,
+                                                parse_algo(info.checksum_algo))
+            nbytes = layout.nbytes
+        else:  # a staged transport (ucxx, torch_dist): the KV comes here as one tensor
+            kv = await self.engine.read_kv(rid)
+            handle = await asyncio.to_thread(self.sender.publish, rid, kv, export.num_tokens)
+            nbytes = kv.numel() * kv.element_size()
         with self._lock:
-            self._published[rid] = _Published(handle.transfer_id, kv.numel() * kv.element_size())
+            self._published[rid] = _Published(handle.transfer_id, nbytes)
         return handle.to_proto()
 
     def _response(
@@ -263,3 +276,10 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineInfo:
         return self.service.info()
+
+
+def export_layout(info: CoreInfo, num_blocks: int, num_tokens: int) -> KVLayout:
+    """The layout of an export of `num_blocks` from a core with these fixed facts."""
+    layers, block_size, heads, head_dim = info.kv_shape
+    return KVLayout(layers, num_blocks, block_size, heads, head_dim,
+                    DTYPES_BY_NAME[info.kv_dtype], num_tokens)

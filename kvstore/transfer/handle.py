@@ -39,6 +39,12 @@ class KVHandle:
     layout: KVLayout
     checksum_algo: ChecksumAlgo
     checksum: int
+    block_checksums: tuple[int, ...] = ()
+    """An export lent by the sender's core (worker transports): one checksum per block."""
+
+    @property
+    def is_export(self) -> bool:
+        return bool(self.block_checksums)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +72,13 @@ class KVHandle:
         parse_algo(str(self.checksum_algo))
         if not isinstance(self.checksum, int) or not 0 <= self.checksum < 1 << 64:
             raise KVHandleError(f"checksum must be an unsigned 64-bit int, got {self.checksum!r}")
+        if self.block_checksums:
+            if len(self.block_checksums) != self.layout.num_blocks:
+                raise KVHandleError(f"{len(self.block_checksums)} block checksums for "
+                                    f"{self.layout.num_blocks} blocks")
+            if any(not isinstance(c, int) or not 0 <= c < 1 << 64
+                   for c in self.block_checksums):
+                raise KVHandleError("block checksums must be unsigned 64-bit ints")
 
     # -- proto -------------------------------------------------------------------------------
 
@@ -89,6 +102,7 @@ class KVHandle:
             ),
             checksum_algo=str(self.checksum_algo),
             checksum=self.checksum,
+            block_checksums=list(self.block_checksums),
         )
 
     @classmethod
@@ -115,6 +129,7 @@ class KVHandle:
             layout=layout,
             checksum_algo=parse_algo(msg.checksum_algo),
             checksum=msg.checksum,
+            block_checksums=tuple(msg.block_checksums),
         )
 
     # -- dict (JSON-safe) --------------------------------------------------------------------
@@ -140,6 +155,7 @@ class KVHandle:
             "checksum_algo": str(self.checksum_algo),
             # A string: JSON numbers above 2**53 lose precision in many parsers.
             "checksum": f"{self.checksum:016x}",
+            "block_checksums": [f"{c:016x}" for c in self.block_checksums],
         }
 
     @classmethod
@@ -171,6 +187,8 @@ class KVHandle:
                 layout=layout,
                 checksum_algo=parse_algo(_str(data["checksum_algo"])),
                 checksum=int(_str(data["checksum"]), 16),
+                block_checksums=tuple(int(_str(c), 16)
+                                      for c in data.get("block_checksums", ())),
             )
         except KeyError as exc:
             raise KVHandleError(f"handle misses field {exc}") from None

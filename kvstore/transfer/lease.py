@@ -96,7 +96,9 @@ class LeaseTable:
 
     # -- publishing and lease ----------------------------------------------------------------
 
-    def add(self, handle: KVHandle, kv: torch.Tensor, header: bytes, lease_s: float) -> None:
+    def add(self, handle: KVHandle, kv: torch.Tensor | None, header: bytes, lease_s: float
+            ) -> None:
+        """`kv` None: an export the engine core serves itself (no data plane reads here)."""
         entry = _Entry(handle, kv, header, self._clock() + self._cap(lease_s))
         with self._lock:
             if handle.transfer_id in self._live or handle.transfer_id in self._gone:

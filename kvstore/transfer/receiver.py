@@ -109,6 +109,24 @@ class KVReceiverConfig:
     max_workers: int = 8           # threads for blocking data-plane I/O
 
 
+@dataclass
+class Pull:
+    """A transfer started for this receiver's engine core to pull itself (`begin`): the
+    parameters its transport needs, and the lease heartbeat that runs until `finish`."""
+
+    handle: KVHandle
+    backend: str
+    params: dict[str, str]
+    control: ControlClient
+    deadline: Deadline
+    started: float
+    span: Any
+    traceparent: str
+    heartbeat: asyncio.Task[None] | None = None
+    ending: bool = False    # `finish` was asked for (it may still be running)
+    finished: bool = False
+
+
 class KVReceiver:
     def __init__(
         self,
@@ -140,12 +158,12 @@ class KVReceiver:
         self._clients: dict[str, DataPlaneClient] = {}
         self._notices: set[asyncio.Task[Any]] = set()
 
-    def choose_backend(self, handle: KVHandle) -> str:
+    def choose_backend(self, handle: KVHandle, among: tuple[str, ...] | None = None) -> str:
         """shm when we can prove we share the sender's shm directory, else our first
-        preference offered."""
+        preference offered (and, with `among`, one of those: what our engine core runs)."""
         offered = set(handle.backends)
         for name in self._preferences:
-            if name not in offered:
+            if name not in offered or (among is not None and name not in among):
                 continue
             if name == "shm" and self._host_proof(handle) is None:
                 continue
@@ -244,6 +262,95 @@ class KVReceiver:
             if started and exc.state is None:
                 raise await self._report_failure(control, handle, exc, deadline) from exc
             raise
+
+    async def begin(
+        self,
+        handle: KVHandle,
+        deadline: Deadline | float = 30.0,
+        *,
+        backend: str,
+        traceparent: str = "",
+        capability: TransferCapability | None = None,
+    ) -> Pull:
+        """Start a transfer whose bytes this process's engine core pulls itself (an export:
+        `handle.is_export`); the lease is kept alive until `finish`. Raises like `fetch`."""
+        started = time.monotonic()
+        deadline = Deadline.coerce(deadline)
+        span = get_tracer().start_span(
+            "pdmesh.kv_transfer",
+            context=context_from_traceparent(traceparent),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "pdmesh.kv.side": "receiver",
+                "pdmesh.kv.transfer": log_id(handle.transfer_id),
+                "pdmesh.request_id": handle.request_id,
+                "pdmesh.kv.sender_address": handle.sender_address,
+                "pdmesh.kv.num_blocks": handle.layout.num_blocks,
+                "pdmesh.kv.num_tokens": handle.layout.num_tokens,
+                "pdmesh.kv.backend": backend,
+            },
+        )
+        control = self._control(handle.sender_address)
+        try:
+            if backend not in handle.backends:
+                raise KVBackendUnavailable(f"sender does not offer backend {backend!r}")
+            proof = (self._host_proof(handle) or "") if backend == "shm" else ""
+            reply = await control.start(
+                handle, backend, proof, deadline.remaining() + self.config.lease_margin_s,
+                deadline, span_traceparent(span), capability,
+            )
+        except BaseException as exc:
+            outcome = failure_outcome(exc)
+            self._metrics.observe("received", backend, 0, 0.0, outcome)
+            span.set_attribute("pdmesh.kv.outcome", outcome)
+            mark_error(span, exc)
+            span.end()
+            raise
+        pull = Pull(handle, backend, dict(reply.params), control, deadline, started, span,
+                    span_traceparent(span))
+        pull.heartbeat = asyncio.ensure_future(self._heartbeat(control, handle, deadline))
+        return pull
+
+    async def finish(self, pull: Pull, *, nbytes: int = 0, error: str = "",
+                     reason: str = "") -> None:
+        """The core's pull ended: ack it (the sender releases the blocks) or report why it
+        failed. Idempotent; never raises (a failed notice is logged)."""
+        if pull.finished:
+            return
+        pull.ending = pull.finished = True
+        if pull.heartbeat is not None:
+            pull.heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+                await pull.heartbeat
+        outcome = reason or ("ok" if not error else "error")
+        try:
+            await pull.control.complete(pull.handle, not error, error[:1024],
+                                        self._notice_deadline(), pull.traceparent)
+        except KVTransferError as exc:
+            if not error:  # the blocks were pulled and checked: the lease ended meanwhile
+                logger.debug("ack of %s failed: %s", log_id(pull.handle.transfer_id), exc)
+        elapsed = time.monotonic() - pull.started
+        self._metrics.observe("received", pull.backend, nbytes, elapsed, outcome)
+        span = pull.span
+        if span.is_recording():
+            span.set_attributes({"pdmesh.kv.bytes": nbytes, "pdmesh.kv.outcome": outcome,
+                                 "pdmesh.kv.duration_ms": elapsed * 1e3})
+        if error:
+            mark_error(span, error)
+        span.end()
+
+    def finish_soon(self, pull: Pull, *, nbytes: int = 0, error: str = "",
+                    reason: str = "") -> None:
+        """`finish` in the background (a first token need not wait for the ack)."""
+        if not pull.ending:
+            pull.ending = True
+            self._notify(self.finish(pull, nbytes=nbytes, error=error, reason=reason))
+
+    def abandon(self, pull: Pull, why: str) -> None:
+        """Finish a pull from a callback or a `finally` (a task tracked until close)."""
+        if not pull.ending:
+            pull.ending = True
+            self._notify(self.finish(pull, error=why, reason="cancelled"))
 
     async def extend_lease(
         self, handle: KVHandle, seconds: float, deadline: Deadline | float = 5.0

@@ -54,6 +54,12 @@ from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable, ReleaseCallback
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 from pdmesh.kvstore.transfer.wire import WireHeader, encode_header
+from pdmesh.kvstore.transfer.worker_planes import (
+    BlockServerPlane,
+    CacheFilePlane,
+    CoreCache,
+    Exports,
+)
 from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
 from pdmesh.tracing import Span, SpanKind, context_from_traceparent, get_tracer, mark_error
 from pdmesh.v1 import kv_transfer_pb2 as pb
@@ -112,9 +118,12 @@ class KVSender:
         tls: TLSConfig | None = None,
         token: ClusterToken | None = None,
         metrics: KVTransferMetrics | None = None,
+        core: CoreCache | None = None,
     ) -> None:
         """`tls`: PEM files for the control channel (unless `server_credentials` is given)
-        and the tcp data plane. `token`: require the cluster token and capabilities."""
+        and the tcp data plane. `token`: require the cluster token and capabilities.
+        `core`: the engine core lends its blocks itself; `shm` and `tcp` are then its own
+        transports (`publish_export`), and this process never touches KV bytes."""
         if not config.backends:
             raise ValueError("a KV sender needs at least one backend")
         if tls is not None and tls.enabled:
@@ -125,6 +134,8 @@ class KVSender:
             if server_credentials is None:
                 server_credentials = grpc_common.server_credentials(tls)
         self.config = config
+        self.core = core
+        self._exports = Exports()
         self.sender_id = uuid.uuid4().hex
         self._credentials = server_credentials
         self._token = token
@@ -163,7 +174,7 @@ class KVSender:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         for name in self.config.backends:
-            server = make_server(name, self._table, self._plane)
+            server = self._worker_plane(name) or make_server(name, self._table, self._plane)
             await server.start()
             self._servers[name] = server
         challenge = getattr(self._servers.get("shm"), "challenge", None)
@@ -185,6 +196,15 @@ class KVSender:
         self._expiry = asyncio.create_task(self._expire_loop(), name="kv-lease-expiry")
         logger.info("KV sender %s on %s, backends %s", self.sender_id, self._address,
                     ",".join(self._servers))
+
+    def _worker_plane(self, name: str) -> DataPlaneServer | None:
+        """The core's own transport for `name`, when the core lends its blocks itself."""
+        if self.core is None or name not in self.core.backends():
+            return None
+        if name == "shm":
+            return CacheFilePlane(self.core, self._exports, self.config.shm_dir)
+        return BlockServerPlane(self.core, self._exports, self._plane.tls is not None
+                                and self._plane.tls.enabled)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Release everything still held (reason SHUTDOWN) and stop serving."""
@@ -239,6 +259,39 @@ class KVSender:
         self._poke()
         return handle
 
+    def publish_export(
+        self, request_id: str, layout: KVLayout, block_ids: list[int],
+        block_checksums: list[int], checksum_algo: ChecksumAlgo, *, lease_s: float | None = None,
+    ) -> KVHandle:
+        """Offer blocks the engine core lends (`AsyncEngine.export_kv`) for one pull by a
+        receiver's core; only the core's own transports are offered. The blocks stay pinned
+        in the core until `on_release` fires for this request."""
+        check_request_id(request_id)
+        offered = tuple(n for n in self._servers if isinstance(
+            self._servers[n], CacheFilePlane | BlockServerPlane))
+        if not offered:
+            raise KVTransferError("this sender serves no engine-core transport")
+        handle = KVHandle(
+            transfer_id=uuid.uuid4().hex,
+            request_id=request_id,
+            sender_address=self.address,
+            backends=offered,
+            host_key=self._host_key,
+            sender_id=self.sender_id,
+            layout=layout,
+            checksum_algo=checksum_algo,
+            checksum=0,
+            block_checksums=tuple(block_checksums),
+        )
+        if len(block_ids) != layout.num_blocks:
+            raise KVTransferError(f"{len(block_ids)} block ids for {layout.num_blocks} blocks")
+        self._exports.add(handle.transfer_id, tuple(block_ids))
+        with self._served_lock:
+            self._served[request_id] = _Served(handle.transfer_id, layout.nbytes)
+        self._table.add(handle, None, b"", self.config.lease_s if lease_s is None else lease_s)
+        self._poke()
+        return handle
+
     def cancel(self, transfer_id: str, detail: str = "cancelled by sender") -> TransferState:
         """Withdraw a transfer (e.g. the request was aborted); in-flight streams are cut."""
         return self._table.cancel(transfer_id, ReleaseReason.CANCELLED, detail=detail)
@@ -279,6 +332,8 @@ class KVSender:
         """The lease table's release callback: record the outcome, then the caller's one."""
         with self._served_lock:
             served = self._served.pop(request_id, None)
+        if served is not None:
+            self._exports.pop(served.transfer_id)
         try:
             if served is not None:
                 self._observe(served, reason)

@@ -25,10 +25,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+import msgspec
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.auth import METADATA_KEY, ClusterToken
+from pdmesh.kvstore.connector.tcp_blocks import PullRequest
 from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
@@ -159,7 +161,7 @@ def test_plaintext_is_refused_on_every_port(mesh: Mesh) -> None:
     # right one-time token. Not one byte of KV may come back.
     handle = held_handle(mesh, "plaintext-data-port")
     data = asyncio.run(_plaintext_on_data_port(mesh, handle))
-    assert MAGIC not in data and len(data) < 512
+    assert MAGIC not in data and b"PDBR" not in data and len(data) < 512
 
     # HTTP: the gateway speaks HTTPS only; /metrics ports too.
     gateway = local.gateway
@@ -202,15 +204,19 @@ async def _plaintext_on_data_port(mesh: Mesh, handle: KVHandle) -> bytes:
         granted = TransferCapability.mint(TOKEN, handle.transfer_id, "the-test")
         reply = await control.start(handle, "tcp", "", 20, Deadline.after(10),
                                     capability=granted)
-        params = reply.params
+        params = reply.params  # the prefill core's block server, and a signed one-time grant
         assert params.get("tls") == "1"
-        tid = handle.transfer_id.encode()
-        request = struct.pack("<4sBB", b"PDKQ", len(tid), len(params["token"])) + tid \
-            + params["token"].encode()
+        lay = handle.layout
+        body = msgspec.msgpack.encode(PullRequest(
+            params["request"], params["transfer"], params["grant"], params["mac"], 0,
+            lay.num_blocks, (lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim),
+            lay.dtype_name))
+        request = struct.pack("<4sBI", b"PDBQ", 1, len(body)) + body
+        host, port = params["address"].rsplit(":", 1)
 
         def knock() -> bytes:
             data = b""
-            with socket.create_connection((params["host"], int(params["port"])), 5) as sock:
+            with socket.create_connection((host, int(port)), 5) as sock:
                 sock.sendall(request)
                 try:
                     while chunk := sock.recv(65536):

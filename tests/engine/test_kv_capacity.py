@@ -88,7 +88,8 @@ def add_hog(engine: LLMEngine, request_id: str, num_blocks: int) -> None:
     ids = [1000 + i for i in range(num_blocks * engine.config.block_size - 8)]
     engine.add_request(request_id, {"prompt_token_ids": ids}, greedy(max_tokens=4))
     engine.step()  # the whole prompt in one step: it holds its blocks now
-    assert engine.kv_manager.block_ids(f"{request_id}#0"), "hog was not scheduled"
+    seq = engine.core.requests[request_id].seqs[0]
+    assert engine.kv_manager.block_ids(seq.seq_id), "hog was not scheduled"
 
 
 def reference(engine: LLMEngine) -> list[int]:

@@ -54,7 +54,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "sender_address", "backends", "host_key", "sender_id", "layout", "checksum_algo", "checksum")
+    __slots__ = ("transfer_id", "request_id", "sender_address", "backends", "host_key", "sender_id", "layout", "checksum_algo", "checksum", "block_checksums")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class KVHandle(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     sender_address: str
@@ -73,7 +74,8 @@ class KVHandle(_message.Message):
     layout: KVLayout
     checksum_algo: str
     checksum: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., host_key: _Optional[str] = ..., sender_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., host_key: _Optional[str] = ..., sender_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferCapability(_message.Message):
     __slots__ = ("receiver_id", "expires_unix_ms", "mac")

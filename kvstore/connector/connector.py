@@ -1,0 +1,150 @@
+"""`KVConnector`: the engine core's end of KV transfer (the worker side of the connector).
+
+The core asks it two things, both between steps on the core's own thread:
+
+* **export** (sender): a request finished its prefill with its blocks pinned; register them
+  for pulls (the block server reads them from its threads) and checksum each block;
+  **release** when the serving process says the lease ended;
+* **load** (receiver): fill these blocks of our cache with the export's blocks from
+  `first_block` on (the ones before are our own prefix-cache hits), through the transport the
+  serving process negotiated, then check every pulled block against the sender's checksum.
+
+What the serving process needs to grant a pull — the cache file's name, the block server's
+address — is fixed at start-up and reported in `CoreInfo`; what it needs per export (the
+checksums) is the answer to `export`. Transports: `shm_peer.py` (same host, CPU: one copy out
+of the sender's cache file) and `tcp_blocks.py` (any host: streamed from and into the caches).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import torch
+
+from pdmesh.kvstore.connector.blocks import block_checksums
+from pdmesh.kvstore.connector.cache_file import SharedCache
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.exports import Export, ExportRegistry
+from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
+from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, parse_algo
+from pdmesh.kvstore.transfer.deadline import Deadline
+from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVChecksumError, KVWireError
+from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
+
+logger = logging.getLogger(__name__)
+
+
+class ExportInfo(msgspec.Struct):
+    """What the serving process publishes about an export beside the core's fixed facts."""
+
+    block_checksums: list[int]
+    checksum_algo: str
+
+
+class KVConnector:
+    def __init__(self, config: KVConnectorConfig, cache: torch.Tensor,
+                 cache_file: SharedCache | None, algo: ChecksumAlgo | None = None) -> None:
+        self.config = config
+        self.cache = cache
+        self.cache_file = cache_file
+        self.algo = algo or default_algo()
+        self.exports = ExportRegistry()
+        self._shm = ShmPeerTransport(config.shm_dir)
+        self._server = None
+        self.block_server_address = ""
+
+    def start(self) -> None:
+        """Start the block server (when TCP is on); the address goes into `CoreInfo`."""
+        if not self.config.tcp:
+            return
+        if not self.config.grant_secret:
+            raise ValueError("a KV connector that serves blocks over TCP needs the grant key "
+                             "its serving process signs pulls with (grant_secret)")
+        from pdmesh.kvstore.connector.tcp_blocks import BlockServer
+
+        self._server = BlockServer(self.cache, self.exports, self.config)
+        self.block_server_address = self._server.start()
+
+    @property
+    def cache_file_name(self) -> str:
+        return self.cache_file.name if self.cache_file is not None else ""
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The worker transports this core can serve and pull with."""
+        names = ["shm"] if self.cache_file is not None else []
+        if self.config.tcp:
+            names.append("tcp")
+        return tuple(names)
+
+    # -- sender ---------------------------------------------------------------------------------
+    def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> ExportInfo:
+        self.exports.add(Export(request_id, tuple(block_ids), num_tokens))
+        return ExportInfo(block_checksums(self.algo, self.cache, block_ids), str(self.algo))
+
+    def release(self, request_id: str) -> None:
+        self.exports.remove(request_id)
+
+    # -- receiver -------------------------------------------------------------------------------
+    def check_source(self, source: KVSource) -> None:
+        """Refuse a source whose blocks cannot be ours before anything is allocated."""
+        layers, _, block_size, heads, head_dim = (self.cache.shape[0], 2, *self.cache.shape[3:])
+        if tuple(source.kv_shape) != (layers, block_size, heads, head_dim) or \
+                source.kv_dtype != DTYPE_NAMES.get(self.cache.dtype):
+            raise ValueError(f"kv_source: layout {tuple(source.kv_shape)} {source.kv_dtype} "
+                             f"does not match this engine's "
+                             f"{(layers, block_size, heads, head_dim)} "
+                             f"{DTYPE_NAMES.get(self.cache.dtype)}")
+        if source.backend not in WORKER_BACKENDS:
+            raise ValueError(f"kv_source: unknown transport {source.backend!r}")
+        expected = -(-source.num_tokens // block_size)
+        if len(source.block_checksums) != expected:
+            raise ValueError(f"kv_source: {len(source.block_checksums)} block checksums for "
+                             f"{source.num_tokens} tokens ({expected} blocks)")
+        parse_algo(source.checksum_algo)
+
+    def load(self, source: KVSource, first_block: int, dst_ids: list[int]) -> int:
+        """Pull export blocks [first_block, ...) into `dst_ids`; bytes moved. Raises a
+        `KVTransferError` (the blocks' contents are then undefined: the caller frees them)."""
+        if not dst_ids:
+            return 0
+        started = time.monotonic()
+        if source.backend == "shm":
+            if self.cache.device.type != "cpu":
+                raise KVBackendUnavailable("shm peer copies need a CPU cache")
+            nbytes = self._shm.load(source, first_block, self.cache, dst_ids)
+        elif source.backend == "tcp":
+            from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
+
+            p = source.params
+            missing = [k for k in ("address", "transfer", "grant", "mac") if not p.get(k)]
+            if missing:
+                raise KVWireError(f"tcp source: parameters missing: {', '.join(missing)}")
+            nbytes = pull_blocks(
+                p["address"], request_id=p.get("request", ""), transfer_id=p["transfer"],
+                grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,
+                dst_ids=dst_ids, config=self.config,
+                deadline=Deadline.after(max(source.deadline_s, 0.001)),
+            )
+        else:
+            raise KVBackendUnavailable(f"no worker transport {source.backend!r}")
+        expected = source.block_checksums[first_block:first_block + len(dst_ids)]
+        actual = block_checksums(parse_algo(source.checksum_algo), self.cache, dst_ids)
+        bad = [first_block + i for i, (a, e) in enumerate(zip(actual, expected, strict=True))
+               if a != e]
+        if bad:
+            raise KVChecksumError(f"{len(bad)} of {len(dst_ids)} pulled blocks fail their "
+                                  f"{source.checksum_algo} checksum (first: block {bad[0]})")
+        logger.debug("pulled %d blocks (%d bytes) over %s in %.1f ms", len(dst_ids), nbytes,
+                     source.backend, (time.monotonic() - started) * 1e3)
+        return nbytes
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._shm.close()
+        if self.cache_file is not None:
+            self.cache_file.close()

@@ -1,0 +1,62 @@
+"""Same host, CPU: copy blocks straight out of the sender core's shared cache file.
+
+The sender's StartTransfer reply names its cache file and the export's block ids; the
+receiving core maps the file read-only (`cache_file.PeerCaches`, kept mapped across pulls) and
+copies the blocks it lacks into its own cache, one strided copy per run of block ids: one
+copy of each byte on the host, and no socket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks
+from pdmesh.kvstore.connector.cache_file import PeerCaches
+from pdmesh.kvstore.connector.source import KVSource, check_params
+from pdmesh.kvstore.transfer.errors import KVWireError
+from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
+
+PARAMS = ("cache", "num_blocks", "blocks")
+
+
+def encode_blocks(block_ids: tuple[int, ...] | list[int]) -> str:
+    return ",".join(str(b) for b in block_ids)
+
+
+def decode_blocks(text: str, num_cache_blocks: int) -> list[int]:
+    try:
+        ids = [int(b) for b in text.split(",")] if text else []
+    except ValueError:
+        raise KVWireError("shm source: block ids are not integers") from None
+    if any(not 0 <= b < num_cache_blocks for b in ids):
+        raise KVWireError(f"shm source: a block id outside the peer's {num_cache_blocks} blocks")
+    return ids
+
+
+class ShmPeerTransport:
+    name = "shm"
+
+    def __init__(self, shm_dir: str) -> None:
+        self.peers = PeerCaches(shm_dir)
+
+    def load(self, source: KVSource, first_block: int, dst: torch.Tensor,
+             dst_ids: list[int]) -> int:
+        """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids."""
+        check_params(source.params, PARAMS)
+        layers, block_size, heads, head_dim = source.kv_shape
+        try:
+            num_cache_blocks = int(source.params["num_blocks"])
+        except ValueError:
+            raise KVWireError("shm source: num_blocks is not an integer") from None
+        shape = (layers, 2, num_cache_blocks, block_size, heads, head_dim)
+        peer = self.peers.get(source.params["cache"], shape, DTYPES_BY_NAME[source.kv_dtype])
+        src_ids = decode_blocks(source.params["blocks"], num_cache_blocks)
+        wanted = src_ids[first_block:first_block + len(dst_ids)]
+        if len(wanted) != len(dst_ids):
+            raise KVWireError(f"shm source: the export has {len(src_ids)} blocks, "
+                              f"{first_block + len(dst_ids)} wanted")
+        copy_blocks(dst, dst_ids, peer, wanted)
+        return len(dst_ids) * block_nbytes(dst)
+
+    def close(self) -> None:
+        self.peers.clear()

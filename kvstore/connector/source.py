@@ -1,0 +1,43 @@
+"""What a load is told about its source, and what it reports back.
+
+The decode serving process starts a transfer on the control plane (StartTransfer) and hands
+its core a `KVSource`: the transport and the parameters the sender's control plane returned,
+the per-block checksums from the handle and the layout to check. The core pulls the blocks it
+lacks straight into its cache and answers with a `LoadResult`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+WORKER_BACKENDS = ("shm", "tcp")
+"""Transports an engine core runs itself (the others are staged through the serving process)."""
+
+
+class KVSource(msgspec.Struct, frozen=True):
+    backend: str                  # one of WORKER_BACKENDS
+    params: dict[str, str]        # from the sender's StartTransfer reply
+    block_checksums: list[int]    # one per exported block, in prompt order
+    checksum_algo: str
+    num_tokens: int               # prompt tokens the export covers
+    kv_shape: tuple[int, int, int, int]  # (layers, block_size, kv_heads, head_dim)
+    kv_dtype: str
+    deadline_s: float = 30.0      # for the whole load, from when the core starts it
+
+
+class LoadResult(msgspec.Struct):
+    """`reused_blocks` came from this core's own prefix cache, `pulled_blocks` over the wire;
+    `error` is empty on success (the request then recomputes what it lacks)."""
+
+    reused_blocks: int = 0
+    pulled_blocks: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    reason: str = ""              # a low-cardinality label for a failure
+
+
+def check_params(params: dict[str, str], names: tuple[str, ...]) -> None:
+    missing = [n for n in names if not params.get(n)]
+    if missing:
+        raise ValueError(f"KV source parameters missing: {', '.join(missing)}")

@@ -1,0 +1,143 @@
+"""Two engine cores on one host move a prompt's KV themselves (kvstore/connector/): the prefill
+core lends its blocks, the decode core pulls only those its own prefix cache lacks, straight
+into its cache, and decodes exactly what an undisturbed run decodes.
+
+Real weights (SmolLM2), in-thread cores; the serving processes' control plane is covered by the
+end-to-end tests, here the cores are handed the source parameters it would hand them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.grant_mac import new_key, sign
+from pdmesh.kvstore.connector.shm_peer import encode_blocks
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
+
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith "
+          "in Mainz combined movable metal type, oil-based ink and a screw press into a system "
+          "that could reproduce pages quickly and cheaply. Within fifty years")
+MAX_TOKENS = 12
+
+
+def engine(tcp: bool = True) -> LLMEngine:
+    config = EngineConfig(model="smollm2", kv_cache_memory="48MiB", block_size=16,
+                          engine_core_process=False)
+    return LLMEngine(config, KVConnectorConfig(tcp=tcp, grant_secret=new_key()))
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    prefill, decode = engine(), engine()
+    yield prefill, decode
+    prefill.core.close()
+    decode.core.close()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def run(e: LLMEngine) -> list[int]:
+    last = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            last = out
+    assert last is not None
+    return list(last.outputs[0].token_ids)
+
+
+def export(prefill: LLMEngine, rid: str, ids: list[int]) -> tuple[int, KVSource, list[int]]:
+    """Prefill `ids` with export_kv; its first token and the source a decode core pulls."""
+    prefill.add(EngineRequest(rid, ids, greedy(), export_kv=True))
+    first = run(prefill)
+    lent = prefill.core.requests[rid].kv_export
+    assert lent is not None
+    info = prefill.core.export_kv(rid)  # lent: the id is free, the blocks pinned
+    facts = prefill.core.info()
+    params = {"cache": facts.kv_cache_file, "num_blocks": str(facts.num_total_blocks),
+              "blocks": encode_blocks(lent.block_ids)}
+    source = KVSource("shm", params, info.block_checksums, info.checksum_algo, len(ids),
+                      facts.kv_shape, facts.kv_dtype)
+    return first[0], source, list(lent.block_ids)
+
+
+def decode_with(decode: LLMEngine, rid: str, ids: list[int], first: int,
+                source: KVSource) -> tuple[list[int], LoadResult]:
+    state = decode.add(EngineRequest(rid, ids, greedy(), given_tokens=[[first]],
+                                     kv_source=source))
+    assert state.kv_load is not None
+    return run(decode), state.kv_load  # the outputs carry the given first token too
+
+
+def test_pull_over_shm_equals_undisturbed_run_and_pulls_only_missing_blocks(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize(PROMPT)[1]
+    reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="48MiB",
+                                       engine_core_process=False))
+    reference.add(EngineRequest("ref", ids, greedy()))
+    want = run(reference)
+    reference.core.close()
+
+    first, source, _ = export(prefill, "p1", ids)
+    got, load = decode_with(decode, "d1", ids, first, source)
+    assert not load.error, load.error
+    n_blocks = -(-len(ids) // 16)
+    assert (load.reused_blocks, load.pulled_blocks) == (0, n_blocks)
+    assert got == want
+    assert prefill.core.release_kv("p1")
+
+    # The decode core now holds the prompt's full blocks: a second pull moves only the rest.
+    first, source, _ = export(prefill, "p2", ids)
+    got, load = decode_with(decode, "d2", ids, first, source)
+    assert not load.error, load.error
+    assert load.reused_blocks == (len(ids) - 1) // 16
+    assert load.reused_blocks + load.pulled_blocks == n_blocks and load.pulled_blocks >= 1
+    assert got == want
+    assert prefill.core.release_kv("p2")
+
+
+def test_pull_over_tcp_with_half_the_prompt_cached(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize("Rivers carve valleys over thousands of years; " * 6)[1]
+    half = ids[: (len(ids) // 32) * 16]  # whole blocks: the decode core caches them first
+    decode.add(EngineRequest("warm", half, SamplingParams(temperature=0.0, max_tokens=1)))
+    run(decode)
+    first, shm_source, _ = export(prefill, "p3", ids)
+    grant = "g" * 32
+    tcp = msgspec.structs.replace(shm_source, backend="tcp", params={
+        "address": prefill.core.connector.block_server_address, "request": "p3",
+        "transfer": "t" * 32, "grant": grant,
+        "mac": sign(prefill.core.connector.config.grant_secret, "p3", "t" * 32, grant)})
+    got, load = decode_with(decode, "d3", ids, first, tcp)
+    assert not load.error, load.error
+    assert load.reused_blocks == len(half) // 16
+    assert load.pulled_blocks == -(-len(ids) // 16) - load.reused_blocks
+    reference, _ = decode_with(decode, "d3b", ids, first, shm_source)  # all cached by now
+    assert got == reference
+    assert prefill.core.release_kv("p3")
+
+
+def test_corrupt_source_block_falls_back_to_recompute(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize("A different prompt about rivers and mountains " * 4)[1]
+    first, source, blocks = export(prefill, "p4", ids)
+    prefill.core.kv_cache[0, 0, blocks[-1]].add_(1.0)  # a block changed under its lease
+    got, load = decode_with(decode, "d4", ids, first, source)
+    assert load.reason == "checksum" and load.pulled_blocks == 0
+    reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="48MiB",
+                                       engine_core_process=False))
+    reference.add(EngineRequest("ref", ids, greedy()))
+    assert got == run(reference)  # recomputed here: the same tokens
+    reference.core.close()
+    assert prefill.core.release_kv("p4")

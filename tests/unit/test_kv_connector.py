@@ -1,0 +1,168 @@
+"""The engine core's KV connector without a model: the shared cache file, per-block checksums,
+block runs, and a pull over `shm` between two caches (kvstore/connector/)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdmesh.kvstore.connector import grant_mac
+from pdmesh.kvstore.connector.blocks import block_checksums, copy_blocks, runs
+from pdmesh.kvstore.connector.cache_file import PeerCaches, open_peer, shared_zeros
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.shm_peer import encode_blocks
+from pdmesh.kvstore.connector.source import KVSource
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo
+from pdmesh.kvstore.transfer.errors import KVChecksumError, KVSenderUnavailable, KVWireError
+
+pytestmark = pytest.mark.fast
+
+SHAPE = (3, 2, 24, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
+
+
+@pytest.fixture
+def caches(tmp_path) -> Iterator[tuple[KVConnector, KVConnector]]:
+    config = KVConnectorConfig(shm_dir=str(tmp_path), tcp=False)
+    made = []
+    for seed in (1, 2):
+        shared = shared_zeros(SHAPE, torch.float32, str(tmp_path))
+        shared.tensor.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)))
+        made.append(KVConnector(config, shared.tensor, shared))
+    yield made[0], made[1]
+    for connector in made:
+        connector.close()
+    assert not os.listdir(tmp_path), "cache files left behind"
+
+
+def source_of(sender: KVConnector, request_id: str, block_ids: list[int],
+              num_tokens: int) -> KVSource:
+    info = sender.export(request_id, block_ids, num_tokens)
+    layers, _, blocks, block_size, heads, head_dim = SHAPE
+    params = {"cache": sender.cache_file_name, "num_blocks": str(blocks),
+              "blocks": encode_blocks(block_ids)}
+    return KVSource("shm", params, info.block_checksums, info.checksum_algo, num_tokens,
+                    (layers, block_size, heads, head_dim), "float32")
+
+
+def test_runs_group_consecutive_pairs() -> None:
+    assert runs([4, 5, 6, 9, 10], [0, 1, 7, 8, 9]) == [(4, 0, 2), (6, 7, 1), (9, 8, 2)]
+    assert runs([], []) == []
+    with pytest.raises(ValueError):
+        runs([1], [])
+
+
+def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
+    src = torch.randn(SHAPE)
+    dst = torch.zeros(SHAPE)
+    copy_blocks(dst, [7, 8, 2], src, [1, 2, 20])
+    for d, s in ((7, 1), (8, 2), (2, 20)):
+        assert torch.equal(dst[:, :, d], src[:, :, s])
+    assert int((dst.abs().sum(dim=(0, 1, 3, 4, 5)) != 0).sum()) == 3
+
+
+@pytest.mark.parametrize("algo", list(ChecksumAlgo))
+def test_block_checksums_name_contents_not_positions(algo: ChecksumAlgo) -> None:
+    src = torch.randn(SHAPE)
+    dst = torch.zeros(SHAPE)
+    copy_blocks(dst, [5, 0], src, [3, 9])
+    assert block_checksums(algo, src, [3, 9]) == block_checksums(algo, dst, [5, 0])
+    before = block_checksums(algo, src, [3])
+    src[2, 1, 3, 0, 0, 0] += 1.0  # one element of the last layer's V
+    assert block_checksums(algo, src, [3]) != before
+    bf16 = src.to(torch.bfloat16)
+    assert len(block_checksums(algo, bf16, [0, 1])) == 2
+
+
+def test_shared_cache_file_is_private_and_unlinked(tmp_path) -> None:
+    shared = shared_zeros(SHAPE, torch.float32, str(tmp_path))
+    mode = os.stat(shared.path).st_mode
+    assert stat.S_IMODE(mode) == 0o600
+    assert float(shared.tensor.abs().sum()) == 0.0
+    shared.tensor[1, 1, 3] = 2.0
+    peer = open_peer(str(tmp_path), shared.name, SHAPE, torch.float32)
+    assert float(peer[1, 1, 3].sum()) == 2.0 * 4 * 2 * 8  # the same memory, read-only
+    shared.close()
+    assert not os.path.exists(shared.path)
+
+
+def test_peer_files_are_checked_before_mapping(tmp_path) -> None:
+    shared = shared_zeros(SHAPE, torch.float32, str(tmp_path))
+    try:
+        with pytest.raises(KVWireError, match="not a KV cache file name"):
+            open_peer(str(tmp_path), "../etc/passwd", SHAPE, torch.float32)
+        with pytest.raises(KVWireError, match="bytes"):
+            open_peer(str(tmp_path), shared.name, (3, 2, 25, 4, 2, 8), torch.float32)
+        os.chmod(shared.path, 0o644)
+        with pytest.raises(KVWireError, match="readable by others"):
+            open_peer(str(tmp_path), shared.name, SHAPE, torch.float32)
+        os.chmod(shared.path, 0o600)
+        peers = PeerCaches(str(tmp_path))
+        assert peers.get(shared.name, SHAPE, torch.float32).shape == SHAPE
+    finally:
+        shared.close()
+    with pytest.raises(KVSenderUnavailable, match="gone"):
+        peers.get(shared.name, SHAPE, torch.float32)
+
+
+def test_shm_pull_moves_only_the_blocks_after_first(caches) -> None:
+    sender, receiver = caches
+    exported = [10, 11, 12, 3, 4]
+    source = source_of(sender, "r1", exported, num_tokens=18)  # 5 blocks of 4, last partial
+    before = receiver.cache.clone()
+    nbytes = receiver.load(source, 2, [0, 1, 2])  # blocks 0-1: the receiver's own hits
+    assert nbytes == 3 * 3 * 2 * 4 * 2 * 8 * 4
+    for dst, src in zip([0, 1, 2], exported[2:], strict=True):
+        assert torch.equal(receiver.cache[:, :, dst], sender.cache[:, :, src])
+    untouched = [b for b in range(SHAPE[2]) if b not in (0, 1, 2)]
+    assert torch.equal(receiver.cache[:, :, untouched], before[:, :, untouched])
+
+
+def test_a_block_changed_under_its_lease_fails_the_checksum(caches) -> None:
+    sender, receiver = caches
+    source = source_of(sender, "r2", [5, 6, 7], num_tokens=12)
+    sender.cache[0, 0, 6, 0, 0, 0] += 3.0  # reused by the sender while lent: a lease bug
+    with pytest.raises(KVChecksumError, match="1 of 3"):
+        receiver.load(source, 0, [20, 21, 22])
+
+
+def test_sources_that_cannot_be_ours_are_refused(caches) -> None:
+    sender, receiver = caches
+    source = source_of(sender, "r3", [1, 2], num_tokens=8)
+    receiver.check_source(source)
+    import msgspec
+
+    with pytest.raises(ValueError, match="layout"):
+        receiver.check_source(msgspec.structs.replace(source, kv_shape=(3, 4, 2, 16)))
+    with pytest.raises(ValueError, match="checksums"):
+        receiver.check_source(msgspec.structs.replace(source, num_tokens=12))
+    with pytest.raises(ValueError, match="transport"):
+        receiver.check_source(msgspec.structs.replace(source, backend="carrier-pigeon"))
+    bad_ids = msgspec.structs.replace(source, params={**source.params, "blocks": "1,999"})
+    with pytest.raises(KVWireError, match="outside"):
+        receiver.load(bad_ids, 0, [3, 4])
+    assert default_algo() in ChecksumAlgo
+
+
+def test_grant_signatures_bind_every_field() -> None:
+    key = grant_mac.new_key()
+    mac = grant_mac.sign(key, "req", "t" * 32, "grant")
+    assert grant_mac.verify(key, "req", "t" * 32, "grant", mac)
+    assert not grant_mac.verify(key, "req2", "t" * 32, "grant", mac)
+    assert not grant_mac.verify(key, "req", "t" * 32, "grant2", mac)
+    assert not grant_mac.verify(grant_mac.new_key(), "req", "t" * 32, "grant", mac)
+    assert not grant_mac.verify("", "req", "t" * 32, "grant", mac)
+    assert not grant_mac.verify("zz", "req", "t" * 32, "grant", mac)  # a malformed key
+    assert not grant_mac.verify(key, "req", "t" * 32, "grant", "é" * 64)
+    # Fields are length-prefixed: moving a separator does not forge a signature.
+    assert not grant_mac.verify(key, "re", "qt" + "t" * 31, "grant", mac)
+
+
+def test_a_block_server_without_its_grant_key_refuses_to_start(tmp_path) -> None:
+    connector = KVConnector(KVConnectorConfig(shm_dir=str(tmp_path)), torch.zeros(SHAPE), None)
+    with pytest.raises(ValueError, match="grant"):
+        connector.start()
