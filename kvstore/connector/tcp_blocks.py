@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ import torch
 
 from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.connector import grant_mac
-from pdmesh.kvstore.connector.blocks import block_nbytes, runs
+from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
@@ -62,6 +63,7 @@ VERSION = 1
 MAX_REQUEST_BYTES = 4096
 MAX_CONNECTIONS = 32  # concurrent connections a server serves; more are closed at once
 MIN_BLOCKS_PER_CONNECTION = 8  # below this a connection's set-up costs more than it brings
+IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into (Linux allows 1024)
 STAGE_BYTES = 8 << 20  # pinned host buffer per connection for a device cache
 CLOSE_GRACE_S = 5.0
 OK, DENIED, REFUSED = 0, 1, 2
@@ -171,7 +173,10 @@ class BlockServer:
                 conn.do_handshake()
             ids = self._admit(_read_request(conn))
             conn.sendall(_REPLY.pack(b"PDBR", OK, 0, len(ids) * block_nbytes(self._cache)))
-            _move(self._cache, ids, conn.sendall, into=False)
+            if self._cache.device.type == "cpu" and not isinstance(conn, ssl.SSLSocket):
+                _send_vectored(conn, _views(self._cache, ids))
+            else:
+                _move(self._cache, ids, conn.sendall, into=False)
         except _Refusal as exc:
             logger.debug("KV block pull refused: %s", exc)
             reason = str(exc).encode()[:1024]
@@ -359,7 +364,11 @@ class _Pull:
                 raise KVWireError(f"the block server sends {payload} bytes for {count} blocks "
                                   f"of {block_nbytes(self.dst)}")
             ids = self.dst_ids[offset:offset + count]
-            _move(self.dst, ids, lambda view: _recv_into(sock, view, self._timeout), into=True)
+            if self.dst.device.type == "cpu" and not isinstance(sock, ssl.SSLSocket):
+                _recv_vectored(sock, _views(self.dst, ids), self._timeout)
+            else:
+                _move(self.dst, ids, lambda view: _recv_into(sock, view, self._timeout),
+                      into=True)
             return payload
         finally:
             with self._lock:
@@ -383,6 +392,53 @@ def _move(cache: torch.Tensor, ids: Sequence[int], io: Callable[[memoryview], ob
                 io(memoryview(host.reshape(-1).view(torch.uint8).numpy()).cast("B"))
                 if stage is not None and into:
                     piece.copy_(host)
+
+
+def _views(cache: torch.Tensor, ids: Sequence[int]) -> list[memoryview]:
+    """A CPU cache's runs of `ids` in wire order, as byte views (no copy)."""
+    data = byte_view(cache)
+    pieces = [(s, n) for s, _, n in runs(ids, ids)]
+    return [memoryview(data[layer, kv, s:s + n]).cast("B")
+            for layer in range(data.shape[0]) for kv in range(2) for s, n in pieces]
+
+
+def _send_vectored(sock: socket.socket, views: list[memoryview]) -> None:
+    """`sendall` of many buffers, up to IOV_BATCH per system call (a shuffled block list is
+    thousands of small pieces: one syscall each would cost more than the bytes)."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        batch = pending[:IOV_BATCH]
+        sent = sock.sendmsg(batch)
+        done = 0
+        while done < len(batch) and sent >= len(batch[done]):
+            sent -= len(batch[done])
+            done += 1
+        if done < len(batch) and sent:
+            batch[done] = batch[done][sent:]
+        pending = batch[done:] + pending[len(batch):]
+
+
+def _recv_vectored(sock: socket.socket, views: list[memoryview],
+                   timeout: Callable[[], float]) -> None:
+    """Fill many buffers, up to IOV_BATCH per system call; each call bounded by `timeout`."""
+    pending = [v for v in views if len(v)]
+    total = sum(len(v) for v in pending)
+    got_all = 0
+    while pending:
+        batch = pending[:IOV_BATCH]
+        sock.settimeout(timeout())
+        got = sock.recvmsg_into(batch)[0]
+        if got == 0:
+            raise ConnectionError(f"the peer closed the connection after {got_all} of "
+                                  f"{total} bytes")
+        got_all += got
+        done = 0
+        while done < len(batch) and got >= len(batch[done]):
+            got -= len(batch[done])
+            done += 1
+        if done < len(batch) and got:
+            batch[done] = batch[done][got:]
+        pending = batch[done:] + pending[len(batch):]
 
 
 def _stage(cache: torch.Tensor, count: int) -> tuple[torch.Tensor | None, int]:
