@@ -10,8 +10,9 @@ so every prompt's KV moves; `--kv-backend shm|tcp`), then:
   4 tokens), checked to be served P/D (prefill instance != decode instance), no KV fallback;
 * row "decode holds nothing": a prompt of the same length that shares no block with anything
   cached (the same token stream shifted by one token), the same way;
-* row "idle": nothing sent, for as long as the first row's window: the serving processes'
-  background CPU (router load polls, heartbeats), the floor the other rows are read against.
+* row "idle": nothing sent, for as long as the first row's window and with as many snapshots:
+  the serving processes' background CPU (router load polls, heartbeats, this script's own
+  GetLoad calls and metric scrapes), the floor the other rows are read against.
 
 Per row: blocks pulled / reused (the decode's `pdmesh:kv_blocks_loaded_total{source}`), bytes
 moved (the decode's GetLoad `kv_bytes_received` delta), the whole prompt's KV for comparison
@@ -81,6 +82,7 @@ class Row:
     kv_transfer_ms: float
     wall_s: float
     cpu_s: dict[str, float]
+    polls: int
 
 
 def metric_sums(child: Child) -> dict[str, float]:
@@ -107,10 +109,17 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
     proc = psutil.Process(pid)
     own = proc.cpu_times()
-    cores = [c for c in proc.children() if "pdmesh.engine.core_process" in " ".join(c.cmdline())]
-    if not cores:
+    core, found = 0.0, False
+    for child in proc.children():
+        try:
+            if "pdmesh.engine.core_process" in " ".join(child.cmdline()):
+                times = child.cpu_times()
+                core, found = core + times.user + times.system, True
+        except psutil.NoSuchProcess:  # a short-lived helper (grammar sandbox) that just ended
+            continue
+    if not found:
         raise RuntimeError(f"no engine-core child under pid {pid}")
-    return own.user + own.system, sum(c.cpu_times().user + c.cpu_times().system for c in cores)
+    return own.user + own.system, core
 
 
 class Probe:
@@ -177,45 +186,50 @@ class Probe:
             raise RuntimeError(f"not served P/D: {result.served_by}")
         return result
 
-    def settle(self, before: Snapshot) -> Snapshot:
-        """Once the transfer's ack reached both sides' counters (bounded)."""
-        deadline = time.monotonic() + 30
+    def settle(self, before: Snapshot) -> tuple[Snapshot, int]:
+        """Once the transfer's ack reached both sides' counters (bounded); and the snapshots
+        it took (each costs the serving processes a GetLoad and a scrape: `idle` repeats them)."""
+        deadline, polls = time.monotonic() + 30, 0
         while True:
-            now = self.snapshot()
+            now, polls = self.snapshot(), polls + 1
             done = now.received_n > before.received_n and now.sent_n > before.sent_n
             if done or time.monotonic() > deadline:
-                return now
+                return now, polls
             time.sleep(0.05)
 
     def measure(self, label: str, ids: list[int], held: int, block_bytes: int) -> Row:
         before = self.snapshot()
         result = self.generate(ids)
-        after = self.settle(before)
+        after, polls = self.settle(before)
         if after.fallbacks != before.fallbacks:
             raise RuntimeError(f"{label}: the KV pull failed and the decode recomputed")
         return Row(label, held, len(ids), round(after.pulled - before.pulled),
                    round(after.reused - before.reused), after.received - before.received,
                    -(-len(ids) // BLOCK) * block_bytes, after.sent - before.sent,
                    result.timing.ttft_ms, result.timing.kv_transfer_ms, after.at - before.at,
-                   {k: after.cpu[k] - before.cpu[k] for k in CPU_KEYS})
+                   {k: after.cpu[k] - before.cpu[k] for k in CPU_KEYS}, polls)
 
-    def idle(self, wall_s: float) -> Row:
+    def idle(self, wall_s: float, polls: int) -> Row:
         before = self.snapshot()
-        time.sleep(wall_s)
+        time.sleep(max(0.0, wall_s - 0.05 * polls))
+        for _ in range(polls - 1):
+            self.snapshot()
+            time.sleep(0.05)
         after = self.snapshot()
         return Row("idle (same wall time)", 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, after.at - before.at,
-                   {k: after.cpu[k] - before.cpu[k] for k in CPU_KEYS})
+                   {k: after.cpu[k] - before.cpu[k] for k in CPU_KEYS}, polls)
 
 
 def git_revision() -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10, check=True).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return rev + ("+dirty" if dirty else "")
 
 
 def main() -> int:
@@ -268,7 +282,7 @@ def main() -> int:
         probe.warm_decode(held_prompt[:held])
         rows = [probe.measure(f"decode holds {held} tokens", held_prompt, held, block_bytes),
                 probe.measure("decode holds nothing", other, 0, block_bytes)]
-        rows.append(probe.idle(rows[0].wall_s))
+        rows.append(probe.idle(rows[0].wall_s, rows[0].polls))
     finally:
         if probe is not None:
             probe.close()
@@ -277,15 +291,16 @@ def main() -> int:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{when}, commit {git_revision()}, {platform.machine()}, torch {torch.__version__}, "
           f"kv-backend {args.kv_backend}, {block_bytes:,} bytes per KV block")
-    print("\n| decode holds | prompt | pulled | reused | bytes moved | prompt KV bytes | "
+    print("\n| row | prompt | pulled | reused | bytes moved | prompt KV bytes | "
           "prefill sent | TTFT ms | KV ms | CPU s prefill svc | decode svc | prefill core | "
           "decode core |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         cpu = " | ".join(f"{r.cpu_s[k]:.3f}" for k in CPU_KEYS)
-        print(f"| {r.label} | {r.prompt_tokens} | {r.blocks_pulled} | {r.blocks_reused} | "
-              f"{r.bytes_moved:,} | {r.prompt_kv_bytes:,} | {r.prefill_bytes_sent:,} | "
-              f"{r.ttft_ms:.1f} | {r.kv_transfer_ms:.1f} | {cpu} |")
+        kv = (f"{r.prompt_tokens} | {r.blocks_pulled} | {r.blocks_reused} | {r.bytes_moved:,} | "
+              f"{r.prompt_kv_bytes:,} | {r.prefill_bytes_sent:,} | {r.ttft_ms:.1f} | "
+              f"{r.kv_transfer_ms:.1f}" if r.prompt_tokens else " | ".join(["-"] * 8))
+        print(f"| {r.label} | {kv} | {cpu} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": when, "commit": git_revision(), "kv_backend": args.kv_backend,

@@ -204,9 +204,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             admit = await self._resume(request, params, builder, context)
         else:
             admit = _Admit(_engine_request(request, params))
-        loads: list[LoadResult] = []
-        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs,
-                                  on_kv_load=loads.append)
+        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs)
         last: RequestOutput | None = None
         finished = False
         # Prefilled here: the prompt's logprobs go out before the first delta (DecodeResponse).
@@ -215,7 +213,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             async for out in outputs:
                 last = out
                 if admit.pull is not None and not admit.pull.ending:
-                    await self._pulled(admit.pull, loads, context, timing, seen)
+                    await self._pulled(admit.pull, out.kv_load, context, timing, seen)
                 if prompt_k is not None and out.prompt_logprobs is not None:
                     entries = prompt_logprobs_to_proto(out.prompt_logprobs, prompt, prompt_k)
                     prompt_k = None
@@ -339,7 +337,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         deadline = Deadline.after(self.kv_fetch_timeout_s)
         try:
             backend = self.receiver.choose_backend(
-                handle, among=core_backends(info.kv_cache_file, info.kv_block_server))
+                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
+                                            info.kv_cache_ipc))
             pull = await self.receiver.begin(handle, deadline, backend=backend,
                                              traceparent=span_traceparent(seen.span),
                                              capability=capability)
@@ -358,13 +357,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                                       kv_source=source),
                       first_logprobs, pull)
 
-    async def _pulled(self, pull: Pull, loads: list[LoadResult],
+    async def _pulled(self, pull: Pull, result: LoadResult | None,
                       context: grpc.aio.ServicerContext, timing: common_pb2.Timing,
                       seen: _Observed) -> None:
-        """The core placed the request (its Add answered before this first output): settle
-        the transfer, and count what was pulled and what the prefix cache already had."""
-        result = loads[0] if loads else LoadResult(error="the core reported no pull",
-                                                   reason="error")
+        """The core placed the request (its first output says how): settle the transfer, and
+        count what was pulled and what the prefix cache already had."""
+        if result is None:
+            result = LoadResult(error="the engine reported no pull", reason="error")
         self.receiver.finish_soon(pull, nbytes=result.nbytes, error=result.error,
                                   reason=result.reason)
         timing.kv_transfer_ms = result.seconds * 1e3

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from pdmesh.engine.engine_request import EngineRequest
@@ -28,12 +29,26 @@ from pdmesh.engine.output_commit import OutputCommit
 from pdmesh.engine.request_state import CoreRequest, SampleMaker
 from pdmesh.engine.sampler import skip_one_draw
 from pdmesh.engine.scheduler import Scheduler
-from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kvstore.connector.connector import KVConnector
-from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.connector.source import LoadResult
 from pdmesh.kvstore.transfer.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Loading:
+    """A prompt whose KV a connector thread is pulling into `parent`'s fresh blocks."""
+
+    state: CoreRequest
+    parent: Sequence
+    request: EngineRequest
+    future: Future[int]
+    reused: int
+    pulled: int
+    started: float
+    abandoned: bool = False
 
 
 class Admission:
@@ -42,6 +57,7 @@ class Admission:
                  connector: KVConnector | None = None) -> None:
         self.scheduler = scheduler
         self.connector = connector
+        self.loading: dict[str, Loading] = {}  # pulls in flight, by request id
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
         self.samples = samples
@@ -50,10 +66,12 @@ class Admission:
 
     def place(self, state: CoreRequest, request: EngineRequest) -> None:
         """Make `state`'s samples and queue them. On an error the caller aborts the request,
-        which frees whatever it holds by then."""
+        which frees whatever it holds by then. A prompt whose KV a connector thread now pulls
+        gets its samples when the pull lands (`land_loads`)."""
         given = request.given_tokens
         if request.kv is not None or request.kv_source is not None:
-            self._import(state, request)
+            if self._import(state, request):
+                return
         elif given is not None:
             for i in range(request.params.n):
                 seq = self._new(request, i)
@@ -84,13 +102,14 @@ class Admission:
         state.seqs.append(seq)
         self.scheduler.add(seq)
 
-    def _import(self, state: CoreRequest, request: EngineRequest) -> None:
+    def _import(self, state: CoreRequest, request: EngineRequest) -> bool:
         """The prompt's KV computed elsewhere: a running parent holding it, and its forks.
 
-        A `kv_source` is pulled by this core's connector, only the blocks after this core's
-        own prefix-cache hits; a tensor `kv` (a staged transport) is copied in whole. No room
-        right now, or a pull that fails: the parent waits like a preempted sequence and
-        recomputes the prompt here, instead of failing a request that fits the pool.
+        A `kv_source` is pulled by this core's connector on its own threads, only the blocks
+        after this core's prefix-cache hits (True: the parent waits in `loading` until the
+        pull lands). A tensor `kv` (a staged transport) is copied in whole now. No room right
+        now, or a pull that fails: the parent waits like a preempted sequence and recomputes
+        the prompt here, instead of failing a request that fits the pool.
         """
         parent = self._new(request, 0)
         parent.num_cached_tokens = request.num_cached_tokens
@@ -99,8 +118,9 @@ class Admission:
         state.seqs.append(parent)
         num_prompt = len(request.prompt_token_ids)
         if request.kv_source is not None:
-            state.kv_load = self._pull(parent, request.kv_source, num_prompt)
-            loaded = not state.kv_load.error
+            if self._start_pull(state, parent, request):
+                return True
+            loaded = False
         elif self.kv_manager.allocate_slots(parent, num_prompt):
             assert request.kv is not None
             block_ids = torch.tensor(self.kv_manager.block_ids(parent.seq_id),
@@ -110,8 +130,13 @@ class Admission:
             loaded = True
         else:
             loaded = False
+        self._place_parent(state, request, parent, loaded)
+        return False
+
+    def _place_parent(self, state: CoreRequest, request: EngineRequest, parent: Sequence,
+                      loaded: bool) -> None:
         if loaded:
-            parent.num_computed_tokens = num_prompt
+            parent.num_computed_tokens = len(request.prompt_token_ids)
             self.scheduler.add_running(parent)
         else:
             logger.debug("request_id=%s: imported KV not placed; it recomputes",
@@ -120,30 +145,71 @@ class Admission:
         for i in range(1, request.params.n):
             state.seqs.append(self.samples.fork_or_queue(parent, i))
 
-    def _pull(self, parent: Sequence, source: KVSource, num_prompt: int) -> LoadResult:
+    def _start_pull(self, state: CoreRequest, parent: Sequence, request: EngineRequest) -> bool:
         """Our own prefix hits for the leading blocks, the rest pulled through the connector
         into fresh blocks that become findable by hash only once their KV checks out."""
-        assert self.connector is not None  # EngineCore.add refuses a kv_source without one
+        assert self.connector is not None and request.kv_source is not None
         started = time.monotonic()
         hits = self.kv_manager.find_cached_prefix(parent)
+        num_prompt = len(request.prompt_token_ids)
         block_size = self.kv_manager.block_size
         if not self.kv_manager.allocate_slots(parent, num_prompt - len(hits) * block_size,
                                               hits, cache=False):
-            return LoadResult(error="no free KV blocks for the prompt right now",
-                              reason="no_free_blocks")
+            state.kv_load = LoadResult(reused_blocks=len(hits), reason="no_free_blocks",
+                                       error="no free KV blocks for the prompt right now")
+            return False
         dst = self.kv_manager.block_ids(parent.seq_id)[len(hits):]
-        try:
-            source = msgspec.structs.replace(
-                source, deadline_s=source.deadline_s - (time.monotonic() - started))
-            nbytes = self.connector.load(source, len(hits), dst)
-        except (KVTransferError, ValueError) as exc:
-            self.kv_manager.free(parent.seq_id)  # never cached: the blocks go back clean
-            return LoadResult(reused_blocks=len(hits), error=f"{type(exc).__name__}: {exc}",
-                              reason=_failure_reason(exc),
-                              seconds=time.monotonic() - started)
-        self.kv_manager.cache_full_blocks(parent, num_prompt)
-        return LoadResult(reused_blocks=len(hits), pulled_blocks=len(dst), nbytes=nbytes,
-                          seconds=time.monotonic() - started)
+        future = self.connector.start_load(request.kv_source, len(hits), dst)
+        self.loading[request.request_id] = Loading(state, parent, request, future, len(hits),
+                                                   len(dst), started)
+        return True
+
+    def abandon(self, request_id: str) -> bool:
+        """The request was aborted while its KV is pulled: its blocks go back once the pull
+        has stopped writing into them (`land_loads`). False if it is not loading."""
+        loading = self.loading.get(request_id)
+        if loading is None:
+            return False
+        loading.abandoned = True
+        return True
+
+    def land_loads(self) -> list[str]:
+        """Place the requests whose pull finished (between two steps): on success the parent
+        runs with the pulled blocks, now cached; on failure the blocks go back clean and the
+        prompt is recomputed. The ids of the requests placed (they owe an output)."""
+        placed = []
+        for request_id, loading in list(self.loading.items()):
+            if not loading.future.done():
+                continue
+            del self.loading[request_id]
+            parent, request = loading.parent, loading.request
+            error = loading.future.exception()
+            if loading.abandoned:
+                self.kv_manager.free(parent.seq_id)
+                continue
+            seconds = time.monotonic() - loading.started
+            if error is None:
+                self.kv_manager.cache_full_blocks(parent, len(request.prompt_token_ids))
+                loading.state.kv_load = LoadResult(loading.reused, loading.pulled,
+                                                   loading.future.result(), seconds)
+            else:
+                self.kv_manager.free(parent.seq_id)  # never cached: the blocks go back clean
+                loading.state.kv_load = LoadResult(
+                    reused_blocks=loading.reused, error=f"{type(error).__name__}: {error}",
+                    reason=_failure_reason(error), seconds=seconds)
+            self._place_parent(loading.state, request, parent, error is None)
+            try:
+                for seq, tokens in zip(list(loading.state.seqs), request.given_tokens or [],
+                                       strict=True):
+                    self._replay(seq, tokens)
+            except ValueError as exc:  # cannot happen for the prefill's own first tokens
+                logger.warning("request_id=%s: its given tokens were refused after its KV "
+                               "landed: %s", request_id, exc)
+                for seq in loading.state.seqs:
+                    if not seq.status.is_finished:
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            placed.append(request_id)
+        return placed
 
     def _replay(self, seq: Sequence, given: list[int]) -> None:
         """Commit tokens produced elsewhere as this sample's output (not reported back)."""

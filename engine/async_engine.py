@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -67,7 +67,6 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.startup import eos_token_ids
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import ExportInfo
-from pdmesh.kvstore.connector.source import LoadResult
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 
@@ -269,20 +268,18 @@ class AsyncEngine:
         *,
         prompt_text: str | None = None,
         given_logprobs: list[list[TokenLogprobs | None]] | None = None,
-        on_kv_load: Callable[[LoadResult], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The one way in: queue a request (a prompt, imported KV, tokens produced elsewhere:
         engine/engine_request.py) and yield cumulative outputs until one has `finished`.
         Outputs carry its given tokens too, with `given_logprobs` if any. `KVCacheFullError`
         and validation errors surface from the first iteration, before any output. A request
-        with a `kv_source` calls `on_kv_load` with what the core's pull did, before its first
-        output."""
+        with a `kv_source` says in `RequestOutput.kv_load` what the core's pull did."""
         given, n = request.given_tokens, request.params.n
         if given is not None and len(given) != n:
             given = given_logprobs = None  # the core refuses the request
         elif given is not None and given_logprobs is not None:
             check_given_logprobs(given, given_logprobs, n)
-        async for out in self._stream(request, prompt_text, given, given_logprobs, on_kv_load):
+        async for out in self._stream(request, prompt_text, given, given_logprobs):
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -358,7 +355,6 @@ class AsyncEngine:
     async def _stream(
         self, request: EngineRequest, prompt: str | None, given: list[list[int]] | None,
         given_logprobs: list[list[TokenLogprobs | None]] | None,
-        on_kv_load: Callable[[LoadResult], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request_id, params = request.request_id, request.params
         if request_id in self._streams:
@@ -374,7 +370,7 @@ class AsyncEngine:
                                              params, export_kv=request.export_kv, given=given,
                                              given_logprobs=given_logprobs)
         try:
-            loaded = await self._call(Add.of(request), request.kv)
+            await self._call(Add.of(request), request.kv)
         except asyncio.CancelledError:
             # Cancelled while the core may be adding it: nobody will consume it, so drop it.
             if self._streams.get(request_id) is stream:
@@ -386,9 +382,6 @@ class AsyncEngine:
                 self.liveness.unprefilled.pop(request_id, None)
                 self.processor.abort(request_id)
             raise
-        if loaded is not None and on_kv_load is not None:
-            on_kv_load(loaded if isinstance(loaded, LoadResult)
-                       else msgspec.convert(loaded, LoadResult))
         if stopped:
             self._send(StopSequences(request_id, stopped))
         finished = False

@@ -115,7 +115,8 @@ class EngineCore:
         if self.connector is not None:
             self._info = msgspec.structs.replace(
                 self._info, kv_cache_file=self.connector.cache_file_name,
-                kv_block_server=self.connector.block_server_address)
+                kv_block_server=self.connector.block_server_address,
+                kv_cache_ipc=self.connector.cache_ipc)
 
     def info(self) -> CoreInfo:
         return self._info
@@ -157,8 +158,8 @@ class EngineCore:
         except BaseException:
             self.abort_request(request.request_id)
             raise
-        if request.given_tokens is not None:
-            self._pending_outputs.add(request.request_id)
+        if request.given_tokens is not None and request.request_id not in self.admission.loading:
+            self._pending_outputs.add(request.request_id)  # (a pull owes its output on landing)
         return state
 
     def _check_kv_shape(self, num_prompt_tokens: int, kv: torch.Tensor) -> None:
@@ -176,6 +177,8 @@ class EngineCore:
         self._pending_outputs.discard(request_id)
         if state is None:
             return released
+        if self.admission.abandon(request_id):
+            return True  # its blocks go back once its pull has stopped writing them
         seqs = list(state.seqs)  # and any sample scheduled but not recorded in it yet
         scheduled = (*self.scheduler.running, *self.scheduler.waiting)
         seqs += [s for s in scheduled if s.request_id == request_id and s not in seqs]
@@ -204,7 +207,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
-                or self._in_flight is not None)
+                or self._in_flight is not None or bool(self.admission.loading))
+
+    def loads_in_flight(self) -> list[Future[int]]:
+        """The KV pulls running on the connector's threads (the loop wakes when one ends)."""
+        return [loading.future for loading in self.admission.loading.values()]
 
     # -- structured output ----------------------------------------------------------------------
     def _grammar_matcher(self, spec: StructuredOutput) -> GrammarMatcher:
@@ -289,6 +296,7 @@ class EngineCore:
         call (engine/in_flight.py): this call then commits the previous step's tokens after
         launching its own, so the device is never left waiting for the host.
         """
+        self._pending_outputs.update(self.admission.land_loads())
         touched = {rid: self.requests[rid] for rid in self._pending_outputs
                    if rid in self.requests}
         self._pending_outputs.clear()
@@ -309,8 +317,8 @@ class EngineCore:
 
     def _check_progress(self) -> None:
         """Nothing was scheduled and nothing is in flight: only pinned KV may hold it up."""
-        pinned = bool(self.lent) or any(s.kv_export is not None
-                                        for s in self.requests.values())
+        pinned = bool(self.lent) or bool(self.admission.loading) or any(
+            s.kv_export is not None for s in self.requests.values())
         if self.scheduler.num_unfinished and not self.scheduler.running and not pinned:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
 
@@ -338,7 +346,7 @@ class EngineCore:
         stats = self.kv_manager.stats
         return EngineLoadSnapshot(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.admission.loading),
             num_free_blocks=self.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
             num_pinned_blocks=pinned,

@@ -90,7 +90,7 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
     """Apply one command to the core; its result (a bool, a tensor, KV events or None)."""
     cmd = call.command
     if isinstance(cmd, Add):
-        return core.add(cmd.request(tensor)).kv_load  # what a pull did, if it pulled
+        core.add(cmd.request(tensor))
     elif isinstance(cmd, ExportKV):
         return core.export_kv(cmd.request_id)
     elif isinstance(cmd, Abort):
@@ -130,9 +130,10 @@ class CoreLoop:
         idle = True
         while True:
             unanswered = False
-            if idle and self._deferred:
-                wait([d.grammar for d in self._deferred], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-            for call, tensor in self.transport.receive(block=idle and not self._deferred):
+            pending = [d.grammar for d in self._deferred] + self.core.loads_in_flight()
+            if idle and pending:  # grammars compiling, KV pulls running: wake when one ends
+                wait(pending, GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            for call, tensor in self.transport.receive(block=idle and not pending):
                 if isinstance(call.command, Shutdown):
                     self._shutdown()
                     self._reply(call, None, None)

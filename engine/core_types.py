@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdmesh.kvstore.connector.source import LoadResult
+
 
 class RawLogprob(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Raw logprob of one chosen token: its value, 1-based rank, and the top-k alternatives
@@ -53,6 +55,8 @@ class CoreOutput(msgspec.Struct, gc=False, omit_defaults=True):
     """Sent once, complete, when the prompt has been computed (the first entry is None)."""
     num_cached_tokens: int = 0
     kv_export: KVExportInfo | None = None
+    kv_load: LoadResult | None = None
+    """Sent once: how this core placed the prompt's KV it was told to pull (`kv_source`)."""
     finished: bool = False
     """The core holds nothing more of this request (exported requests stay until released)."""
     ttft_s: float | None = None
@@ -102,3 +106,6 @@ class CoreInfo(msgspec.Struct, frozen=True):
     (its name in the connector's shm directory); empty when the cache is not shared."""
     kv_block_server: str = ""
     """host:port of the core's block server (cross-host pulls); empty when off."""
+    kv_cache_ipc: str = ""
+    """A CUDA cache's IPC description (`kvstore/connector/cuda_ipc.py`): peer cores on the
+    node copy blocks device to device; empty on CPU or when it cannot be shared."""

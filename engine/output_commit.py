@@ -202,6 +202,8 @@ class OutputCommit:
                 and len(state.prompt_logprobs) >= len(state.prompt_token_ids)):
             out.prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_sent = True
+        if state.kv_load is not None and not state.kv_load_sent:
+            out.kv_load, state.kv_load_sent = state.kv_load, True
         if state.kv_export is not None:
             out.kv_export = state.kv_export
             out.finished = True

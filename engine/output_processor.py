@@ -34,6 +34,7 @@ from pdmesh.engine.outputs import (
 )
 from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.source import LoadResult
 
 EXPORTED = "exported"
 """The core's finish for a prefill-role sample: done *here*, a decode instance continues it."""
@@ -65,6 +66,7 @@ class _Request:
     num_cached_tokens: int = 0
     kv_export: KVExport | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_load: LoadResult | None = None
 
     @property
     def finished(self) -> bool:
@@ -162,6 +164,8 @@ class OutputProcessor:
                                    for r in out.prompt_logprobs]
         if out.kv_export is not None:
             req.kv_export = KVExport(list(out.kv_export.block_ids), out.kv_export.num_tokens)
+        if out.kv_load is not None:
+            req.kv_load = out.kv_load
         for delta in out.samples:
             sample = self._sample(req, delta.index)
             if sample.finish_reason is not None:
@@ -257,4 +261,5 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             kv_export=req.kv_export,
             metrics=dict(req.metrics),
+            kv_load=req.kv_load,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdmesh.kvstore.connector.source import LoadResult
+
 
 @dataclass
 class Logprob:
@@ -50,3 +52,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_export: KVExport | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_load: LoadResult | None = None
+    """How the engine core placed the prompt's KV it pulled (`EngineRequest.kv_source`);
+    set from the output that follows the pull on."""

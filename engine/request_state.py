@@ -45,6 +45,7 @@ class CoreRequest:
     export_kv: bool = False
     kv_export: KVExportInfo | None = None
     kv_load: LoadResult | None = None  # a pull of the prompt's KV by this core's connector
+    kv_load_sent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -60,4 +60,4 @@ def core_cache(service: EngineService) -> CoreCache | None:
         return None
     info = service.engine.info
     return CoreCache(info.kv_cache_file, info.num_total_blocks, info.kv_block_server,
-                     service.connector.grant_secret)
+                     service.connector.grant_secret, info.kv_cache_ipc)

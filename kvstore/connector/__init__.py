@@ -4,9 +4,9 @@ The process that owns the KV cache moves its blocks itself, straight from and in
 tensor; the serving process keeps the control plane (`kvstore/transfer/`: leases, capabilities,
 gRPC, metrics, traces) and never touches KV bytes. Modules: `blocks.py` (block runs, copies,
 per-block checksums), `config.py`, `source.py` (what a load is told), `cache_file.py` (a CPU
-cache a peer core on the host can map), `exports.py` (what the core lends, by transfer),
-`grant_mac.py` (the serving process's word that a pull was granted), one module per transport
-(`shm_peer.py`, `tcp_blocks.py`), and `connector.py`, the core's façade.
+cache a peer core on the host can map) and `cuda_ipc.py` (its GPU form), `exports.py` (what
+the core lends), `grant_mac.py` (the serving process's word that a pull was granted), one
+module per transport (`shm_peer.py`, `tcp_blocks.py`), and `connector.py`, the core's façade.
 
 The package imports nothing itself: import from its modules.
 """

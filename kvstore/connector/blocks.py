@@ -9,6 +9,7 @@ temporary (that would be a second copy of every byte). A block's checksum covers
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -90,3 +91,11 @@ def block_nbytes(cache: torch.Tensor) -> int:
     """Bytes of one block across every layer."""
     layers, _, _, block_size, heads, head_dim = cache.shape
     return int(layers * 2 * block_size * heads * head_dim * cache.element_size())
+
+
+def on_device_of(cache: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Make the cache's device current on this thread (a connector or block-server thread
+    starts on device 0, whatever `cuda:N` the engine runs on)."""
+    if cache.device.type == "cuda":
+        return torch.cuda.device(cache.device)
+    return contextlib.nullcontext()

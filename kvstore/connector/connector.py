@@ -1,6 +1,6 @@
 """`KVConnector`: the engine core's end of KV transfer (the worker side of the connector).
 
-The core asks it two things, both between steps on the core's own thread:
+The core asks it two things between steps on the core's own thread:
 
 * **export** (sender): a request finished its prefill with its blocks pinned; register them
   for pulls (the block server reads them from its threads) and checksum each block;
@@ -8,24 +8,30 @@ The core asks it two things, both between steps on the core's own thread:
 * **load** (receiver): fill these blocks of our cache with the export's blocks from
   `first_block` on (the ones before are our own prefix-cache hits), through the transport the
   serving process negotiated, then check every pulled block against the sender's checksum.
+  `start_load` runs it on the connector's own threads (the copies and socket reads release the
+  GIL), so the core keeps stepping its running requests while a prompt's KV arrives; the core
+  lands a finished load between two steps.
 
 What the serving process needs to grant a pull — the cache file's name, the block server's
 address — is fixed at start-up and reported in `CoreInfo`; what it needs per export (the
-checksums) is the answer to `export`. Transports: `shm_peer.py` (same host, CPU: one copy out
-of the sender's cache file) and `tcp_blocks.py` (any host: streamed from and into the caches).
+checksums) is the answer to `export`. Transports: `shm_peer.py` (same host: one copy out of the
+sender's cache file on CPU, device to device through a CUDA IPC handle on GPU) and
+`tcp_blocks.py` (any host: streamed from and into the caches).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_checksums
+from pdmesh.kvstore.connector.blocks import block_checksums, on_device_of
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.cuda_ipc import share
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
@@ -35,6 +41,8 @@ from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVChecksumError
 from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
+
+LOAD_THREADS = 2  # concurrent pulls per core (each may use several TCP connections)
 
 
 class ExportInfo(msgspec.Struct):
@@ -54,7 +62,9 @@ class KVConnector:
         self.exports = ExportRegistry()
         self._shm = ShmPeerTransport(config.shm_dir)
         self._server = None
+        self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
         self.block_server_address = ""
+        self.cache_ipc = share(cache) if cache.device.type == "cuda" else ""  # CUDA IPC
 
     def start(self) -> None:
         """Start the block server (when TCP is on); the address goes into `CoreInfo`."""
@@ -75,7 +85,7 @@ class KVConnector:
     @property
     def backends(self) -> tuple[str, ...]:
         """The worker transports this core can serve and pull with."""
-        names = ["shm"] if self.cache_file is not None else []
+        names = ["shm"] if self.cache_file is not None or self.cache_ipc else []
         if self.config.tcp:
             names.append("tcp")
         return tuple(names)
@@ -106,6 +116,16 @@ class KVConnector:
                              f"{source.num_tokens} tokens ({expected} blocks)")
         parse_algo(source.checksum_algo)
 
+    def start_load(self, source: KVSource, first_block: int, dst_ids: list[int]
+                   ) -> Future[int]:
+        """`load` on a connector thread. The caller keeps `dst_ids` allocated (and out of the
+        prefix cache) until the future is done, whatever happens to its request meanwhile."""
+        return self._loads.submit(self._load_on_device, source, first_block, dst_ids)
+
+    def _load_on_device(self, source: KVSource, first_block: int, dst_ids: list[int]) -> int:
+        with on_device_of(self.cache):
+            return self.load(source, first_block, dst_ids)
+
     def load(self, source: KVSource, first_block: int, dst_ids: list[int]) -> int:
         """Pull export blocks [first_block, ...) into `dst_ids`; bytes moved. Raises a
         `KVTransferError` (the blocks' contents are then undefined: the caller frees them)."""
@@ -113,8 +133,6 @@ class KVConnector:
             return 0
         started = time.monotonic()
         if source.backend == "shm":
-            if self.cache.device.type != "cpu":
-                raise KVBackendUnavailable("shm peer copies need a CPU cache")
             nbytes = self._shm.load(source, first_block, self.cache, dst_ids)
         elif source.backend == "tcp":
             from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
@@ -143,6 +161,7 @@ class KVConnector:
         return nbytes
 
     def close(self) -> None:
+        self._loads.shutdown(wait=True)  # every load is bounded by its deadline
         if self._server is not None:
             self._server.close()
         self._shm.close()

@@ -1,9 +1,10 @@
-"""Same host, CPU: copy blocks straight out of the sender core's shared cache file.
+"""Same host: copy blocks straight out of the sender core's cache.
 
-The sender's StartTransfer reply names its cache file and the export's block ids; the
+On CPU the sender's StartTransfer reply names its cache file and the export's block ids; the
 receiving core maps the file read-only (`cache_file.PeerCaches`, kept mapped across pulls) and
 copies the blocks it lacks into its own cache, one strided copy per run of block ids: one
-copy of each byte on the host, and no socket.
+copy of each byte on the host, and no socket. On GPU the reply carries a CUDA IPC handle of
+the sender's cache instead (`cuda_ipc.py`) and the copy is device to device.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks
 from pdmesh.kvstore.connector.cache_file import PeerCaches
+from pdmesh.kvstore.connector.cuda_ipc import PeerDeviceCaches
 from pdmesh.kvstore.connector.source import KVSource, check_params
 from pdmesh.kvstore.transfer.errors import KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
@@ -38,18 +40,28 @@ class ShmPeerTransport:
 
     def __init__(self, shm_dir: str) -> None:
         self.peers = PeerCaches(shm_dir)
+        self.device_peers = PeerDeviceCaches()
 
     def load(self, source: KVSource, first_block: int, dst: torch.Tensor,
              dst_ids: list[int]) -> int:
         """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids."""
-        check_params(source.params, PARAMS)
         layers, block_size, heads, head_dim = source.kv_shape
-        try:
-            num_cache_blocks = int(source.params["num_blocks"])
-        except ValueError:
-            raise KVWireError("shm source: num_blocks is not an integer") from None
-        shape = (layers, 2, num_cache_blocks, block_size, heads, head_dim)
-        peer = self.peers.get(source.params["cache"], shape, DTYPES_BY_NAME[source.kv_dtype])
+        dtype = DTYPES_BY_NAME[source.kv_dtype]
+        if "cuda_ipc" in source.params:
+            check_params(source.params, ("cuda_ipc", "blocks"))
+            peer = self.device_peers.get(source.params["cuda_ipc"])
+            num_cache_blocks = int(peer.shape[2])
+            if (tuple(peer.shape) != (layers, 2, num_cache_blocks, block_size, heads, head_dim)
+                    or peer.dtype != dtype):
+                raise KVWireError("shm source: the peer's device cache has another layout")
+        else:
+            check_params(source.params, PARAMS)
+            try:
+                num_cache_blocks = int(source.params["num_blocks"])
+            except ValueError:
+                raise KVWireError("shm source: num_blocks is not an integer") from None
+            shape = (layers, 2, num_cache_blocks, block_size, heads, head_dim)
+            peer = self.peers.get(source.params["cache"], shape, dtype)
         src_ids = decode_blocks(source.params["blocks"], num_cache_blocks)
         wanted = src_ids[first_block:first_block + len(dst_ids)]
         if len(wanted) != len(dst_ids):
@@ -60,3 +72,4 @@ class ShmPeerTransport:
 
     def close(self) -> None:
         self.peers.clear()
+        self.device_peers.clear()

@@ -44,7 +44,7 @@ import torch
 
 from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.connector import grant_mac
-from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, runs
+from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, on_device_of, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
@@ -145,7 +145,8 @@ class BlockServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            thread = threading.Thread(target=self._serve, args=(conn,), name="kv-blocks-send",
+            thread = threading.Thread(target=self._serve_on_device, args=(conn,),
+                                      name="kv-blocks-send",
                                       daemon=True)
             with self._lock:  # started under the lock, so close() joins only started threads
                 admitted = not self._closed and len(self._conns) < MAX_CONNECTIONS
@@ -156,6 +157,10 @@ class BlockServer:
                 logger.debug("KV block server refused %s: closed or %d connections", peer,
                              MAX_CONNECTIONS)
                 conn.close()
+
+    def _serve_on_device(self, conn: socket.socket) -> None:
+        with on_device_of(self._cache):
+            self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         me = threading.current_thread()
@@ -252,8 +257,8 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
                           (dst.shape[0], *dst.shape[3:]), _dtype_name(dst.dtype))
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline)
     parts = connection_ranges(len(dst_ids), config.tcp_connections)
-    threads = [threading.Thread(target=pull.run, args=part, name="kv-blocks-recv", daemon=True)
-               for part in parts[1:]]
+    threads = [threading.Thread(target=pull.run_on_device, args=part, name="kv-blocks-recv",
+                                daemon=True) for part in parts[1:]]
     done = False
     try:
         for thread in threads:
@@ -303,6 +308,10 @@ class _Pull:
             self._aborted = True
             for sock in self._socks:
                 _shutdown(sock)
+
+    def run_on_device(self, offset: int, count: int) -> None:
+        with on_device_of(self.dst):
+            self.run(offset, count)
 
     def run(self, offset: int, count: int) -> None:
         try:

@@ -34,15 +34,16 @@ class CoreCache:
     num_blocks: int
     block_server: str     # host:port; empty: off
     grant_key: str
+    cache_ipc: str = ""   # a device cache's CUDA IPC description; empty: none
 
     def backends(self) -> tuple[str, ...]:
-        return core_backends(self.cache_file, self.block_server)
+        return core_backends(self.cache_file, self.block_server, self.cache_ipc)
 
 
-def core_backends(cache_file: str, block_server: str) -> tuple[str, ...]:
+def core_backends(cache_file: str, block_server: str, cache_ipc: str = "") -> tuple[str, ...]:
     """The transports an engine core with these `CoreInfo` facts runs itself: shm needs a
-    CPU cache (a shared file), tcp its block server."""
-    names = ["shm"] if cache_file else []
+    shared cache (a file on CPU, a CUDA IPC handle on GPU), tcp its block server."""
+    names = ["shm"] if cache_file or cache_ipc else []
     if block_server:
         names.append("tcp")
     return tuple(names)
@@ -89,6 +90,8 @@ class CacheFilePlane(DataPlaneServer):
 
     async def prepare(self, grant: Grant) -> dict[str, str]:
         blocks = self.exports.get(grant.transfer_id)
+        if self.core.cache_ipc:  # a device cache: copied device to device on the node
+            return {"cuda_ipc": self.core.cache_ipc, "blocks": encode_blocks(blocks)}
         return {"cache": self.core.cache_file, "num_blocks": str(self.core.num_blocks),
                 "blocks": encode_blocks(blocks)}
 

@@ -8,6 +8,7 @@ end-to-end tests, here the cores are handed the source parameters it would hand 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import msgspec
@@ -76,8 +77,9 @@ def decode_with(decode: LLMEngine, rid: str, ids: list[int], first: int,
                 source: KVSource) -> tuple[list[int], LoadResult]:
     state = decode.add(EngineRequest(rid, ids, greedy(), given_tokens=[[first]],
                                      kv_source=source))
-    assert state.kv_load is not None
-    return run(decode), state.kv_load  # the outputs carry the given first token too
+    tokens = run(decode)  # the outputs carry the given first token too
+    assert state.kv_load is not None  # the core pulled on its connector's thread
+    return tokens, state.kv_load
 
 
 def test_pull_over_shm_equals_undisturbed_run_and_pulls_only_missing_blocks(pair) -> None:
@@ -141,3 +143,58 @@ def test_corrupt_source_block_falls_back_to_recompute(pair) -> None:
     assert got == run(reference)  # recomputed here: the same tokens
     reference.core.close()
     assert prefill.core.release_kv("p4")
+
+
+def silent_source(template: KVSource, deadline_s: float) -> tuple[KVSource, socket.socket]:
+    """A tcp source whose block server accepts and never answers (a stalled prefill)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    source = msgspec.structs.replace(template, backend="tcp", deadline_s=deadline_s, params={
+        "address": f"127.0.0.1:{port}", "request": "x", "transfer": "t" * 32,
+        "grant": "g" * 32, "mac": "0" * 64})
+    return source, listener
+
+
+def test_a_stalled_pull_does_not_stop_other_requests_and_then_recomputes(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize("Snow fell on the mountain pass all night long. " * 5)[1]
+    first, shm_source, _ = export(prefill, "p5", ids)
+    source, listener = silent_source(shm_source, deadline_s=3.0)
+    try:
+        state = decode.add(EngineRequest("d5", ids, greedy(), given_tokens=[[first]],
+                                         kv_source=source))
+        other = decode.add(EngineRequest("o5", ids[:20], greedy()))
+        steps = 0
+        while not other.finished:  # the pull blocks on a silent socket meanwhile
+            decode.step()
+            steps += 1
+        assert state.kv_load is None and "d5" in decode.core.admission.loading
+        got = run(decode)
+    finally:
+        listener.close()
+    assert steps >= MAX_TOKENS
+    assert state.kv_load is not None and state.kv_load.reason == "timeout"
+    reference, _ = decode_with(decode, "d5b", ids, first, shm_source)
+    assert got == reference
+    assert prefill.core.release_kv("p5")
+
+
+def test_an_abort_while_pulling_returns_the_blocks_once_the_pull_stops(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize("The orchard was planted by three generations of one family. " * 4)[1]
+    first, shm_source, _ = export(prefill, "p6", ids)
+    source, listener = silent_source(shm_source, deadline_s=1.0)
+    free_before = decode.num_free_blocks
+    try:
+        decode.add(EngineRequest("d6", ids, greedy(), given_tokens=[[first]],
+                                 kv_source=source))
+        assert decode.num_free_blocks < free_before  # blocks held for the pull
+        assert decode.abort_request("d6")
+        assert decode.num_free_blocks < free_before  # still written into: not freed yet
+        while decode.has_unfinished_requests():
+            decode.step()
+    finally:
+        listener.close()
+    assert decode.num_free_blocks == free_before
+    assert "d6" not in decode.core.admission.loading
+    assert prefill.core.release_kv("p6")

@@ -166,3 +166,33 @@ def test_a_block_server_without_its_grant_key_refuses_to_start(tmp_path) -> None
     connector = KVConnector(KVConnectorConfig(shm_dir=str(tmp_path)), torch.zeros(SHAPE), None)
     with pytest.raises(ValueError, match="grant"):
         connector.start()
+
+
+def _pull_over_ipc(description: str, blocks: str, out) -> None:  # a spawned child process
+    from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
+
+    dst = torch.zeros(SHAPE, device="cuda")
+    source = KVSource("shm", {"cuda_ipc": description, "blocks": blocks}, [0, 0], "xxh3_64",
+                      8, (SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5]), "float32")
+    ShmPeerTransport("/tmp").load(source, 0, dst, [0, 1])
+    out.send(block_checksums(ChecksumAlgo.XXH3_64, dst, [0, 1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_peer_process_copies_blocks_device_to_device_over_cuda_ipc() -> None:
+    import multiprocessing as mp
+
+    from pdmesh.kvstore.connector.cuda_ipc import share
+
+    cache = torch.randn(SHAPE, device="cuda")
+    description = share(cache)
+    assert description
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_pull_over_ipc,
+                                           args=(description, encode_blocks([5, 9]), child))
+    proc.start()
+    try:
+        assert parent.poll(120), "the peer process did not answer"
+        assert parent.recv() == block_checksums(ChecksumAlgo.XXH3_64, cache, [5, 9])
+    finally:
+        proc.join(30)
