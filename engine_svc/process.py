@@ -142,7 +142,7 @@ def connector_config(config: EngineServiceConfig,
     if not own:
         return None
     return KVConnectorConfig(
-        shared_cache="shm" in own, tcp="tcp" in own, tcp_host=config.host,
+        shared_cache="shm" in own, tcp="tcp" in own or "torch_dist" in own, tcp_host=config.host,
         tcp_advertise_host=config.public_host, tls_cert=config.tls_cert or "",
         tls_key=config.tls_key or "", tls_ca=config.tls_ca or "", grant_secret=new_key())
 

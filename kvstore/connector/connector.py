@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import torch
 
+from pdmesh.kvstore.connector import dist_blocks
 from pdmesh.kvstore.connector.blocks import block_checksums, on_device_of
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
@@ -88,6 +89,8 @@ class KVConnector:
         names = ["shm"] if self.cache_file is not None or self.cache_ipc else []
         if self.config.tcp:
             names.append("tcp")
+            if dist_blocks.available():
+                names.append("torch_dist")
         return tuple(names)
 
     # -- sender ---------------------------------------------------------------------------------
@@ -134,7 +137,7 @@ class KVConnector:
         started = time.monotonic()
         if source.backend == "shm":
             nbytes = self._shm.load(source, first_block, self.cache, dst_ids)
-        elif source.backend == "tcp":
+        elif source.backend in ("tcp", "torch_dist"):
             from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
 
             p = source.params
@@ -145,7 +148,7 @@ class KVConnector:
                 p["address"], request_id=p.get("request", ""), transfer_id=p["transfer"],
                 grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,
                 dst_ids=dst_ids, config=self.config,
-                deadline=Deadline.after(max(source.deadline_s, 0.001)),
+                deadline=Deadline.after(max(source.deadline_s, 0.001)), via=source.backend,
             )
         else:
             raise KVBackendUnavailable(f"no worker transport {source.backend!r}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-WORKER_BACKENDS = ("shm", "tcp")
-"""Transports an engine core runs itself (the others are staged through the serving process)."""
+WORKER_BACKENDS = ("shm", "tcp", "torch_dist")
+"""Transports an engine core runs itself (ucxx is still staged through the serving process)."""
 
 
 class KVSource(msgspec.Struct, frozen=True):

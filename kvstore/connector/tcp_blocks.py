@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from pdmesh.grpc_common import TLSConfig
-from pdmesh.kvstore.connector import grant_mac
+from pdmesh.kvstore.connector import dist_blocks, grant_mac
 from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, on_device_of, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
@@ -81,6 +81,8 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     count: Annotated[int, msgspec.Meta(ge=1)]
     layout: tuple[int, int, int, int]  # layers, block_size, kv_heads, head_dim
     dtype: _Text
+    via: _Text = "tcp"      # "torch_dist": the bytes go over a process group (dist_blocks.py)
+    device: _Text = "cpu"   # the receiver's cache device type (NCCL needs both on GPUs)
 
 
 _DECODER = msgspec.msgpack.Decoder(PullRequest)
@@ -176,8 +178,20 @@ class BlockServer:
                     if self._closed:
                         return
                 conn.do_handshake()
-            ids = self._admit(_read_request(conn))
-            conn.sendall(_REPLY.pack(b"PDBR", OK, 0, len(ids) * block_nbytes(self._cache)))
+            req = _read_request(conn)
+            if req.via not in ("tcp", "torch_dist") or (req.via == "torch_dist"
+                                                       and not dist_blocks.available()):
+                raise _Refusal(REFUSED, f"this block server does not send over {req.via!r}")
+            ids = self._admit(req)
+            payload = len(ids) * block_nbytes(self._cache)
+            if req.via == "torch_dist":
+                store = dist_blocks.open_store(self._config, self._config.io_timeout_s)
+                kind = dist_blocks.group_kind(self._cache.device, req.device)
+                rendezvous = f"{store.port} {kind}".encode()  # the reply's reason field
+                conn.sendall(_REPLY.pack(b"PDBR", OK, len(rendezvous), payload) + rendezvous)
+                dist_blocks.send_blocks(conn, store, self._cache, ids, kind, self._config)
+                return
+            conn.sendall(_REPLY.pack(b"PDBR", OK, 0, payload))
             if self._cache.device.type == "cpu" and not isinstance(conn, ssl.SSLSocket):
                 _send_vectored(conn, _views(self._cache, ids))
             else:
@@ -233,7 +247,7 @@ class BlockServer:
 
 def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, mac: str,
                 first_block: int, dst: torch.Tensor, dst_ids: list[int],
-                config: KVConnectorConfig, deadline: Deadline) -> int:
+                config: KVConnectorConfig, deadline: Deadline, via: str = "tcp") -> int:
     """Receive export blocks [first_block, first_block + len(dst_ids)) of `request_id` from the
     BlockServer at `address` straight into dst[:, :, dst_ids]; returns bytes received.
 
@@ -254,9 +268,11 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     if not dst_ids:
         return 0
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
-                          (dst.shape[0], *dst.shape[3:]), _dtype_name(dst.dtype))
+                          (dst.shape[0], *dst.shape[3:]), _dtype_name(dst.dtype), via,
+                          dst.device.type)
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline)
-    parts = connection_ranges(len(dst_ids), config.tcp_connections)
+    connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
+    parts = connection_ranges(len(dst_ids), connections)
     threads = [threading.Thread(target=pull.run_on_device, args=part, name="kv-blocks-recv",
                                 daemon=True) for part in parts[1:]]
     done = False
@@ -369,6 +385,14 @@ class _Pull:
                 raise KVTransferDenied(f"the block server denied the pull: {reason}")
             if status != OK:
                 raise KVWireError(f"the block server refused the pull: {reason}")
+            if self.request.via == "torch_dist":
+                port, _, kind = reason.partition(" ")
+                if (payload != count * block_nbytes(self.dst) or not port.isdigit()
+                        or kind not in ("gloo", "nccl")):
+                    raise KVWireError("the block server's rendezvous reply is malformed")
+                return dist_blocks.receive_blocks(
+                    sock, self.address[0], int(port), kind, self.dst,
+                    self.dst_ids[offset:offset + count], self.deadline)
             if payload != count * block_nbytes(self.dst):
                 raise KVWireError(f"the block server sends {payload} bytes for {count} blocks "
                                   f"of {block_nbytes(self.dst)}")

@@ -59,6 +59,7 @@ from pdmesh.kvstore.transfer.worker_planes import (
     CacheFilePlane,
     CoreCache,
     Exports,
+    GroupPlane,
 )
 from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
 from pdmesh.tracing import Span, SpanKind, context_from_traceparent, get_tracer, mark_error
@@ -203,6 +204,8 @@ class KVSender:
             return None
         if name == "shm":
             return CacheFilePlane(self.core, self._exports, self.config.shm_dir)
+        if name == "torch_dist":
+            return GroupPlane(self.core, self._exports)
         return BlockServerPlane(self.core, self._exports, self._plane.tls is not None
                                 and self._plane.tls.enabled)
 

@@ -8,7 +8,9 @@ no KV byte themselves:
 * `shm` (same host, CPU): the core's cache file name and the export's block ids. Served only
   to a receiver that proves it shares this host's shm directory (`hostid.HostChallenge`);
 * `tcp` (any host): the core's block server address and a pull signed with the key this
-  process shares with its core (`connector/grant_mac.py`), bound to the one-time grant.
+  process shares with its core (`connector/grant_mac.py`), bound to the one-time grant;
+* `torch_dist` (NCCL between GPUs, gloo on CPU): the same, the bytes then going over a
+  process group the two cores form for the pull (`connector/dist_blocks.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from pdmesh.kvstore.connector import grant_mac
+from pdmesh.kvstore.connector import dist_blocks, grant_mac
 from pdmesh.kvstore.connector.shm_peer import encode_blocks
 from pdmesh.kvstore.transfer.backends.base import DataPlaneServer
 from pdmesh.kvstore.transfer.backends.hostid import HostChallenge
@@ -46,6 +48,8 @@ def core_backends(cache_file: str, block_server: str, cache_ipc: str = "") -> tu
     names = ["shm"] if cache_file or cache_ipc else []
     if block_server:
         names.append("tcp")
+        if dist_blocks.available():
+            names.append("torch_dist")
     return tuple(names)
 
 
@@ -114,3 +118,9 @@ class BlockServerPlane(DataPlaneServer):
         if self.tls:
             params["tls"] = "1"  # the block server speaks TLS only
         return params
+
+
+class GroupPlane(BlockServerPlane):
+    """`torch_dist`: admitted by the same block server, the bytes over a process group."""
+
+    name = "torch_dist"

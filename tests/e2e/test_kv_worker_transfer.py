@@ -1,8 +1,9 @@
 """KV moves worker to worker in a running mesh (issue: "KV moves worker to worker").
 
 A small mesh as real processes (redis-server, 1 prefill, 1 decode, router; local prefill off,
-so every prompt's KV moves): the decode instance's engine core pulls the prompt's blocks itself
-from the prefill's core, only those its own prefix cache lacks. A decode instance that holds
+so every prompt's KV moves), once per core transport (shm, tcp, torch_dist): the decode
+instance's engine core pulls the prompt's blocks itself from the prefill's core, only those its
+own prefix cache lacks. A decode instance that holds
 the first half of a prompt (it served that half before) pulls only the other half, and the
 tokens equal the offline engine's (colocated) token for token; the metrics say how many
 blocks were pulled and how many reused.
@@ -49,10 +50,12 @@ def blocks_loaded(child: Child) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[LocalMesh]:
+@pytest.fixture(scope="module", params=["auto", "tcp", "torch_dist"])
+def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
+    """auto: same host, so the decode core copies out of the prefill core's cache file (shm);
+    tcp: the prefill core's block server; torch_dist: a gloo group per pull."""
     config = MeshConfig(model="smollm2", num_prefill=1, num_decode=1, kv_cache_memory="64MiB",
-                        local_prefill_threshold=0)
+                        local_prefill_threshold=0, kv_backend=request.param)
     local = LocalMesh(config, router_args=["--poll-interval-s", "0.2"])
     local.start()
     try:

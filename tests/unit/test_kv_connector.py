@@ -18,7 +18,12 @@ from pdmesh.kvstore.connector.connector import KVConnector
 from pdmesh.kvstore.connector.shm_peer import encode_blocks
 from pdmesh.kvstore.connector.source import KVSource
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo
-from pdmesh.kvstore.transfer.errors import KVChecksumError, KVSenderUnavailable, KVWireError
+from pdmesh.kvstore.transfer.errors import (
+    KVChecksumError,
+    KVSenderUnavailable,
+    KVTransferDenied,
+    KVWireError,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -196,3 +201,31 @@ def test_a_peer_process_copies_blocks_device_to_device_over_cuda_ipc() -> None:
         assert parent.recv() == block_checksums(ChecksumAlgo.XXH3_64, cache, [5, 9])
     finally:
         proc.join(30)
+
+
+@pytest.mark.parametrize("via", ["tcp", "torch_dist"])
+def test_pulls_from_a_block_server_over_tcp_and_torch_dist(tmp_path, via: str) -> None:
+    key = grant_mac.new_key()
+    config = KVConnectorConfig(shm_dir=str(tmp_path), grant_secret=key, io_timeout_s=20)
+    sender = KVConnector(config, torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)),
+                         None)
+    receiver = KVConnector(KVConnectorConfig(shm_dir=str(tmp_path), tcp=False),
+                           torch.zeros(SHAPE), None)
+    sender.start()
+    try:
+        exported = [9, 2, 3, 17]
+        info = sender.export("r1", exported, num_tokens=15)
+        layers, _, _, block_size, heads, head_dim = SHAPE
+        params = {"address": sender.block_server_address, "request": "r1",
+                  "transfer": "t" * 32, "grant": "g" * 32,
+                  "mac": grant_mac.sign(key, "r1", "t" * 32, "g" * 32)}
+        source = KVSource(via, params, info.block_checksums, info.checksum_algo, 15,
+                          (layers, block_size, heads, head_dim), "float32", deadline_s=20)
+        receiver.load(source, 1, [4, 5, 11])  # the first block: the receiver's own hit
+        for dst, src in zip([4, 5, 11], exported[1:], strict=True):
+            assert torch.equal(receiver.cache[:, :, dst], sender.cache[:, :, src])
+        with pytest.raises(KVTransferDenied):  # the grant was used
+            receiver.load(source, 1, [4, 5, 11])
+    finally:
+        sender.close()
+        receiver.close()
