@@ -321,7 +321,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,512", help="block counts, e.g. 8,64,512")
     parser.add_argument("--backends", default="shm,tcp",
-                        help="staged rows: any KVSender backend; core rows: shm and tcp")
+                        help="staged rows: any KVSender backend; core rows: shm, tcp, torch_dist")
     parser.add_argument("--ids", choices=("shuffled", "consecutive"), default="shuffled")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of both processes")

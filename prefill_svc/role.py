@@ -33,6 +33,7 @@ class PrefillPart:
                 max_lease_s=max(getattr(config, "max_lease_s", 300.0), lease_s),
             ),
             on_release=self.servicer.on_release,
+            on_sent=self.servicer.on_sent,
             tls=config.tls,
             token=config.cluster_token,
             core=core_cache(service),

@@ -71,11 +71,13 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     # -- release (runs on any thread) --------------------------------------------------------
     def on_release(self, request_id: str, reason: ReleaseReason) -> None:
         with self._lock:
-            published = self._published.pop(request_id, None)
-        if published is not None and reason is ReleaseReason.ACKED:
-            self.service.counters.add_sent(published.nbytes)
+            self._published.pop(request_id, None)
         logger.debug("release request_id=%s reason=%s", request_id, reason)
         self.engine.release_kv_nowait(request_id)
+
+    def on_sent(self, request_id: str, nbytes: int) -> None:
+        """A decode instance acknowledged pulling `nbytes` of this request's KV."""
+        self.service.counters.add_sent(nbytes)
 
     def _cancel_transfer(self, request_id: str, detail: str) -> bool:
         with self._lock:

@@ -6,7 +6,8 @@ gRPC, metrics, traces) and never touches KV bytes. Modules: `blocks.py` (block r
 per-block checksums), `config.py`, `source.py` (what a load is told), `cache_file.py` (a CPU
 cache a peer core on the host can map) and `cuda_ipc.py` (its GPU form), `exports.py` (what
 the core lends), `grant_mac.py` (the serving process's word that a pull was granted), one
-module per transport (`shm_peer.py`, `tcp_blocks.py`), and `connector.py`, the core's façade.
+module per transport (`shm_peer.py`, `tcp_blocks.py`, `dist_blocks.py`), and `connector.py`,
+the core's façade.
 
 The package imports nothing itself: import from its modules.
 """

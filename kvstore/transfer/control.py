@@ -225,7 +225,8 @@ class ControlClient:
         return StartReply(dict(reply.params), reply.lease_remaining_ms / 1000)
 
     async def complete(
-        self, handle: KVHandle, ok: bool, error: str, deadline: Deadline, traceparent: str = ""
+        self, handle: KVHandle, ok: bool, error: str, deadline: Deadline, traceparent: str = "",
+        pulled_bytes: int = 0,
     ) -> TransferState:
         request = pb.CompleteTransferRequest(
             transfer_id=handle.transfer_id,
@@ -233,6 +234,7 @@ class ControlClient:
             ok=ok,
             error=error[:1024],
             traceparent=traceparent,
+            pulled_bytes=pulled_bytes,
         )
         reply = await self._call(self._stub.CompleteTransfer, request, handle, deadline)
         return _state(reply.state)

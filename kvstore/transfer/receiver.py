@@ -253,7 +253,8 @@ class KVReceiver:
             started = True
             await self._receive_watched(client, control, handle, reply.params, dst, deadline)
             await self._verify(handle, dst, deadline)
-            await control.complete(handle, True, "", deadline, traceparent)
+            await control.complete(handle, True, "", deadline, traceparent,
+                                   pulled_bytes=dst.numel() * dst.element_size())
             return dst
         except asyncio.CancelledError:
             self._notify(control.cancel(handle, "receiver gave up", self._notice_deadline()))
@@ -325,7 +326,8 @@ class KVReceiver:
         outcome = reason or ("ok" if not error else "error")
         try:
             await pull.control.complete(pull.handle, not error, error[:1024],
-                                        self._notice_deadline(), pull.traceparent)
+                                        self._notice_deadline(), pull.traceparent,
+                                        pulled_bytes=nbytes)
         except KVTransferError as exc:
             if not error:  # the blocks were pulled and checked: the lease ended meanwhile
                 logger.debug("ack of %s failed: %s", log_id(pull.handle.transfer_id), exc)

@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -108,6 +109,11 @@ class _ObservedService(KVTransferService):
         super()._admit(request, server)  # a refused caller starts no span and no timing
         self._sender._pull_started(request)
 
+    async def CompleteTransfer(self, request: pb.CompleteTransferRequest,
+                               context: grpc.aio.ServicerContext) -> pb.CompleteTransferReply:
+        self._sender._pull_completed(request)
+        return await super().CompleteTransfer(request, context)
+
 
 class KVSender:
     def __init__(
@@ -120,11 +126,13 @@ class KVSender:
         token: ClusterToken | None = None,
         metrics: KVTransferMetrics | None = None,
         core: CoreCache | None = None,
+        on_sent: Callable[[str, int], None] | None = None,
     ) -> None:
         """`tls`: PEM files for the control channel (unless `server_credentials` is given)
         and the tcp data plane. `token`: require the cluster token and capabilities.
         `core`: the engine core lends its blocks itself; `shm` and `tcp` are then its own
-        transports (`publish_export`), and this process never touches KV bytes."""
+        transports (`publish_export`), and this process never touches KV bytes. `on_sent`:
+        called with the bytes a receiver pulled when it acknowledged (any thread)."""
         if not config.backends:
             raise ValueError("a KV sender needs at least one backend")
         if tls is not None and tls.enabled:
@@ -141,6 +149,7 @@ class KVSender:
         self._credentials = server_credentials
         self._token = token
         self._on_release = on_release
+        self._on_sent = on_sent
         self._metrics = metrics or kv_transfer_metrics()
         self._served: dict[str, _Served] = {}  # by request id; guarded by _served_lock
         self._served_lock = threading.Lock()
@@ -331,6 +340,16 @@ class KVSender:
                 },
             )
 
+    def _pull_completed(self, request: pb.CompleteTransferRequest) -> None:
+        """A receiver's ack names the bytes it pulled (an export's receiver pulls only what
+        its prefix cache lacks): count those, never more than was offered."""
+        if not request.ok or not request.pulled_bytes:
+            return
+        with self._served_lock:
+            served = self._served.get(request.request_id)
+            if served is not None and served.transfer_id == request.transfer_id:
+                served.nbytes = min(served.nbytes, request.pulled_bytes)
+
     def _released(self, request_id: str, reason: ReleaseReason) -> None:
         """The lease table's release callback: record the outcome, then the caller's one."""
         with self._served_lock:
@@ -340,6 +359,8 @@ class KVSender:
         try:
             if served is not None:
                 self._observe(served, reason)
+            if served is not None and reason is ReleaseReason.ACKED and self._on_sent:
+                self._on_sent(request_id, served.nbytes)
         except Exception:  # observability must never keep pinned KV from being freed
             logger.exception("recording KV transfer %s failed", request_id)
         self._on_release(request_id, reason)

@@ -123,18 +123,20 @@ class StartTransferReply(_message.Message):
     def __init__(self, state: _Optional[_Union[KVTransferState, str]] = ..., params: _Optional[_Mapping[str, str]] = ..., lease_remaining_ms: _Optional[int] = ...) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "ok", "error", "traceparent")
+    __slots__ = ("transfer_id", "request_id", "ok", "error", "traceparent", "pulled_bytes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     ok: bool
     error: str
     traceparent: str
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    pulled_bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., traceparent: _Optional[str] = ..., pulled_bytes: _Optional[int] = ...) -> None: ...
 
 class CompleteTransferReply(_message.Message):
     __slots__ = ("state",)
