@@ -50,7 +50,8 @@ from pdmesh.engine.engine_request import KVCacheFullError
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005
-"""How long an idle loop waits on a compiling grammar before looking at its commands again."""
+"""How long an idle loop waits on a compiling grammar or a KV pull before looking at its
+commands again."""
 
 
 class CoreTransport(Protocol):

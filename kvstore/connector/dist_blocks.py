@@ -46,8 +46,9 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.05))
 
 
-def _group(store: torch.distributed.Store, rank: int, kind: str, host: str,
-           seconds: float) -> torch.distributed.ProcessGroup:
+def process_group(store: torch.distributed.Store, rank: int, kind: str, host: str,
+                  seconds: float) -> torch.distributed.ProcessGroup:
+    """A two-rank group of its own on `store` (never the default group: no entanglement)."""
     dist = torch.distributed
     if kind == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -77,7 +78,7 @@ def send_blocks(conn: socket.socket, store: torch.distributed.TCPStore, cache: t
     """Sender (a block-server thread, after the reply named the store): the blocks as one
     message, then wait for the receiver's word that it is done before tearing down."""
     seconds = config.io_timeout_s
-    group = _group(store, 0, kind, config.tcp_advertise_host or config.tcp_host, seconds)
+    group = process_group(store, 0, kind, config.tcp_advertise_host or config.tcp_host, seconds)
     try:
         index = torch.tensor(list(ids), device=cache.device)
         payload = cache.index_select(2, index)  # one gather on the sender's device
@@ -99,7 +100,7 @@ def receive_blocks(sock: socket.socket, host: str, port: int, kind: str, dst: to
         raise KVTransferTimeout("the pull's deadline passed before its group formed")
     store = torch.distributed.TCPStore(host, port, 2, False, timeout=_timeout(seconds))
     local = sock.getsockname()[0]  # the interface that reaches the sender
-    group = _group(store, 1, kind, local, seconds)
+    group = process_group(store, 1, kind, local, seconds)
     try:
         shape = (dst.shape[0], 2, len(dst_ids), *dst.shape[3:])
         device = dst.device if kind == "nccl" else torch.device("cpu")

@@ -441,14 +441,7 @@ def _send_vectored(sock: socket.socket, views: list[memoryview]) -> None:
     pending = [v for v in views if len(v)]
     while pending:
         batch = pending[:IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        done = 0
-        while done < len(batch) and sent >= len(batch[done]):
-            sent -= len(batch[done])
-            done += 1
-        if done < len(batch) and sent:
-            batch[done] = batch[done][sent:]
-        pending = batch[done:] + pending[len(batch):]
+        pending = _advance(batch, sock.sendmsg(batch)) + pending[len(batch):]
 
 
 def _recv_vectored(sock: socket.socket, views: list[memoryview],
@@ -465,13 +458,19 @@ def _recv_vectored(sock: socket.socket, views: list[memoryview],
             raise ConnectionError(f"the peer closed the connection after {got_all} of "
                                   f"{total} bytes")
         got_all += got
-        done = 0
-        while done < len(batch) and got >= len(batch[done]):
-            got -= len(batch[done])
-            done += 1
-        if done < len(batch) and got:
-            batch[done] = batch[done][got:]
-        pending = batch[done:] + pending[len(batch):]
+        pending = _advance(batch, got) + pending[len(batch):]
+
+
+def _advance(batch: list[memoryview], nbytes: int) -> list[memoryview]:
+    """What of `batch` is left after a vectored call moved its first `nbytes`."""
+    done = 0
+    while done < len(batch) and nbytes >= len(batch[done]):
+        nbytes -= len(batch[done])
+        done += 1
+    rest = batch[done:]
+    if rest and nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
 
 
 def _stage(cache: torch.Tensor, count: int) -> tuple[torch.Tensor | None, int]:

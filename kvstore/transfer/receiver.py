@@ -63,6 +63,7 @@ from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.state import TransferState
 from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
 from pdmesh.tracing import (
+    Span,
     SpanKind,
     context_from_traceparent,
     get_tracer,
@@ -120,7 +121,7 @@ class Pull:
     control: ControlClient
     deadline: Deadline
     started: float
-    span: Any
+    span: Span
     traceparent: str
     heartbeat: asyncio.Task[None] | None = None
     ending: bool = False    # `finish` was asked for (it may still be running)
@@ -193,19 +194,7 @@ class KVReceiver:
         """
         started = time.monotonic()
         name = backend or ""
-        span = get_tracer().start_span(
-            "pdmesh.kv_transfer",
-            context=context_from_traceparent(traceparent),
-            kind=SpanKind.CLIENT,
-            attributes={
-                "pdmesh.kv.side": "receiver",
-                "pdmesh.kv.transfer": log_id(handle.transfer_id),
-                "pdmesh.request_id": handle.request_id,
-                "pdmesh.kv.sender_address": handle.sender_address,
-                "pdmesh.kv.num_blocks": handle.layout.num_blocks,
-                "pdmesh.kv.num_tokens": handle.layout.num_tokens,
-            },
-        )
+        span = _transfer_span(handle, traceparent)
         try:
             name = backend or self.choose_backend(handle)
             span.set_attribute("pdmesh.kv.backend", name)
@@ -277,20 +266,8 @@ class KVReceiver:
         `handle.is_export`); the lease is kept alive until `finish`. Raises like `fetch`."""
         started = time.monotonic()
         deadline = Deadline.coerce(deadline)
-        span = get_tracer().start_span(
-            "pdmesh.kv_transfer",
-            context=context_from_traceparent(traceparent),
-            kind=SpanKind.CLIENT,
-            attributes={
-                "pdmesh.kv.side": "receiver",
-                "pdmesh.kv.transfer": log_id(handle.transfer_id),
-                "pdmesh.request_id": handle.request_id,
-                "pdmesh.kv.sender_address": handle.sender_address,
-                "pdmesh.kv.num_blocks": handle.layout.num_blocks,
-                "pdmesh.kv.num_tokens": handle.layout.num_tokens,
-                "pdmesh.kv.backend": backend,
-            },
-        )
+        span = _transfer_span(handle, traceparent)
+        span.set_attribute("pdmesh.kv.backend", backend)
         control = self._control(handle.sender_address)
         try:
             if backend not in handle.backends:
@@ -505,3 +482,20 @@ class KVReceiver:
                                                   interceptors=self._interceptors)
             self._channels[address] = channel
         return ControlClient(channel)
+
+
+def _transfer_span(handle: KVHandle, traceparent: str) -> Span:
+    """The receiver's `pdmesh.kv_transfer` span (CLIENT), parented on `traceparent`."""
+    return get_tracer().start_span(
+        "pdmesh.kv_transfer",
+        context=context_from_traceparent(traceparent),
+        kind=SpanKind.CLIENT,
+        attributes={
+            "pdmesh.kv.side": "receiver",
+            "pdmesh.kv.transfer": log_id(handle.transfer_id),
+            "pdmesh.request_id": handle.request_id,
+            "pdmesh.kv.sender_address": handle.sender_address,
+            "pdmesh.kv.num_blocks": handle.layout.num_blocks,
+            "pdmesh.kv.num_tokens": handle.layout.num_tokens,
+        },
+    )

@@ -88,9 +88,7 @@ class CacheFilePlane(DataPlaneServer):
         self.challenge = HostChallenge(directory)
 
     def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:
-        if self.challenge.verify(transfer_id, receiver_proof):
-            return None
-        return "shm is served only to receivers that prove they share this host's shm directory"
+        return self.challenge.refusal(transfer_id, receiver_proof)
 
     async def prepare(self, grant: Grant) -> dict[str, str]:
         blocks = self.exports.get(grant.transfer_id)

@@ -70,6 +70,13 @@ class HostChallenge:
         expected = _proof(self._nonce, transfer_id).encode()
         return hmac.compare_digest(expected, proof.encode("ascii", "replace"))
 
+    def refusal(self, transfer_id: str, proof: str) -> str | None:
+        """Why a StartTransfer caller may not have a same-host data plane, or None."""
+        if self.verify(transfer_id, proof):
+            return None
+        return ("shm is served only to receivers that prove they share this host's shm "
+                "directory")
+
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)

@@ -135,9 +135,7 @@ class Server(DataPlaneServer):
         self.challenge = HostChallenge(directory)
 
     def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:
-        if self.challenge.verify(transfer_id, receiver_proof):
-            return None
-        return "shm is served only to receivers that prove they share this host's shm directory"
+        return self.challenge.refusal(transfer_id, receiver_proof)
 
     async def prepare(self, grant: Grant) -> dict[str, str]:
         aborted = threading.Event()

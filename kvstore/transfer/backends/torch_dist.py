@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from pdmesh.kvstore.connector.dist_blocks import process_group
 from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer, run_blocking
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -46,20 +47,6 @@ def unavailable_reason() -> str | None:
 
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.05))
-
-
-def _process_group(
-    store: torch.distributed.Store, rank: int, kind: str, host: str, seconds: float
-) -> torch.distributed.ProcessGroup:
-    dist = torch.distributed
-    if kind == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = _timeout(seconds)
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = _timeout(seconds)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def _payload(kv: torch.Tensor) -> torch.Tensor:
@@ -111,7 +98,7 @@ class Server(DataPlaneServer):
         try:
             # Gloo ops cannot be interrupted; the group's timeout bounds them instead.
             with self.table.reading(grant.transfer_id, grant.token, abort=lambda: None) as src:
-                group = _process_group(scoped, 0, kind, self.config.advertise_host, seconds)
+                group = process_group(scoped, 0, kind, self.config.advertise_host, seconds)
                 group.send([_payload(src.kv)], 1, _TAG).wait(_timeout(seconds))
                 # Keep the store up until the receiver has everything it needs from it.
                 scoped.wait(["done"], _timeout(seconds))
@@ -199,7 +186,7 @@ def _pull(
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise KVWireError("oversized header in rendezvous store")
         check_header(decode_header(header_bytes), handle)
-        group = _process_group(scoped, 1, kind, _local_host(host), deadline.remaining())
+        group = process_group(scoped, 1, kind, _local_host(host), deadline.remaining())
         group.recv([_payload(handoff.staging)], 0, _TAG).wait(_timeout(deadline.remaining()))
         scoped.set("done", "1")
         handoff.deliver()
