@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, checksum
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, checksum, default_algo
 
 try:
     import xxhash
@@ -62,8 +62,10 @@ def byte_view(cache: torch.Tensor) -> np.ndarray:
 
 def block_checksums(algo: ChecksumAlgo, cache: torch.Tensor,
                     block_ids: Sequence[int]) -> list[int]:
-    """One 64-bit checksum per block. A device cache is copied to the host first (its blocks
-    only), which is what a GPU sender pays for checking; CPU caches are hashed in place."""
+    """One 64-bit checksum per block. xxh3 and crc32 hash a CPU cache in place (a device
+    cache's blocks are copied to the host first); lin64 reduces on the cache's own device."""
+    if algo is ChecksumAlgo.LIN64:
+        return lin64_checksums(cache, block_ids)
     if cache.device.type != "cpu":
         ids = torch.tensor(list(block_ids), device=cache.device)
         host = cache.index_select(2, ids).cpu()
@@ -99,3 +101,47 @@ def on_device_of(cache: torch.Tensor) -> contextlib.AbstractContextManager[objec
     if cache.device.type == "cuda":
         return torch.cuda.device(cache.device)
     return contextlib.nullcontext()
+
+
+LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a temporary)
+
+
+def default_block_algo(cache: torch.Tensor) -> ChecksumAlgo:
+    """What a core checks its blocks with: on the device for a GPU cache (when its pieces are
+    whole 32-bit words), else xxh3 on the host."""
+    piece_bytes = cache[0, 0, 0].numel() * cache.element_size()
+    if cache.device.type == "cuda" and piece_bytes % 4 == 0:
+        return ChecksumAlgo.LIN64
+    return default_algo()
+
+
+def _lin64_weights(num_words: int, device: torch.device) -> torch.Tensor:
+    """Odd 64-bit weights, one per 32-bit word of a block (splitmix64 of the position): a
+    changed word always changes the sum, and so does a word moved to another position."""
+    z = np.arange(1, num_words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(31))) | np.uint64(1)
+    return torch.from_numpy(z.view(np.int64)).to(device)
+
+
+def lin64_checksums(cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """sum(word_k * weight_k) mod 2^64 over each block's 32-bit words, in (layer, K/V, piece)
+    order: integer arithmetic, so every device and every reduction order agrees."""
+    layers = cache.shape[0]
+    words = cache.view(torch.int32) if cache.element_size() == 4 else None
+    if words is None:
+        flat = cache.reshape(*cache.shape[:3], -1).view(torch.uint8)
+        words = flat.view(torch.int32)
+    words = words.reshape(layers, 2, cache.shape[2], -1)
+    weights = _lin64_weights(layers * 2 * words.shape[-1], cache.device).view(
+        layers, 2, 1, -1)
+    ids = list(block_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for start in range(0, len(ids), LIN64_CHUNK_BLOCKS):
+            chunk = torch.tensor(ids[start:start + LIN64_CHUNK_BLOCKS], device=cache.device)
+            picked = words.index_select(2, chunk).to(torch.int64)
+            sums = (picked * weights).sum(dim=(0, 1, 3))
+            out += [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
+    return out

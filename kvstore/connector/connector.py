@@ -29,14 +29,14 @@ import msgspec
 import torch
 
 from pdmesh.kvstore.connector import dist_blocks
-from pdmesh.kvstore.connector.blocks import block_checksums, on_device_of
+from pdmesh.kvstore.connector.blocks import block_checksums, default_block_algo, on_device_of
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
-from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, parse_algo
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVChecksumError, KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
@@ -59,7 +59,7 @@ class KVConnector:
         self.config = config
         self.cache = cache
         self.cache_file = cache_file
-        self.algo = algo or default_algo()
+        self.algo = algo or default_block_algo(cache)
         self.exports = ExportRegistry()
         self._shm = ShmPeerTransport(config.shm_dir)
         self._server = None

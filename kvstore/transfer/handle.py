@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
+from pdmesh.kvstore.transfer.checksum import PAYLOAD_ALGOS, ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.errors import KVHandleError
 from pdmesh.kvstore.transfer.layout import (
     DTYPE_CODES,
@@ -69,7 +69,9 @@ class KVHandle:
                 raise KVHandleError(f"{name} longer than {MAX_ID_BYTES} bytes")
         if not isinstance(self.layout, KVLayout):
             raise KVHandleError("layout must be a KVLayout")
-        parse_algo(str(self.checksum_algo))
+        algo = parse_algo(str(self.checksum_algo))
+        if not self.block_checksums and algo not in PAYLOAD_ALGOS:
+            raise KVHandleError(f"checksum {algo} checks blocks, and this handle has none")
         if not isinstance(self.checksum, int) or not 0 <= self.checksum < 1 << 64:
             raise KVHandleError(f"checksum must be an unsigned 64-bit int, got {self.checksum!r}")
         if self.block_checksums:

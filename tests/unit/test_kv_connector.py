@@ -229,3 +229,29 @@ def test_pulls_from_a_block_server_over_tcp_and_torch_dist(tmp_path, via: str) -
     finally:
         sender.close()
         receiver.close()
+
+
+def test_lin64_is_per_block_only_and_sees_moved_words() -> None:
+    from pdmesh.kvstore.transfer.checksum import checksum
+
+    with pytest.raises(Exception, match="blocks"):
+        checksum(ChecksumAlgo.LIN64, b"payload")
+    cache = torch.randn(SHAPE)
+    before = block_checksums(ChecksumAlgo.LIN64, cache, [4])
+    piece = cache[1, 0, 4].reshape(-1)
+    piece[[0, 1]] = piece[[1, 0]].clone()  # two words swapped inside one piece
+    assert block_checksums(ChecksumAlgo.LIN64, cache, [4]) != before
+    many = block_checksums(ChecksumAlgo.LIN64, cache, list(range(SHAPE[2])))  # > one chunk
+    assert many[4] == block_checksums(ChecksumAlgo.LIN64, cache, [4])[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lin64_on_the_device_equals_the_host_and_is_the_gpu_default() -> None:
+    from pdmesh.kvstore.connector.blocks import default_block_algo
+
+    cache = torch.randn(SHAPE).to(torch.bfloat16)
+    device = cache.cuda()
+    assert default_block_algo(device) is ChecksumAlgo.LIN64
+    ids = [0, 7, 23]
+    assert block_checksums(ChecksumAlgo.LIN64, device, ids) == block_checksums(
+        ChecksumAlgo.LIN64, cache, ids)
