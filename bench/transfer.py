@@ -58,6 +58,7 @@ from pdmesh.kvstore.connector.connector import KVConnector
 from pdmesh.kvstore.connector.grant_mac import new_key
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
 from pdmesh.kvstore.transfer.checksum import parse_algo
+from pdmesh.kvstore.transfer.core_pull import CorePulls
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.layout import KVLayout
@@ -209,6 +210,7 @@ class Decoder:
 
     def __init__(self, conn: Connection, setup: Setup, rx: KVReceiver) -> None:
         self.conn, self.rx, self.ids = conn, rx, iter(range(1 << 30))
+        self.pulls = CorePulls(rx)
         self.cache = shared_zeros(kv_shape(setup.cache_blocks), torch.float32, setup.shm_dir)
         self.cache.tensor.fill_(0.0)  # commit the tmpfs pages: a serving cache is warm
         self.connector = KVConnector(setup.connector_config(tcp=False), self.cache.tensor,
@@ -227,7 +229,7 @@ class Decoder:
         reply = ask(self.conn, ("core", n, f"c-{next(self.ids)}"))
         handle = KVHandle.from_dict(reply["handle"])
         deadline = Deadline.after(DEADLINE_S)
-        pull = await self.rx.begin(handle, deadline, backend=backend)
+        pull = await self.pulls.begin(handle, deadline, backend=backend)
         source = KVSource(backend, pull.params, list(handle.block_checksums),
                           str(handle.checksum_algo), handle.layout.num_tokens,
                           (LAYERS, BLOCK, HEADS, HEAD_DIM), "float32",
@@ -236,10 +238,10 @@ class Decoder:
         try:
             nbytes = self.connector.load(source, 0, dst_ids)
         except BaseException as exc:
-            await self.rx.finish(pull, error=f"{type(exc).__name__}: {exc}")
+            await self.pulls.finish(pull, error=f"{type(exc).__name__}: {exc}")
             raise
         loaded = time.perf_counter()
-        await self.rx.finish(pull, nbytes=nbytes)
+        await self.pulls.finish(pull, nbytes=nbytes)
         return {"total": time.perf_counter() - start, "load": loaded - loading,
                 "export": float(reply["export_s"])}
 

@@ -1,13 +1,14 @@
 """The Decode gRPC service: continue a request after a remote prefill, or run it whole.
 
-With `remote_prefill` the KV is pulled straight from the prefill instance (`KVReceiver`,
-checksum-verified and acknowledged) before the request enters the engine. When the pull fails
-(prefill gone or stopped, lease expired, checksum mismatch, timeout) the fault is the prefill
-instance's: with `--kv-load-failure-policy recompute` (default) this instance prefills the
-prompt itself and continues after the prefill's first tokens, which the client already has
-(given tokens without KV: same tokens, greedy or seeded), and says so in
-`DecodeResult.kv_load_fallback` so the router charges the prefill instance; with `fail` the
-call is refused (`refuse(..., "kv_load_failed")`) before anything is decoded. Without
+With `remote_prefill` the prompt's KV comes from the prefill instance (`remote_kv.py`: our
+engine core pulls the blocks its prefix cache lacks straight from the prefill's core,
+checksum-verified and acknowledged). When the pull fails (prefill gone or stopped, lease
+expired, checksum mismatch, timeout) the fault is the prefill instance's: with
+`--kv-load-failure-policy recompute` (default) this instance prefills the prompt itself and
+continues after the prefill's first tokens, which the client already has (given tokens
+without KV: same tokens, greedy or seeded), and says so in `DecodeResult.kv_load_fallback` so
+the router charges the prefill instance; with `fail` the call is refused
+(`refuse(..., "kv_load_failed")`). Without
 `remote_prefill` the prompt is prefilled here (conditional disaggregation: the router decided
 the prompt is mostly cached on this instance).
 With `resume` (decode migration: the request's stream broke on another decode instance) the
@@ -28,83 +29,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
-import torch
 
+from pdmesh.decode_svc.call import Admit, Observed, engine_request
+from pdmesh.decode_svc.remote_kv import RemoteKV
 from pdmesh.engine.async_engine import EngineError
-from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.llm_engine import KVCacheFullError
-from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
+from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import (
     DeltaBuilder,
-    logprob_from_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
 from pdmesh.engine_svc.service import EngineService
-from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
-from pdmesh.kvstore.connector.source import KVSource, LoadResult
-from pdmesh.kvstore.transfer.capability import TransferCapability
-from pdmesh.kvstore.transfer.deadline import Deadline
-from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
-from pdmesh.kvstore.transfer.handle import KVHandle
-from pdmesh.kvstore.transfer.receiver import KVReceiver, Pull
-from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
-from pdmesh.kvstore.transfer.worker_planes import core_backends
+from pdmesh.kvstore.transfer.receiver import KVReceiver
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
 from pdmesh.tracing import (
-    Span,
     SpanKind,
     extract_metadata,
     gen_ai_request_attributes,
     gen_ai_response_attributes,
     get_tracer,
     mark_error,
-    span_traceparent,
 )
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Observed:
-    """What one Decode call did, for its span and metrics (filled as it runs)."""
-
-    span: Span
-    received: float = field(default_factory=time.monotonic)
-    ttft_s: float | None = None
-    queue_s: float | None = None
-    streamed_tokens: int = 0
-    outcome: str = "error"
-    finish_reasons: list[str] = field(default_factory=list)
-    prompt_tokens: int = 0
-    kv_load_fallback: str = ""  # the KV pull failed for this reason; the prompt was recomputed
-    last_delta_at: float | None = None  # for the inter-token latency
-
-
-@dataclass
-class _Admit:
-    """What a Decode call hands the engine: the request, and its given tokens' logprobs;
-    with `pull`, a transfer the engine core pulls itself (the request's `kv_source`)."""
-
-    request: EngineRequest
-    given_logprobs: list[list[TokenLogprobs | None]] | None = None
-    pull: Pull | None = None
-
-
-def _engine_request(request: engine_pb2.DecodeRequest, params: SamplingParams, *,
-                    kv: torch.Tensor | None = None, given_tokens: list[list[int]] | None = None,
-                    num_cached_tokens: int = 0, kv_source: KVSource | None = None
-                    ) -> EngineRequest:
-    """The engine request of a Decode call, with the KV or the tokens it brings."""
-    return EngineRequest(request.request_id, list(request.prompt_token_ids), params,
-                         request.priority, request.cache_salt or None, kv=kv,
-                         given_tokens=given_tokens, num_cached_tokens=num_cached_tokens,
-                         kv_source=kv_source)
 
 
 class DecodeServicer(engine_pb2_grpc.DecodeServicer):
@@ -112,15 +64,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         self, service: EngineService, receiver: KVReceiver, *, kv_fetch_timeout_s: float = 30.0,
         kv_load_failure_policy: str = "recompute", metrics: EngineMetrics | None = None,
     ) -> None:
-        if kv_load_failure_policy not in ("recompute", "fail"):
-            raise ValueError(f"kv_load_failure_policy: expected recompute or fail, got "
-                             f"{kv_load_failure_policy!r}")
         self.service = service
         self.engine = service.engine
         self.receiver = receiver
-        self.kv_fetch_timeout_s = kv_fetch_timeout_s
-        self.kv_load_failure_policy = kv_load_failure_policy
         self.metrics = metrics or engine_metrics(service.role)
+        self.remote = RemoteKV(self.engine, receiver, service.counters, self.metrics,
+                               kv_fetch_timeout_s=kv_fetch_timeout_s,
+                               kv_load_failure_policy=kv_load_failure_policy)
 
     async def Decode(
         self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -134,7 +84,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                         "pdmesh.decode.remote_prefill": request.HasField("remote_prefill"),
                         "pdmesh.decode.resumed": bool(request.resume)},
         )
-        seen = _Observed(span, prompt_tokens=len(request.prompt_token_ids))
+        seen = Observed(span, prompt_tokens=len(request.prompt_token_ids))
         try:
             async for response in self._decode(request, context, seen):
                 yield response
@@ -145,7 +95,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         finally:
             self._observe(request, seen)
 
-    def _observe(self, request: engine_pb2.DecodeRequest, seen: _Observed) -> None:
+    def _observe(self, request: engine_pb2.DecodeRequest, seen: Observed) -> None:
         e2e_s = time.monotonic() - seen.received
         self.metrics.request_finished(
             outcome=seen.outcome, prompt_tokens=seen.prompt_tokens,
@@ -167,7 +117,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
 
     async def _decode(
         self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
-        seen: _Observed,
+        seen: Observed,
     ) -> AsyncIterator[engine_pb2.DecodeResponse]:
         received = seen.received
         rid = request.request_id
@@ -199,11 +149,12 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except KVCacheFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if remote is not None:
-            admit = await self._import(request, params, remote, builder, context, timing, seen)
+            admit = await self.remote.admit(request, params, remote, builder, context, timing,
+                                               seen)
         elif request.resume:
             admit = await self._resume(request, params, builder, context)
         else:
-            admit = _Admit(_engine_request(request, params))
+            admit = Admit(engine_request(request, params))
         outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs)
         last: RequestOutput | None = None
         finished = False
@@ -213,7 +164,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             async for out in outputs:
                 last = out
                 if admit.pull is not None and not admit.pull.ending:
-                    await self._pulled(admit.pull, out.kv_load, context, timing, seen)
+                    await self.remote.settle(admit.pull, out.kv_load, context, timing, seen)
                 if prompt_k is not None and out.prompt_logprobs is not None:
                     entries = prompt_logprobs_to_proto(out.prompt_logprobs, prompt, prompt_k)
                     prompt_k = None
@@ -249,164 +200,9 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             if not finished:
                 self.engine.abort_nowait(rid)  # cancelled or failed: free its blocks now
             if admit.pull is not None:
-                self.receiver.abandon(admit.pull, "the decode call ended before its pull")
+                self.remote.pulls.abandon(admit.pull, "the decode call ended before its pull")
         yield self._result(prompt, params, remote, last, received, timing,
                            kv_load_fallback=seen.kv_load_fallback)
-
-    async def _import(
-        self,
-        request: engine_pb2.DecodeRequest,
-        params: SamplingParams,
-        remote: engine_pb2.RemotePrefill,
-        builder: DeltaBuilder,
-        context: grpc.aio.ServicerContext,
-        timing: common_pb2.Timing,
-        seen: _Observed,
-    ) -> _Admit:
-        """The pulled KV with the prefill's first tokens (or, when the pull fails, those
-        tokens alone: `_recompute`)."""
-        rid = request.request_id
-        span = seen.span
-        try:
-            handle = KVHandle.from_proto(remote.kv)
-        except KVHandleError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"remote_prefill.kv: {exc}")
-        if handle.request_id != rid:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"remote_prefill.kv: handle belongs to request {handle.request_id!r}, not {rid!r}",
-            )
-        first = sorted(remote.first, key=lambda d: d.index)
-        if [d.index for d in first] != list(range(params.n)) or any(
-            len(d.token_ids) != 1 for d in first
-        ):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"remote_prefill.first: expected one token for each of {params.n} sequences",
-            )
-        first_ids = [[d.token_ids[0]] for d in first]
-        first_logprobs: list[list[TokenLogprobs | None]] | None = None
-        if params.logprobs is not None:
-            first_logprobs = [[logprob_from_proto(d.logprobs[0]) if d.logprobs else None]
-                              for d in first]
-        for d in first:
-            builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
-        capability = (TransferCapability.from_proto(remote.capability)
-                      if remote.HasField("capability") else None)  # the router's grant
-        if handle.is_export:  # the prefill's core lends its blocks: our core pulls them
-            return await self._begin_pull(request, params, remote, handle, first_ids,
-                                          first_logprobs, capability, context, seen)
-        started = time.monotonic()
-        try:
-            kv = await self.receiver.fetch(
-                handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span),
-                capability=capability,
-            )
-        except KVTransferError as exc:
-            reason = kv_failure_reason(exc)
-            message = (f"KV transfer from {handle.sender_address} failed "
-                       f"({type(exc).__name__}): {exc}")
-            if self.kv_load_failure_policy == "fail":
-                await refuse(context, KV_LOAD_FAILED, message)
-            return self._recompute(request, params, first_ids, first_logprobs, reason,
-                                   message, seen)
-        timing.kv_transfer_ms = (time.monotonic() - started) * 1e3
-        self.service.counters.add_received(kv.numel() * kv.element_size())
-        if span.is_recording():
-            span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
-                                 "pdmesh.kv.bytes": kv.numel() * kv.element_size()})
-        return _Admit(_engine_request(request, params, kv=kv, given_tokens=first_ids,
-                                      num_cached_tokens=remote.cached_prompt_tokens),
-                      first_logprobs)
-
-    async def _begin_pull(
-        self,
-        request: engine_pb2.DecodeRequest,
-        params: SamplingParams,
-        remote: engine_pb2.RemotePrefill,
-        handle: KVHandle,
-        first_ids: list[list[int]],
-        first_logprobs: list[list[TokenLogprobs | None]] | None,
-        capability: TransferCapability | None,
-        context: grpc.aio.ServicerContext,
-        seen: _Observed,
-    ) -> _Admit:
-        """Start the transfer on the control plane; the engine core pulls the blocks its
-        prefix cache lacks while it admits the request (`_pulled` hears how it went)."""
-        info = self.engine.info
-        deadline = Deadline.after(self.kv_fetch_timeout_s)
-        try:
-            backend = self.receiver.choose_backend(
-                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
-                                            info.kv_cache_ipc))
-            pull = await self.receiver.begin(handle, deadline, backend=backend,
-                                             traceparent=span_traceparent(seen.span),
-                                             capability=capability)
-        except KVTransferError as exc:
-            message = (f"KV transfer from {handle.sender_address} failed "
-                       f"({type(exc).__name__}): {exc}")
-            if self.kv_load_failure_policy == "fail":
-                await refuse(context, KV_LOAD_FAILED, message)
-            return self._recompute(request, params, first_ids, first_logprobs,
-                                   kv_failure_reason(exc), message, seen)
-        source = KVSource(backend, pull.params, list(handle.block_checksums),
-                          str(handle.checksum_algo), handle.layout.num_tokens,
-                          info.kv_shape, info.kv_dtype, deadline_s=deadline.remaining())
-        return _Admit(_engine_request(request, params, given_tokens=first_ids,
-                                      num_cached_tokens=remote.cached_prompt_tokens,
-                                      kv_source=source),
-                      first_logprobs, pull)
-
-    async def _pulled(self, pull: Pull, result: LoadResult | None,
-                      context: grpc.aio.ServicerContext, timing: common_pb2.Timing,
-                      seen: _Observed) -> None:
-        """The core placed the request (its first output says how): settle the transfer, and
-        count what was pulled and what the prefix cache already had."""
-        if result is None:
-            result = LoadResult(error="the engine reported no pull", reason="error")
-        self.receiver.finish_soon(pull, nbytes=result.nbytes, error=result.error,
-                                  reason=result.reason)
-        timing.kv_transfer_ms = result.seconds * 1e3
-        self.metrics.kv_blocks(pulled=result.pulled_blocks, reused=result.reused_blocks)
-        if seen.span.is_recording():
-            seen.span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
-                                      "pdmesh.kv.bytes": result.nbytes,
-                                      "pdmesh.kv.blocks_pulled": result.pulled_blocks,
-                                      "pdmesh.kv.blocks_reused": result.reused_blocks})
-        if not result.error:
-            self.service.counters.add_received(result.nbytes)
-            return
-        if result.reason == "no_free_blocks":
-            return  # our pool is busy, not the prefill's fault: it recomputes when room frees
-        message = f"KV pull from {pull.handle.sender_address} failed: {result.error}"
-        if self.kv_load_failure_policy == "fail":
-            await refuse(context, KV_LOAD_FAILED, message)
-        seen.kv_load_fallback = result.reason
-        self.metrics.kv_load_fallback(result.reason)
-        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
-                       pull.handle.request_id, result.reason, message)
-
-    def _recompute(
-        self,
-        request: engine_pb2.DecodeRequest,
-        params: SamplingParams,
-        first_ids: list[list[int]],
-        first_logprobs: list[list[TokenLogprobs | None]] | None,
-        reason: str,
-        message: str,
-        seen: _Observed,
-    ) -> _Admit:
-        """The KV pull failed: prefill the prompt here and continue after the prefill's first
-        tokens (already with the client), as the request would have continued."""
-        rid = request.request_id
-        seen.kv_load_fallback = reason
-        self.metrics.kv_load_fallback(reason)
-        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
-                       rid, reason, message)
-        if seen.span.is_recording():
-            seen.span.add_event("pdmesh.kv_load_fallback",
-                                {"pdmesh.kv.failure_reason": reason, "message": message})
-        return _Admit(_engine_request(request, params, given_tokens=first_ids), first_logprobs)
 
     async def _resume(
         self,
@@ -414,7 +210,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         params: SamplingParams,
         builder: DeltaBuilder,
         context: grpc.aio.ServicerContext,
-    ) -> _Admit:
+    ) -> Admit:
         """Decode migration (DecodeRequest.resume): continue the sequences another instance
         was decoding. The engine prefills prompt + each sequence's tokens here and continues
         after them; the builder starts from what the client already has, so nothing repeats."""
@@ -426,7 +222,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             )
         for r in resumed:
             builder.seed(r.index, len(r.token_ids), r.text, done=r.finished)
-        return _Admit(_engine_request(request, params,
+        return Admit(engine_request(request, params,
                                       given_tokens=[list(r.token_ids) for r in resumed]))
 
     def _result(

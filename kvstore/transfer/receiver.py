@@ -110,24 +110,6 @@ class KVReceiverConfig:
     max_workers: int = 8           # threads for blocking data-plane I/O
 
 
-@dataclass
-class Pull:
-    """A transfer started for this receiver's engine core to pull itself (`begin`): the
-    parameters its transport needs, and the lease heartbeat that runs until `finish`."""
-
-    handle: KVHandle
-    backend: str
-    params: dict[str, str]
-    control: ControlClient
-    deadline: Deadline
-    started: float
-    span: Span
-    traceparent: str
-    heartbeat: asyncio.Task[None] | None = None
-    ending: bool = False    # `finish` was asked for (it may still be running)
-    finished: bool = False
-
-
 class KVReceiver:
     def __init__(
         self,
@@ -141,7 +123,7 @@ class KVReceiver:
         """`tls`: PEM files for the control channel (unless `channel_credentials` is given)
         and the tcp data plane. `token`: the cluster token, sent on every control call."""
         self.config = config or KVReceiverConfig()
-        self._metrics = metrics or kv_transfer_metrics()
+        self.metrics = metrics or kv_transfer_metrics()
         self._preferences = self.config.backends
         if tls is not None and tls.enabled:
             if channel_credentials is None:
@@ -166,7 +148,7 @@ class KVReceiver:
         for name in self._preferences:
             if name not in offered or (among is not None and name not in among):
                 continue
-            if name == "shm" and self._host_proof(handle) is None:
+            if name == "shm" and self.host_proof(handle) is None:
                 continue
             if unavailable_reason(name) is None:
                 return name
@@ -194,7 +176,7 @@ class KVReceiver:
         """
         started = time.monotonic()
         name = backend or ""
-        span = _transfer_span(handle, traceparent)
+        span = transfer_span(handle, traceparent)
         try:
             name = backend or self.choose_backend(handle)
             span.set_attribute("pdmesh.kv.backend", name)
@@ -203,14 +185,14 @@ class KVReceiver:
             )
         except BaseException as exc:
             outcome = failure_outcome(exc)
-            self._metrics.observe("received", name or "none", 0, 0.0, outcome)
+            self.metrics.observe("received", name or "none", 0, 0.0, outcome)
             span.set_attribute("pdmesh.kv.outcome", outcome)
             mark_error(span, exc)
             span.end()
             raise
         elapsed = time.monotonic() - started
         nbytes = dst.numel() * dst.element_size()
-        self._metrics.observe("received", name, nbytes, elapsed, "ok")
+        self.metrics.observe("received", name, nbytes, elapsed, "ok")
         if span.is_recording():
             span.set_attributes({"pdmesh.kv.bytes": nbytes, "pdmesh.kv.outcome": "ok",
                                  "pdmesh.kv.duration_ms": elapsed * 1e3})
@@ -231,10 +213,10 @@ class KVReceiver:
         client = self._client(name)
         dst = handle.layout.empty() if out is None else out
         handle.layout.check_tensor(dst)
-        control = self._control(handle.sender_address)
+        control = self.control(handle.sender_address)
         started = False
         try:
-            proof = (self._host_proof(handle) or "") if name == "shm" else ""
+            proof = (self.host_proof(handle) or "") if name == "shm" else ""
             reply = await control.start(
                 handle, name, proof, deadline.remaining() + self.config.lease_margin_s,
                 deadline, traceparent, capability,
@@ -246,103 +228,25 @@ class KVReceiver:
                                    pulled_bytes=dst.numel() * dst.element_size())
             return dst
         except asyncio.CancelledError:
-            self._notify(control.cancel(handle, "receiver gave up", self._notice_deadline()))
+            self.notify(control.cancel(handle, "receiver gave up", self.notice_deadline()))
             raise
         except KVTransferError as exc:
             if started and exc.state is None:
                 raise await self._report_failure(control, handle, exc, deadline) from exc
             raise
 
-    async def begin(
-        self,
-        handle: KVHandle,
-        deadline: Deadline | float = 30.0,
-        *,
-        backend: str,
-        traceparent: str = "",
-        capability: TransferCapability | None = None,
-    ) -> Pull:
-        """Start a transfer whose bytes this process's engine core pulls itself (an export:
-        `handle.is_export`); the lease is kept alive until `finish`. Raises like `fetch`."""
-        started = time.monotonic()
-        deadline = Deadline.coerce(deadline)
-        span = _transfer_span(handle, traceparent)
-        span.set_attribute("pdmesh.kv.backend", backend)
-        control = self._control(handle.sender_address)
-        try:
-            if backend not in handle.backends:
-                raise KVBackendUnavailable(f"sender does not offer backend {backend!r}")
-            proof = (self._host_proof(handle) or "") if backend == "shm" else ""
-            reply = await control.start(
-                handle, backend, proof, deadline.remaining() + self.config.lease_margin_s,
-                deadline, span_traceparent(span), capability,
-            )
-        except BaseException as exc:
-            outcome = failure_outcome(exc)
-            self._metrics.observe("received", backend, 0, 0.0, outcome)
-            span.set_attribute("pdmesh.kv.outcome", outcome)
-            mark_error(span, exc)
-            span.end()
-            raise
-        pull = Pull(handle, backend, dict(reply.params), control, deadline, started, span,
-                    span_traceparent(span))
-        pull.heartbeat = asyncio.ensure_future(self._heartbeat(control, handle, deadline))
-        return pull
-
-    async def finish(self, pull: Pull, *, nbytes: int = 0, error: str = "",
-                     reason: str = "") -> None:
-        """The core's pull ended: ack it (the sender releases the blocks) or report why it
-        failed. Idempotent; never raises (a failed notice is logged)."""
-        if pull.finished:
-            return
-        pull.ending = pull.finished = True
-        if pull.heartbeat is not None:
-            pull.heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, KVTransferError):
-                await pull.heartbeat
-        outcome = reason or ("ok" if not error else "error")
-        try:
-            await pull.control.complete(pull.handle, not error, error[:1024],
-                                        self._notice_deadline(), pull.traceparent,
-                                        pulled_bytes=nbytes)
-        except KVTransferError as exc:
-            if not error:  # the blocks were pulled and checked: the lease ended meanwhile
-                logger.debug("ack of %s failed: %s", log_id(pull.handle.transfer_id), exc)
-        elapsed = time.monotonic() - pull.started
-        self._metrics.observe("received", pull.backend, nbytes, elapsed, outcome)
-        span = pull.span
-        if span.is_recording():
-            span.set_attributes({"pdmesh.kv.bytes": nbytes, "pdmesh.kv.outcome": outcome,
-                                 "pdmesh.kv.duration_ms": elapsed * 1e3})
-        if error:
-            mark_error(span, error)
-        span.end()
-
-    def finish_soon(self, pull: Pull, *, nbytes: int = 0, error: str = "",
-                    reason: str = "") -> None:
-        """`finish` in the background (a first token need not wait for the ack)."""
-        if not pull.ending:
-            pull.ending = True
-            self._notify(self.finish(pull, nbytes=nbytes, error=error, reason=reason))
-
-    def abandon(self, pull: Pull, why: str) -> None:
-        """Finish a pull from a callback or a `finally` (a task tracked until close)."""
-        if not pull.ending:
-            pull.ending = True
-            self._notify(self.finish(pull, error=why, reason="cancelled"))
-
     async def extend_lease(
         self, handle: KVHandle, seconds: float, deadline: Deadline | float = 5.0
     ) -> float:
         """Heartbeat: keep the sender holding the KV `seconds` longer (e.g. while queued)."""
-        control = self._control(handle.sender_address)
+        control = self.control(handle.sender_address)
         return await control.extend(handle, seconds, Deadline.coerce(deadline))
 
     async def cancel(
         self, handle: KVHandle, reason: str = "", deadline: Deadline | float = 5.0
     ) -> TransferState:
         """Tell the sender we will not pull this KV, so it is released now."""
-        control = self._control(handle.sender_address)
+        control = self.control(handle.sender_address)
         return await control.cancel(handle, reason, Deadline.coerce(deadline))
 
     async def close(self) -> None:
@@ -378,7 +282,7 @@ class KVReceiver:
         not: the sender process gone, or the transfer cancelled or expired on its side.
         """
         receive = asyncio.ensure_future(client.receive(handle, params, dst, deadline))
-        watch = asyncio.ensure_future(self._heartbeat(control, handle, deadline))
+        watch = asyncio.ensure_future(self.heartbeat(control, handle, deadline))
         try:
             await asyncio.wait({receive, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -393,7 +297,7 @@ class KVReceiver:
             watch.result()  # raises the heartbeat's error
         receive.result()
 
-    async def _heartbeat(
+    async def heartbeat(
         self, control: ControlClient, handle: KVHandle, deadline: Deadline
     ) -> None:
         """Extend the lease every `heartbeat_s`; raise once the sender says no or is gone."""
@@ -428,7 +332,7 @@ class KVReceiver:
     ) -> KVTransferError:
         """Tell the sender; if it had already ended the transfer, say why instead."""
         if isinstance(exc, KVTransferTimeout) or deadline.remaining() <= 0:
-            self._notify(control.complete(handle, False, str(exc), self._notice_deadline()))
+            self.notify(control.complete(handle, False, str(exc), self.notice_deadline()))
             return exc
         notice = Deadline.after(min(deadline.remaining(), self.config.notify_timeout_s))
         try:
@@ -448,10 +352,10 @@ class KVReceiver:
         error.state = state
         return error
 
-    def _notice_deadline(self) -> Deadline:
+    def notice_deadline(self) -> Deadline:
         return Deadline.after(self.config.notify_timeout_s)
 
-    def _notify(self, notice: Coroutine[Any, Any, Any]) -> None:
+    def notify(self, notice: Coroutine[Any, Any, Any]) -> None:
         """Send a best-effort notice without delaying the caller past its deadline."""
 
         async def run() -> None:
@@ -462,7 +366,7 @@ class KVReceiver:
         self._notices.add(task)
         task.add_done_callback(self._notices.discard)
 
-    def _host_proof(self, handle: KVHandle) -> str | None:
+    def host_proof(self, handle: KVHandle) -> str | None:
         return host_proof(self.config.shm_dir, handle.host_key, handle.transfer_id)
 
     def _client(self, name: str) -> DataPlaneClient:
@@ -470,7 +374,7 @@ class KVReceiver:
             self._clients[name] = make_client(name, self._plane, self._executor)
         return self._clients[name]
 
-    def _control(self, address: str) -> ControlClient:
+    def control(self, address: str) -> ControlClient:
         channel = self._channels.get(address)
         if channel is None:
             options = channel_options(self.config.max_message_bytes)
@@ -484,7 +388,7 @@ class KVReceiver:
         return ControlClient(channel)
 
 
-def _transfer_span(handle: KVHandle, traceparent: str) -> Span:
+def transfer_span(handle: KVHandle, traceparent: str) -> Span:
     """The receiver's `pdmesh.kv_transfer` span (CLIENT), parented on `traceparent`."""
     return get_tracer().start_span(
         "pdmesh.kv_transfer",

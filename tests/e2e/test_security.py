@@ -200,7 +200,7 @@ def _answers_over_mtls(mesh: Mesh, address: str) -> bool:
 async def _plaintext_on_data_port(mesh: Mesh, handle: KVHandle) -> bytes:
     receiver = KVReceiver(KVReceiverConfig(backends=("tcp",)), tls=mesh.certs.tls, token=TOKEN)
     try:
-        control = receiver._control(handle.sender_address)
+        control = receiver.control(handle.sender_address)
         granted = TransferCapability.mint(TOKEN, handle.transfer_id, "the-test")
         reply = await control.start(handle, "tcp", "", 20, Deadline.after(10),
                                     capability=granted)

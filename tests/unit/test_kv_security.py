@@ -84,7 +84,7 @@ def test_tcp_data_plane_is_mutual_tls_and_refuses_plaintext(certs: CertSet, shm_
             # Start a second transfer legitimately, then knock on its data port without TLS
             # (with the right one-time token!), and with TLS but no or a rogue certificate.
             handle = sender.publish("r-plain", _kv(1), 12)
-            control = rx._control(handle.sender_address)
+            control = rx.control(handle.sender_address)
             reply = await control.start(handle, "tcp", "", 20, Deadline.after(10))
             params = reply.params
             assert params["tls"] == "1"
@@ -167,7 +167,7 @@ def test_shm_needs_proof_of_the_same_shm_directory(shm_dir: str, tmp_path: Path)
                 assert remote.choose_backend(handle) == "tcp"
                 with pytest.raises(KVTransferDenied, match="shm is served only"):
                     await remote.fetch(handle, 10, backend="shm")
-                control = remote._control(handle.sender_address)
+                control = remote.control(handle.sender_address)
                 with pytest.raises(KVTransferError):
                     await control.start(handle, "shm", "0" * 64, 10, Deadline.after(5))
                 assert sender.state(handle.transfer_id) is TransferState.PENDING

@@ -330,7 +330,7 @@ def test_heartbeat_extends_the_lease_and_reports_a_cancel(shm_dir: str) -> None:
             handle = sender.publish("beat", torch.zeros(1, 2, 1, 4, 1, 2), 4, lease_s=1)
             before = sender._table.remaining(handle.transfer_id)
             beat = asyncio.ensure_future(
-                rx._heartbeat(rx._control(handle.sender_address), handle, Deadline.after(30))
+                rx.heartbeat(rx.control(handle.sender_address), handle, Deadline.after(30))
             )
             deadline = time.monotonic() + 10
             while sender._table.remaining(handle.transfer_id) < 20 and time.monotonic() < deadline:

@@ -1,0 +1,215 @@
+"""A remote prefill's KV into this decode instance's engine.
+
+Two ways, chosen by the handle:
+
+* an export (`KVHandle.is_export`: the prefill's engine core lends its blocks): start the
+  transfer on the prefill's control plane (`KVReceiver.begin`: capability, lease, one-time
+  grant) and hand the request to our engine with a `KVSource`; our core pulls the blocks its
+  prefix cache lacks itself, and its first output says how that went (`settle`): the ack or
+  the failure goes back to the prefill, the blocks pulled and reused are counted;
+* a staged tensor (`--kv-backend ucxx`): pull it here (`KVReceiver.fetch`) and hand it over.
+
+A pull that fails is the prefill instance's fault: with `--kv-load-failure-policy recompute`
+the prompt is prefilled here and decoding continues after the prefill's first tokens (same
+tokens); with `fail` the call is refused (`refuse(..., "kv_load_failed")`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from pdmesh.decode_svc.call import Admit, Observed, engine_request
+from pdmesh.engine.async_engine import AsyncEngine
+from pdmesh.engine.outputs import TokenLogprobs
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine_svc.codec import DeltaBuilder, logprob_from_proto
+from pdmesh.engine_svc.service import KVCounters
+from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.transfer.capability import TransferCapability
+from pdmesh.kvstore.transfer.core_pull import CorePulls, Pull
+from pdmesh.kvstore.transfer.deadline import Deadline
+from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
+from pdmesh.kvstore.transfer.handle import KVHandle
+from pdmesh.kvstore.transfer.receiver import KVReceiver
+from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
+from pdmesh.kvstore.transfer.worker_planes import core_backends
+from pdmesh.metrics import EngineMetrics
+from pdmesh.tracing import span_traceparent
+from pdmesh.v1 import common_pb2, engine_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteKV:
+    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, counters: KVCounters,
+                 metrics: EngineMetrics, *, kv_fetch_timeout_s: float,
+                 kv_load_failure_policy: str) -> None:
+        if kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy: expected recompute or fail, got "
+                             f"{kv_load_failure_policy!r}")
+        self.engine = engine
+        self.receiver = receiver
+        self.pulls = CorePulls(receiver)
+        self.counters = counters
+        self.metrics = metrics
+        self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.kv_load_failure_policy = kv_load_failure_policy
+
+    async def admit(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        remote: engine_pb2.RemotePrefill,
+        builder: DeltaBuilder,
+        context: grpc.aio.ServicerContext,
+        timing: common_pb2.Timing,
+        seen: Observed,
+    ) -> Admit:
+        """The pulled KV with the prefill's first tokens (or, when the pull fails, those
+        tokens alone: `_recompute`)."""
+        rid = request.request_id
+        span = seen.span
+        try:
+            handle = KVHandle.from_proto(remote.kv)
+        except KVHandleError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"remote_prefill.kv: {exc}")
+        if handle.request_id != rid:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"remote_prefill.kv: handle belongs to request {handle.request_id!r}, not {rid!r}",
+            )
+        first = sorted(remote.first, key=lambda d: d.index)
+        if [d.index for d in first] != list(range(params.n)) or any(
+            len(d.token_ids) != 1 for d in first
+        ):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"remote_prefill.first: expected one token for each of {params.n} sequences",
+            )
+        first_ids = [[d.token_ids[0]] for d in first]
+        first_logprobs: list[list[TokenLogprobs | None]] | None = None
+        if params.logprobs is not None:
+            first_logprobs = [[logprob_from_proto(d.logprobs[0]) if d.logprobs else None]
+                              for d in first]
+        for d in first:
+            builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
+        capability = (TransferCapability.from_proto(remote.capability)
+                      if remote.HasField("capability") else None)  # the router's grant
+        if handle.is_export:  # the prefill's core lends its blocks: our core pulls them
+            return await self._begin_pull(request, params, remote, handle, first_ids,
+                                          first_logprobs, capability, context, seen)
+        started = time.monotonic()
+        try:
+            kv = await self.receiver.fetch(
+                handle, self.kv_fetch_timeout_s, traceparent=span_traceparent(span),
+                capability=capability,
+            )
+        except KVTransferError as exc:
+            reason = kv_failure_reason(exc)
+            message = (f"KV transfer from {handle.sender_address} failed "
+                       f"({type(exc).__name__}): {exc}")
+            if self.kv_load_failure_policy == "fail":
+                await refuse(context, KV_LOAD_FAILED, message)
+            return self._recompute(request, params, first_ids, first_logprobs, reason,
+                                   message, seen)
+        timing.kv_transfer_ms = (time.monotonic() - started) * 1e3
+        self.counters.add_received(kv.numel() * kv.element_size())
+        if span.is_recording():
+            span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
+                                 "pdmesh.kv.bytes": kv.numel() * kv.element_size()})
+        return Admit(engine_request(request, params, kv=kv, given_tokens=first_ids,
+                                      num_cached_tokens=remote.cached_prompt_tokens),
+                      first_logprobs)
+
+    async def _begin_pull(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        remote: engine_pb2.RemotePrefill,
+        handle: KVHandle,
+        first_ids: list[list[int]],
+        first_logprobs: list[list[TokenLogprobs | None]] | None,
+        capability: TransferCapability | None,
+        context: grpc.aio.ServicerContext,
+        seen: Observed,
+    ) -> Admit:
+        """Start the transfer on the control plane; the engine core pulls the blocks its
+        prefix cache lacks while it admits the request (`settle` hears how it went)."""
+        info = self.engine.info
+        deadline = Deadline.after(self.kv_fetch_timeout_s)
+        try:
+            backend = self.receiver.choose_backend(
+                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
+                                            info.kv_cache_ipc))
+            pull = await self.pulls.begin(handle, deadline, backend=backend,
+                                             traceparent=span_traceparent(seen.span),
+                                             capability=capability)
+        except KVTransferError as exc:
+            message = (f"KV transfer from {handle.sender_address} failed "
+                       f"({type(exc).__name__}): {exc}")
+            if self.kv_load_failure_policy == "fail":
+                await refuse(context, KV_LOAD_FAILED, message)
+            return self._recompute(request, params, first_ids, first_logprobs,
+                                   kv_failure_reason(exc), message, seen)
+        source = KVSource(backend, pull.params, list(handle.block_checksums),
+                          str(handle.checksum_algo), handle.layout.num_tokens,
+                          info.kv_shape, info.kv_dtype, deadline_s=deadline.remaining())
+        return Admit(engine_request(request, params, given_tokens=first_ids,
+                                      num_cached_tokens=remote.cached_prompt_tokens,
+                                      kv_source=source),
+                      first_logprobs, pull)
+
+    async def settle(self, pull: Pull, result: LoadResult | None,
+                     context: grpc.aio.ServicerContext, timing: common_pb2.Timing,
+                     seen: Observed) -> None:
+        """The core placed the request (its first output says how): settle the transfer, and
+        count what was pulled and what the prefix cache already had."""
+        if result is None:
+            result = LoadResult(error="the engine reported no pull", reason="error")
+        self.pulls.finish_soon(pull, nbytes=result.nbytes, error=result.error,
+                                  reason=result.reason)
+        timing.kv_transfer_ms = result.seconds * 1e3
+        self.metrics.kv_blocks(pulled=result.pulled_blocks, reused=result.reused_blocks)
+        if seen.span.is_recording():
+            seen.span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
+                                      "pdmesh.kv.bytes": result.nbytes,
+                                      "pdmesh.kv.blocks_pulled": result.pulled_blocks,
+                                      "pdmesh.kv.blocks_reused": result.reused_blocks})
+        if not result.error:
+            self.counters.add_received(result.nbytes)
+            return
+        if result.reason == "no_free_blocks":
+            return  # our pool is busy, not the prefill's fault: it recomputes when room frees
+        message = f"KV pull from {pull.handle.sender_address} failed: {result.error}"
+        if self.kv_load_failure_policy == "fail":
+            await refuse(context, KV_LOAD_FAILED, message)
+        seen.kv_load_fallback = result.reason
+        self.metrics.kv_load_fallback(result.reason)
+        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
+                       pull.handle.request_id, result.reason, message)
+
+    def _recompute(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        first_ids: list[list[int]],
+        first_logprobs: list[list[TokenLogprobs | None]] | None,
+        reason: str,
+        message: str,
+        seen: Observed,
+    ) -> Admit:
+        """The KV pull failed: prefill the prompt here and continue after the prefill's first
+        tokens (already with the client), as the request would have continued."""
+        rid = request.request_id
+        seen.kv_load_fallback = reason
+        self.metrics.kv_load_fallback(reason)
+        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
+                       rid, reason, message)
+        if seen.span.is_recording():
+            seen.span.add_event("pdmesh.kv_load_fallback",
+                                {"pdmesh.kv.failure_reason": reason, "message": message})
+        return Admit(engine_request(request, params, given_tokens=first_ids), first_logprobs)
