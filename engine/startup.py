@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from pdmesh.engine.memory import lazy_zeros
 from pdmesh.engine.model_loader import load_hf_config, load_model
 from pdmesh.engine.model_store import resolve_model
 from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
-from pdmesh.kvstore.connector.cache_file import SharedCache, shared_zeros
+from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,16 @@ def set_up_engine(config: EngineConfig,
     mc = model_config
     shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
     cache_file = None
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if connector is not None and connector.shared_cache and device.type == "cpu":
-        cache_file = shared_zeros(shape, dtype, connector.shm_dir, connector.owner_pid)
+        room = room_for(connector.shm_dir, nbytes)
+        if room >= nbytes:
+            cache_file = shared_zeros(shape, dtype, connector.shm_dir, connector.owner_pid)
+        else:
+            logger.warning("the KV cache is not shared: %s has %.0f MiB free for a %.0f MiB "
+                           "cache (peers on this host pull over tcp); raise its size, e.g. "
+                           "docker --shm-size", connector.shm_dir, room / 2**20, nbytes / 2**20)
+    if cache_file is not None:
         kv_cache = cache_file.tensor
     else:
         kv_cache = lazy_zeros(shape, dtype=dtype, device=device)  # pages committed on use

@@ -75,6 +75,35 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, shm_dir: str,
     return SharedCache(tensor, path)
 
 
+def room_for(shm_dir: str, nbytes: int) -> int:
+    """Bytes the shm filesystem can still give a new cache of `nbytes`: its free space less
+    what the KV files already there may still claim (they are sparse and grow as blocks are
+    written). A tmpfs that runs out under a mapped file kills the writer with SIGBUS, so a
+    cache that does not fit is not put there (`engine/startup.py` falls back to private
+    memory; peers then pull over tcp)."""
+    try:
+        st = os.statvfs(os.path.realpath(shm_dir))
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize - owed_by_caches(shm_dir)
+
+
+def owed_by_caches(shm_dir: str) -> int:
+    """Bytes the KV files in `shm_dir` may still claim: their size less what they hold."""
+    directory = os.path.realpath(shm_dir)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    owed = 0
+    for name in names:
+        if NAME.fullmatch(name):
+            with contextlib.suppress(OSError):
+                info = os.stat(os.path.join(directory, name))
+                owed += max(0, info.st_size - info.st_blocks * 512)
+    return owed
+
+
 def open_peer(shm_dir: str, name: str, shape: tuple[int, ...], dtype: torch.dtype
               ) -> torch.Tensor:
     """Map a peer core's cache file read-only, after checking what it claims to be."""

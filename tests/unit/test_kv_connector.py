@@ -255,3 +255,17 @@ def test_lin64_on_the_device_equals_the_host_and_is_the_gpu_default() -> None:
     ids = [0, 7, 23]
     assert block_checksums(ChecksumAlgo.LIN64, device, ids) == block_checksums(
         ChecksumAlgo.LIN64, cache, ids)
+
+
+def test_room_for_a_cache_counts_what_sparse_caches_may_still_claim(tmp_path) -> None:
+    from pdmesh.kvstore.connector.cache_file import owed_by_caches, room_for
+
+    assert owed_by_caches(str(tmp_path)) == 0
+    shared = shared_zeros((2, 2, 64, 16, 4, 64), torch.float32, str(tmp_path))  # 4 MiB, sparse
+    try:
+        assert owed_by_caches(str(tmp_path)) == 4 * 2**20  # nothing written yet: all owed
+        shared.tensor[:, :, :32] = 1.0  # half the blocks written: half still owed
+        assert 2 * 2**20 - 2**16 <= owed_by_caches(str(tmp_path)) <= 2 * 2**20 + 2**16
+        assert room_for(str(tmp_path / "missing"), 0) == 0
+    finally:
+        shared.close()

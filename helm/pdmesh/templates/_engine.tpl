@@ -155,7 +155,7 @@ spec:
           volumeMounts:
             {{- include "pdmesh.modelMounts" $root | nindent 12 }}
             {{- include "pdmesh.securityMounts" (dict "root" $root "gateway" false) | nindent 12 }}
-            # The shm KV backend's segments; the root filesystem is read-only.
+            # A CPU engine's KV cache file and the shm segments; the root filesystem is read-only.
             - name: dshm
               mountPath: /dev/shm
           resources:
