@@ -33,9 +33,9 @@ from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.core_pull import CorePulls, Pull
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
+from pdmesh.kvstore.transfer.errors import failure_outcome as kv_failure_reason
 from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.receiver import KVReceiver
-from pdmesh.kvstore.transfer.receiver import failure_outcome as kv_failure_reason
 from pdmesh.kvstore.transfer.worker_planes import core_backends
 from pdmesh.metrics import EngineMetrics
 from pdmesh.tracing import span_traceparent
@@ -171,7 +171,7 @@ class RemoteKV:
         if result is None:
             result = LoadResult(error="the engine reported no pull", reason="error")
         self.pulls.finish_soon(pull, nbytes=result.nbytes, error=result.error,
-                                  reason=result.reason)
+                               reason=result.reason)
         timing.kv_transfer_ms = result.seconds * 1e3
         self.metrics.kv_blocks(pulled=result.pulled_blocks, reused=result.reused_blocks)
         if seen.span.is_recording():
@@ -187,10 +187,7 @@ class RemoteKV:
         message = f"KV pull from {pull.handle.sender_address} failed: {result.error}"
         if self.kv_load_failure_policy == "fail":
             await refuse(context, KV_LOAD_FAILED, message)
-        seen.kv_load_fallback = result.reason
-        self.metrics.kv_load_fallback(result.reason)
-        logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
-                       pull.handle.request_id, result.reason, message)
+        self._fell_back(pull.handle.request_id, result.reason, message, seen)
 
     def _recompute(
         self,
@@ -204,12 +201,15 @@ class RemoteKV:
     ) -> Admit:
         """The KV pull failed: prefill the prompt here and continue after the prefill's first
         tokens (already with the client), as the request would have continued."""
-        rid = request.request_id
+        self._fell_back(request.request_id, reason, message, seen)
+        return Admit(engine_request(request, params, given_tokens=first_ids), first_logprobs)
+
+    def _fell_back(self, request_id: str, reason: str, message: str, seen: Observed) -> None:
+        """Record that this instance recomputes the prompt (the router charges the prefill)."""
         seen.kv_load_fallback = reason
         self.metrics.kv_load_fallback(reason)
         logger.warning("KV load failed, recomputing here request_id=%s reason=%s: %s",
-                       rid, reason, message)
+                       request_id, reason, message)
         if seen.span.is_recording():
             seen.span.add_event("pdmesh.kv_load_fallback",
                                 {"pdmesh.kv.failure_reason": reason, "message": message})
-        return Admit(engine_request(request, params, given_tokens=first_ids), first_logprobs)

@@ -32,7 +32,7 @@ from pdmesh.engine.scheduler import Scheduler
 from pdmesh.engine.sequence import Sequence, SequenceStatus
 from pdmesh.kvstore.connector.connector import KVConnector
 from pdmesh.kvstore.connector.source import LoadResult
-from pdmesh.kvstore.transfer.errors import KVTransferError
+from pdmesh.kvstore.transfer.errors import KVTransferError, failure_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,5 @@ class Admission:
 
 
 def _failure_reason(exc: BaseException) -> str:
-    """The label a failed pull is counted under (the staged receiver's vocabulary)."""
-    from pdmesh.kvstore.transfer.receiver import failure_outcome
-
+    """The label a failed pull is counted under (the transfer layer's vocabulary)."""
     return failure_outcome(exc) if isinstance(exc, KVTransferError) else "invalid_source"

@@ -39,6 +39,7 @@ from pdmesh.engine.grammar import GrammarCompiler, GrammarMatcher
 from pdmesh.engine.in_flight import InFlightStep
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from pdmesh.engine.kv_exports import KVExports
 from pdmesh.engine.model_runner import ModelRunner
 from pdmesh.engine.output_commit import OutputCommit
 from pdmesh.engine.request_state import CoreRequest, SampleMaker
@@ -91,9 +92,6 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
         )
         self.requests: dict[str, CoreRequest] = {}
-        # Exports lent to the KV connector (`export_kv`), out of `requests`: pinned until
-        # `release_kv`, while the id is free again (a colocated instance decodes it next).
-        self.lent: dict[str, CoreRequest] = {}
         samples = SampleMaker(self.scheduler, self.kv_manager, self.runner.copy_blocks,
                               self._grammar_matcher, self.device)
         self.commit = OutputCommit(self.requests, self.scheduler, self.kv_manager, samples,
@@ -103,6 +101,7 @@ class EngineCore:
         if connector is not None:
             self.connector = KVConnector(connector, self.kv_cache, setup.cache_file)
             self.connector.start()
+        self.exports = KVExports(self.requests, self.kv_manager, self.kv_cache, self.connector)
         self.admission = Admission(self.scheduler, self.kv_manager, self.kv_cache, samples,
                                    self.commit, self.model_config.vocab_size, self.connector)
         self._pending_outputs: set[str] = set()  # changed outside step() (commands)
@@ -172,7 +171,7 @@ class EngineCore:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; every block it holds is returned (a lent export's
         too: its lease is then over)."""
-        released = self.release_kv(request_id) if request_id in self.lent else False
+        released = self.exports.release(request_id) if request_id in self.exports.lent else False
         state = self.requests.pop(request_id, None)
         self._pending_outputs.discard(request_id)
         if state is None:
@@ -253,39 +252,15 @@ class EngineCore:
             self.connector.close()
             self.connector = None
 
-    # -- KV export (the prefill role) -----------------------------------------------------------
+    # -- KV export (the prefill role: engine/kv_exports.py) -------------------------------------
     def read_kv(self, request_id: str) -> torch.Tensor:
-        """KV of an exported request: `[layers, 2, n_blocks, block_size, kv_heads, head_dim]`."""
-        state = self.requests.get(request_id)
-        if state is None or state.kv_export is None:
-            raise KeyError(f"request {request_id!r} has no exported KV")
-        ids = torch.tensor(state.kv_export.block_ids, device=self.device)
-        return self.kv_cache.index_select(2, ids)
+        return self.exports.read(request_id)
 
     def export_kv(self, request_id: str) -> ExportInfo:
-        """Lend an exported request's blocks to the KV connector: peers pull them straight
-        from the cache until `release_kv`. The answer carries one checksum per block."""
-        state = self.requests.get(request_id)
-        if state is None or state.kv_export is None:
-            raise KeyError(f"request {request_id!r} has no exported KV")
-        if self.connector is None:
-            raise ValueError("export_kv: this engine has no KV connector")
-        self.lent[request_id] = self.requests.pop(request_id)
-        return self.connector.export(request_id, list(state.kv_export.block_ids),
-                                     state.kv_export.num_tokens)
+        return self.exports.lend(request_id)
 
     def release_kv(self, request_id: str) -> bool:
-        """Free an exported request's pinned blocks (they stay in the prefix cache)."""
-        state = self.lent.pop(request_id, None)
-        if state is None:
-            state = self.requests.get(request_id)
-            if state is None or state.kv_export is None:
-                return False
-            self.requests.pop(request_id)
-        if self.connector is not None:
-            self.connector.release(request_id)
-        self.kv_manager.free(state.seqs[0].seq_id)
-        return True
+        return self.exports.release(request_id)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
@@ -317,8 +292,7 @@ class EngineCore:
 
     def _check_progress(self) -> None:
         """Nothing was scheduled and nothing is in flight: only pinned KV may hold it up."""
-        pinned = bool(self.lent) or bool(self.admission.loading) or any(
-            s.kv_export is not None for s in self.requests.values())
+        pinned = self.exports.any_pinned() or bool(self.admission.loading)
         if self.scheduler.num_unfinished and not self.scheduler.running and not pinned:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
 
@@ -339,10 +313,7 @@ class EngineCore:
         return [AllBlocksCleared(), BlockStored(hashes)] if hashes else [AllBlocksCleared()]
 
     def load(self) -> EngineLoadSnapshot:
-        pinned = sum(
-            len(s.kv_export.block_ids) for s in (*self.requests.values(), *self.lent.values())
-            if s.kv_export is not None
-        )
+        pinned = self.exports.pinned_blocks()
         stats = self.kv_manager.stats
         return EngineLoadSnapshot(
             num_running=len(self.scheduler.running),

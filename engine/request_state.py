@@ -86,7 +86,7 @@ class SampleMaker:
         """Sample `index`: its own generator, logprob list and grammar matcher."""
         seq = Sequence(
             # Unique in the core: a colocated instance decodes an id whose export it still
-            # lends (EngineCore.lent), and blocks are kept by sequence id.
+            # lends (KVExports.lent), and blocks are kept by sequence id.
             seq_id=f"{request_id}#{index}#{next(self._serial)}",
             request_id=request_id,
             index=index,

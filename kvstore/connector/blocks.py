@@ -10,7 +10,8 @@ temporary (that would be a second copy of every byte). A block's checksum covers
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,14 +44,6 @@ def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
     """dst[:, :, dst_ids] = src[:, :, src_ids], one strided copy per run (one copy of a byte)."""
     for s, d, n in runs(src_ids, dst_ids):
         dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=False)
-
-
-def block_pieces(cache: torch.Tensor, block_id: int) -> Iterator[torch.Tensor]:
-    """The 2 * layers contiguous pieces of one block, in checksum order."""
-    layers = cache.shape[0]
-    for layer in range(layers):
-        for kv in range(2):
-            yield cache[layer, kv, block_id]
 
 
 def byte_view(cache: torch.Tensor) -> np.ndarray:
@@ -115,6 +108,7 @@ def default_block_algo(cache: torch.Tensor) -> ChecksumAlgo:
     return default_algo()
 
 
+@functools.lru_cache(maxsize=8)
 def _lin64_weights(num_words: int, device: torch.device) -> torch.Tensor:
     """Odd 64-bit weights, one per 32-bit word of a block (splitmix64 of the position): a
     changed word always changes the sum, and so does a word moved to another position."""
@@ -129,11 +123,7 @@ def lin64_checksums(cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
     """sum(word_k * weight_k) mod 2^64 over each block's 32-bit words, in (layer, K/V, piece)
     order: integer arithmetic, so every device and every reduction order agrees."""
     layers = cache.shape[0]
-    words = cache.view(torch.int32) if cache.element_size() == 4 else None
-    if words is None:
-        flat = cache.reshape(*cache.shape[:3], -1).view(torch.uint8)
-        words = flat.view(torch.int32)
-    words = words.reshape(layers, 2, cache.shape[2], -1)
+    words = cache.reshape(*cache.shape[:3], -1).view(torch.uint8).view(torch.int32)
     weights = _lin64_weights(layers * 2 * words.shape[-1], cache.device).view(
         layers, 2, 1, -1)
     ids = list(block_ids)

@@ -28,17 +28,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import torch
 
-from pdmesh.kvstore.connector import dist_blocks
 from pdmesh.kvstore.connector.blocks import block_checksums, default_block_algo, on_device_of
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
-from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
+from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource, check_params
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.deadline import Deadline
-from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVChecksumError, KVWireError
+from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVChecksumError
 from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -83,16 +82,6 @@ class KVConnector:
     def cache_file_name(self) -> str:
         return self.cache_file.name if self.cache_file is not None else ""
 
-    @property
-    def backends(self) -> tuple[str, ...]:
-        """The worker transports this core can serve and pull with."""
-        names = ["shm"] if self.cache_file is not None or self.cache_ipc else []
-        if self.config.tcp:
-            names.append("tcp")
-            if dist_blocks.available():
-                names.append("torch_dist")
-        return tuple(names)
-
     # -- sender ---------------------------------------------------------------------------------
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> ExportInfo:
         self.exports.add(Export(request_id, tuple(block_ids), num_tokens))
@@ -104,13 +93,12 @@ class KVConnector:
     # -- receiver -------------------------------------------------------------------------------
     def check_source(self, source: KVSource) -> None:
         """Refuse a source whose blocks cannot be ours before anything is allocated."""
-        layers, _, block_size, heads, head_dim = (self.cache.shape[0], 2, *self.cache.shape[3:])
-        if tuple(source.kv_shape) != (layers, block_size, heads, head_dim) or \
-                source.kv_dtype != DTYPE_NAMES.get(self.cache.dtype):
+        ours = (self.cache.shape[0], *self.cache.shape[3:])  # layers, block, heads, head_dim
+        dtype = DTYPE_NAMES.get(self.cache.dtype)
+        if tuple(source.kv_shape) != ours or source.kv_dtype != dtype:
             raise ValueError(f"kv_source: layout {tuple(source.kv_shape)} {source.kv_dtype} "
-                             f"does not match this engine's "
-                             f"{(layers, block_size, heads, head_dim)} "
-                             f"{DTYPE_NAMES.get(self.cache.dtype)}")
+                             f"does not match this engine's {ours} {dtype}")
+        block_size = ours[1]
         if source.backend not in WORKER_BACKENDS:
             raise ValueError(f"kv_source: unknown transport {source.backend!r}")
         expected = -(-source.num_tokens // block_size)
@@ -141,9 +129,7 @@ class KVConnector:
             from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
 
             p = source.params
-            missing = [k for k in ("address", "transfer", "grant", "mac") if not p.get(k)]
-            if missing:
-                raise KVWireError(f"tcp source: parameters missing: {', '.join(missing)}")
+            check_params(p, ("address", "transfer", "grant", "mac"))
             nbytes = pull_blocks(
                 p["address"], request_id=p.get("request", ""), transfer_id=p["transfer"],
                 grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdmesh.kvstore.transfer.errors import KVWireError
+
 WORKER_BACKENDS = ("shm", "tcp", "torch_dist")
 """Transports an engine core runs itself (ucxx is still staged through the serving process)."""
 
@@ -38,6 +40,7 @@ class LoadResult(msgspec.Struct):
 
 
 def check_params(params: dict[str, str], names: tuple[str, ...]) -> None:
+    """KVWireError naming the parameters a sender's StartTransfer reply left out."""
     missing = [n for n in names if not params.get(n)]
     if missing:
-        raise ValueError(f"KV source parameters missing: {', '.join(missing)}")
+        raise KVWireError(f"KV source parameters missing: {', '.join(missing)}")

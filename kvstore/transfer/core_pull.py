@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.control import ControlClient
 from pdmesh.kvstore.transfer.deadline import Deadline
-from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVTransferError
+from pdmesh.kvstore.transfer.errors import (
+    KVBackendUnavailable,
+    KVTransferError,
+    failure_outcome,
+)
 from pdmesh.kvstore.transfer.handle import KVHandle, log_id
-from pdmesh.kvstore.transfer.receiver import KVReceiver, failure_outcome, transfer_span
+from pdmesh.kvstore.transfer.receiver import KVReceiver, transfer_span
 from pdmesh.tracing import Span, mark_error, span_traceparent
 
 logger = logging.getLogger(__name__)
@@ -123,6 +127,4 @@ class CorePulls:
 
     def abandon(self, pull: Pull, why: str) -> None:
         """Finish a pull from a callback or a `finally` (a task tracked until close)."""
-        if not pull.ending:
-            pull.ending = True
-            self.receiver.notify(self.finish(pull, error=why, reason="cancelled"))
+        self.finish_soon(pull, error=why, reason="cancelled")

@@ -6,6 +6,8 @@ type and fall back to recompute; the subclass says why, for logs and metrics.
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,3 +72,24 @@ class KVSenderUnavailable(KVTransferError):
 
 class KVBackendUnavailable(KVTransferError):
     """No data-plane backend usable by both sides, or its library is not installed."""
+
+
+_OUTCOMES: tuple[tuple[type[BaseException], str], ...] = (
+    (KVTransferTimeout, "timeout"),
+    (KVTransferExpired, "expired"),
+    (KVTransferCancelled, "cancelled"),
+    (KVChecksumError, "checksum"),
+    (KVBackendUnavailable, "backend_unavailable"),
+    (asyncio.CancelledError, "cancelled"),
+)
+
+
+def failure_outcome(exc: BaseException) -> str:
+    """A low-cardinality label for why a transfer failed (metrics, fallbacks)."""
+    for error_type, outcome in _OUTCOMES:
+        if isinstance(exc, error_type):
+            return outcome
+    if isinstance(exc, KVTransferError):
+        name = type(exc).__name__.removeprefix("KV")  # e.g. SenderUnavailable
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()  # -> sender_unavailable
+    return "error"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +57,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVTransferError,
     KVTransferExpired,
     KVTransferTimeout,
+    failure_outcome,
 )
 from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.state import TransferState
@@ -77,27 +77,6 @@ _PRECISE_BY_STATE: dict[TransferState, type[KVTransferError]] = {
     TransferState.EXPIRED: KVTransferExpired,
     TransferState.CANCELLED: KVTransferCancelled,
 }
-_OUTCOMES: tuple[tuple[type[BaseException], str], ...] = (
-    (KVTransferTimeout, "timeout"),
-    (KVTransferExpired, "expired"),
-    (KVTransferCancelled, "cancelled"),
-    (KVChecksumError, "checksum"),
-    (KVBackendUnavailable, "backend_unavailable"),
-    (asyncio.CancelledError, "cancelled"),
-)
-
-
-def failure_outcome(exc: BaseException) -> str:
-    """A low-cardinality label for why a fetch failed."""
-    for error_type, outcome in _OUTCOMES:
-        if isinstance(exc, error_type):
-            return outcome
-    if isinstance(exc, KVTransferError):
-        name = type(exc).__name__.removeprefix("KV")  # e.g. SenderUnavailable
-        return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()  # -> sender_unavailable
-    return "error"
-
-
 @dataclass(frozen=True)
 class KVReceiverConfig:
     backends: tuple[str, ...] = ("shm", "ucxx", "tcp", "torch_dist")  # preference order
