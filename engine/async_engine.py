@@ -60,7 +60,7 @@ from pdmesh.engine.llm_engine import (
     load_tokenizer,
     tokenize_prompt,
 )
-from pdmesh.engine.model_store import resolve_model
+from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
@@ -167,7 +167,7 @@ class AsyncEngine:
         link = ProcessCoreLink.launch()  # imports torch while the tokenizer loads here
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, config)
-            eos = eos_token_ids(tokenizer, resolve_model(config.model, config.load_format))
+            eos = eos_token_ids(tokenizer, model_dir_for(config))
         except BaseException:
             await link.abandon()
             raise

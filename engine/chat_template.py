@@ -6,19 +6,51 @@ offline `LLM.chat` does the same, so both refuse the same conversations the same
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """The roles of OpenAI's chat API. Anything else would be rendered into the prompt verbatim
 by permissive templates (a "wizard" turn the model was never trained on), so it is refused."""
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "add_generation_prompt", "chat_template", "tokenize",
+    "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "padding", "truncation", "max_length", "sanitize_control_tokens",
+})
+"""`chat_template_kwargs` keys refused: what the request sets by its own fields (messages,
+tools, add_generation_prompt), and HF's render arguments that would change what comes back
+(vLLM refuses `chat_template` and `tokenize` likewise). Everything else reaches the template
+as a variable (`enable_thinking`, `documents`, ...)."""
+
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+"""`chat_template_kwargs` as JSON text: the variables of a template, not a second prompt."""
+
+
+def check_template_kwargs(kwargs: object) -> dict[str, Any]:
+    """A request's `chat_template_kwargs`: a JSON object of at most MAX_TEMPLATE_KWARGS_BYTES
+    whose keys the render does not set itself; ValueError naming the problem otherwise."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"a JSON object is required, got {type(kwargs).__name__}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set here: the request's own "
+                         f"fields and the render set them")
+    size = len(json.dumps(kwargs, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON are allowed, "
+                         f"got {size}")
+    return kwargs
+
 
 def apply_chat_template(
     tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a conversation; `tools` (OpenAI function tools) reach the template as HF's
-    `tools=`. Refuses a model without a template and roles outside OpenAI's."""
+    `tools=`, `template_kwargs` (vLLM's chat_template_kwargs, `check_template_kwargs`) as
+    variables. Refuses a model without a template and roles outside OpenAI's."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template")
     for i, m in enumerate(messages):
@@ -30,7 +62,8 @@ def apply_chat_template(
                 + ", ".join(CHAT_ROLES)
             )
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+        **check_template_kwargs(template_kwargs or {}),
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from pdmesh.config import about
 from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
+
+if TYPE_CHECKING:  # torch only where devices and dtypes are made: `pdmesh serve` parses this
+    import torch
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -50,9 +51,22 @@ class EngineConfig:
     `--block-size`, ...), and so does `pdmesh serve`, which hands it on to its engines."""
 
     model: str = field(default="smollm2", metadata=about("model alias, HF id or local path"))
+    revision: str | None = field(default=None, metadata=about(
+        "a Hub model's branch, tag or commit (vLLM's flag); unset = main"))
+    download_dir: str | None = field(default=None, metadata=about(
+        "where Hub models are downloaded and looked up (vLLM's flag); unset = the Hugging Face "
+        "cache, $HF_HUB_CACHE or $HF_HOME/hub (HF_HUB_OFFLINE=1: the cache only, no network)"))
+    tokenizer: str | None = field(default=None, metadata=about(
+        "the tokenizer's alias, directory or Hub id, when not the model's own (vLLM's flag)"))
     block_size: int = field(default=16, metadata=about("tokens per KV block"))
     max_num_seqs: int = field(default=256, metadata=about("max sequences per batch"))
     max_num_batched_tokens: int = field(default=2048, metadata=about("token budget per step"))
+    itl_target_ms: float | None = field(default=None, metadata=about(
+        "inter-token latency the scheduler keeps: a step with running streams takes only the "
+        "prefill tokens that fit this many ms beside its decodes, by step costs learned while "
+        "serving (engine/step_budget.py); unset = auto (a step's prefill may delay the "
+        "running streams by 0.8 stream-seconds in all, or half their own step time when "
+        "more); 0 = off (only --max-num-batched-tokens bounds a step)"))
     max_model_len: int | None = field(default=None, metadata=about(
         "context limit (tokens); unset = the model's"))
     kv_cache_memory: int | float | str = field(default="1GiB", metadata=about(
@@ -112,11 +126,13 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.itl_target_ms is not None and not 0 <= self.itl_target_ms <= 600_000:
+            raise ValueError(f"itl_target_ms must be in [0, 600000], got {self.itl_target_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
-        from pdmesh.kernels.backend import BACKEND_NAMES
+        from pdmesh.kernels.backend_names import BACKEND_NAMES
 
         names = {"auto", *BACKEND_NAMES, *(n.replace("-", "_") for n in BACKEND_NAMES)}
         if self.attention_backend not in names:
@@ -161,6 +177,8 @@ class EngineConfig:
         return self.async_scheduling
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -168,6 +186,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             # fp32 on CPU: these CPUs lack fast bf16 GEMMs (~0.9 vs ~140 GFLOP/s measured).
             return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -16,13 +16,12 @@ import contextlib
 import logging
 import os
 import queue
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import msgspec
@@ -47,33 +46,17 @@ from pdmesh.engine.core_protocol import (
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.cpu_threads import core_environment
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.leftovers import pid_namespace, sweep
+from pdmesh.leftovers import CORE_DIR_PREFIX, pid_namespace, sweep_core_dirs
 
 logger = logging.getLogger(__name__)
 
 OnReply = Callable[[Reply, "torch.Tensor | None"], None]
 OnDead = Callable[[str], None]
 
-CORE_DIR_PREFIX = "pdmesh-core-"
-_CORE_DIR = re.compile(rf"{CORE_DIR_PREFIX}(\d+)-(\d+)-\w+")
-"""The core's socket directory, named after the serving process that owns it: its pid
-namespace and pid (a /tmp shared between containers holds pids of several namespaces)."""
-
-
 
 def core_dir_prefix() -> str:
     """This process's socket directories start with it."""
     return f"{CORE_DIR_PREFIX}{pid_namespace()}-{os.getpid()}-"
-
-
-def sweep_core_dirs(pids: Collection[int] | None = None, root: str | None = None) -> int:
-    """Remove the socket directories of serving processes that are gone: those of `pids`, or
-    of every dead pid (of our pid namespace). A SIGKILLed service cannot remove its own, so
-    whoever comes next does (`pdmesh serve` after its child, every service at start-up).
-    Returns how many."""
-    return sweep(root or tempfile.gettempdir(), _CORE_DIR,
-                 lambda path: shutil.rmtree(path, ignore_errors=True), pids)
-
 
 
 class _LoopTransport:

@@ -77,6 +77,13 @@ class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
     num_steps: int = 0
     step_seconds: float = 0.0
     scheduled_tokens: int = 0
+    num_preemptions: int = 0
+    # The step-cost model (engine/step_cost.py): the steps it predicted, its predictions' sum
+    # and those steps' actual time; the ITL target of the last step it bounded (0: none yet).
+    num_predicted_steps: int = 0
+    predicted_step_seconds: float = 0.0
+    predicted_steps_actual_seconds: float = 0.0
+    itl_target_seconds: float = 0.0
 
     @property
     def kv_usage(self) -> float:

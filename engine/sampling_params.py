@@ -11,6 +11,7 @@ import copy
 import math
 from dataclasses import dataclass
 
+from pdmesh.engine.bad_words import MAX_BAD_WORDS
 from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.structured_output import StructuredOutput
 
@@ -79,6 +80,11 @@ class SamplingParams:
     stream_interval: int | None = None
     """Streaming: hand out new output once this many tokens are pending (the first and the
     last at once). Raises the engine's `stream_interval`, never lowers it (vLLM's)."""
+    bad_words: list[str] | None = None
+    """Words the output must never contain (vLLM's). Whoever holds the tokenizer (the router,
+    engine/bad_words.py) turns them into `bad_words_token_ids`, which is all the core reads."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """Token sequences never to generate (the tokenized `bad_words`)."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -87,6 +93,7 @@ class SamplingParams:
         self._normalize_logit_bias()
         self._normalize_stops()
         self._validate_logprobs()
+        self._validate_bad_words()
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -191,6 +198,25 @@ class SamplingParams:
             if not 0 <= _require_int(name, value) <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words or []
+        if not isinstance(words, list | tuple) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
+                             f"{len(words)}")
+        self.bad_words = list(dict.fromkeys(words)) or None
+        sequences = self.bad_words_token_ids or []
+        if not isinstance(sequences, list | tuple) or len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_token_ids must be a list of at most {MAX_BAD_WORDS} "
+                             f"token-id lists")
+        for seq in sequences:
+            if not isinstance(seq, list | tuple) or not seq or \
+                    not all(_is_int(t) and t >= 0 for t in seq):
+                raise ValueError(f"bad_words_token_ids entries must be non-empty lists of "
+                                 f"token ids >= 0, got {seq!r}")
+        self.bad_words_token_ids = [list(seq) for seq in sequences] or None
+
     # ------------------------------------------------------------------ derived views
 
     @property
@@ -242,6 +268,11 @@ class SamplingParams:
             if token_id >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids entry {token_id} is out of range for vocab size {vocab_size}"
+                )
+        for seq in self.bad_words_token_ids or ():
+            if max(seq) >= vocab_size:
+                raise ValueError(
+                    f"bad_words token id {max(seq)} is out of range for vocab size {vocab_size}"
                 )
 
     def clone(self) -> SamplingParams:

@@ -26,7 +26,7 @@ from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.host_allocator import keep_temporaries_on_heap
 from pdmesh.engine.memory import lazy_zeros
 from pdmesh.engine.model_loader import load_hf_config, load_model
-from pdmesh.engine.model_store import resolve_model
+from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
 from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
@@ -60,7 +60,7 @@ def set_up_engine(config: EngineConfig,
     """Load the model and allocate its KV cache (ValueError when the budget does not hold
     two blocks or the asked max_model_len). With a KV connector that shares the cache, a CPU
     cache lives in a shm file that peer cores on the host copy blocks out of."""
-    model_dir = resolve_model(config.model, config.load_format)
+    model_dir = model_dir_for(config)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     if config.cpu_threads is not None:

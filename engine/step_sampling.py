@@ -4,7 +4,9 @@ The model runner calls it once the forward pass has produced a step's logits. A 
 samples one row, except the parent of an n > 1 request at its first token, which samples n
 rows from the same logits: row i with sample i's generator (the fork made from it takes that
 generator over) and the parent's grammar, since the forks do not exist yet. Rows under a
-grammar are masked by its matcher (engine/grammar.py) before the `Sampler` sees them.
+grammar are masked by its matcher (engine/grammar.py) before the `Sampler` sees them, and so
+are the rows of samples with `bad_words` (engine/bad_words.py: the tokens that would complete
+one); only those rows pay.
 
 Sampling ends either on the host (`sample`: tokens and logprobs per sample) or, with async
 scheduling, on the device (`launch`: the ids stay in flight, engine/in_flight.py). Prompt
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh.engine.bad_words import banned_next_tokens
 from pdmesh.engine.core_types import RawLogprob
 from pdmesh.engine.grammar import apply_bitmasks
 from pdmesh.engine.in_flight import InFlightStep
@@ -65,6 +68,7 @@ class StepSampler:
         row_logits = gather_rows(logits, rows)
         if any(seq.grammar is not None for seq in owners):
             row_logits = apply_bitmasks(row_logits, [seq.grammar for seq in owners])
+        row_logits = mask_bad_words(row_logits, owners)
         sampled = self.sampler(row_logits, self._metadata(owners, gens))
         by_seq: dict[str, list[Sample]] = {}
         for seq, tok, gen in zip(owners, sampled, gens, strict=True):
@@ -101,6 +105,29 @@ def prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[RawLogprob]:
                                    seq.params.prompt_logprobs or 0)
     return [raw_logprob(t, lp, rank, top) for t, (lp, rank, top) in zip(targets, rows,
                                                                           strict=True)]
+
+
+def mask_bad_words(logits: torch.Tensor, owners: list[Sequence]) -> torch.Tensor:
+    """`logits` with -inf on each row's tokens that would complete one of its sample's bad
+    words (row i samples for `owners[i]`): the same tensor when no row has any, else a masked
+    copy (the model's logits are inference tensors, never updated in place out here). Rows
+    without bad words cost one attribute check; the rest one host-built index, copied without
+    blocking."""
+    rows: list[int] = []
+    cols: list[int] = []
+    width = logits.shape[-1]
+    for row, seq in enumerate(owners):
+        sequences = seq.params.bad_words_token_ids
+        if not sequences:
+            continue
+        for token in banned_next_tokens(sequences, seq.token_ids, seq.num_prompt_tokens):
+            if token < width:  # a padded vocabulary's width; the router checked the ids
+                rows.append(row)
+                cols.append(token)
+    if not rows:
+        return logits
+    index = torch.tensor([rows, cols]).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), logits.new_full((), -torch.inf))
 
 
 def gather_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pdmesh.config import about
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.stall import StallConfig
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
-from pdmesh.kvstore.transfer.handle import BACKEND_NAMES
+from pdmesh.kvstore.transfer.backend_names import BACKEND_NAMES
 
 KV_BACKENDS = ("auto", *BACKEND_NAMES)
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -124,6 +124,11 @@ class EngineService:
             num_steps=snap.num_steps,
             step_seconds=snap.step_seconds,
             scheduled_tokens=snap.scheduled_tokens,
+            num_preemptions=snap.num_preemptions,
+            num_predicted_steps=snap.num_predicted_steps,
+            predicted_step_seconds=snap.predicted_step_seconds,
+            predicted_steps_actual_seconds=snap.predicted_steps_actual_seconds,
+            itl_target_seconds=snap.itl_target_seconds,
         )
 
     def load_figures(self) -> dict[str, float]:

@@ -38,14 +38,17 @@ from pdmesh.gateway.json_body import json_body
 from pdmesh.gateway.logprobs_limit import check_max_logprobs
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.request_id import REQUEST_ID_HEADER, RequestIdMiddleware, request_id_of
+from pdmesh.gateway.responses_formatter import responses_answer
+from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.router_client import RouterClient
 from pdmesh.gateway.serving import serve
-from pdmesh.gateway.translate import chat_plan, completion_plan
+from pdmesh.gateway.translate import chat_plan, completion_plan, responses_plan
 
 CompletionBody = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
 ChatBody = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
 TokenizeBody = Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
 DetokenizeBody = Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))]
+ResponsesBody = Annotated[ResponsesRequest, Depends(json_body(ResponsesRequest))]
 
 
 def create_app(config: GatewayConfig, client: RouterClient | None = None) -> FastAPI:
@@ -102,7 +105,7 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return info_routes.prometheus(metrics)
+        return await info_routes.prometheus(context())
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -123,13 +126,19 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
         check_max_logprobs(body, config.max_logprobs)
-        plan = await completion_plan(context().client, body, request_id_of(request))
+        plan = await completion_plan(context().client, body,
+                                     request_id_of(request, body.request_id))
         return await serve(context(), plan, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
         check_max_logprobs(body, config.max_logprobs)
-        plan = chat_plan(body, request_id_of(request), config.tool_settings)
+        plan = chat_plan(body, request_id_of(request, body.request_id), config.tool_settings)
         return await serve(context(), plan, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody, request: Request) -> Response:
+        plan = responses_plan(body, request_id_of(request))
+        return await responses_answer(serve(context(), plan, request), plan.formatter)
 
     return app

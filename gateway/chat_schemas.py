@@ -3,10 +3,12 @@ whole and streamed."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from pdmesh.engine.chat_template import check_template_kwargs
 from pdmesh.gateway.schemas import (
     PromptLogprobs,
     RequestModel,
@@ -102,6 +104,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_allowed(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if kwargs is None else check_template_kwargs(kwargs)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -122,8 +131,10 @@ class ChatCompletionRequest(SamplingFields):
             messages=[m.to_proto() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt,
             tools_json=tools_json,
+            chat_template_kwargs_json=(json.dumps(self.chat_template_kwargs)
+                                       if self.chat_template_kwargs else ""),
         )
-        return router_pb2.GenerateRequest(
+        return self._prompt_options(router_pb2.GenerateRequest(
             request_id=request_id,
             model=self.model,
             chat=chat,
@@ -132,7 +143,7 @@ class ChatCompletionRequest(SamplingFields):
             cache_salt=self.cache_salt,
             priority=self.priority,
             stream=self.stream,
-        )
+        ))
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class CompletionRequest(SamplingFields):
 
     def to_generate(self, prompt: str | list[int], request_id: str) -> router_pb2.GenerateRequest:
         echo_k = self.logprobs if self.echo_logprobs else None
-        request = router_pb2.GenerateRequest(
+        request = self._prompt_options(router_pb2.GenerateRequest(
             request_id=request_id,
             model=self.model,
             sampling=self._sampling(
@@ -86,7 +86,7 @@ class CompletionRequest(SamplingFields):
             cache_salt=self.cache_salt,
             priority=self.priority,
             stream=self.stream,
-        )
+        ))
         if isinstance(prompt, str):
             request.text = prompt
         else:

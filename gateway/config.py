@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from pdmesh.config import about, parse_config, split_address
 from pdmesh.engine.sampling_params import MAX_LOGPROBS
+from pdmesh.gateway.metrics_federation import MetricsTarget, parse_targets
 from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.gateway.tools import ToolSettings
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
+from pdmesh.metrics_vllm import METRICS_NAMES, metrics_names
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UVICORN_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical")
@@ -90,6 +93,16 @@ class GatewayConfig:
     max_logprobs: int = field(default=MAX_LOGPROBS, metadata=about(
         "the most logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs; "
         f"vLLM's flag); at most {MAX_LOGPROBS}, what the engines return"))
+    metrics_names: str = field(default="pdmesh", metadata=about(
+        "metric names on /metrics: pdmesh (pdmesh:* only) or vllm (also vLLM's vllm:* names "
+        "for the quantities pdmesh measures, for vLLM's dashboards)", METRICS_NAMES))
+    metrics_federate: tuple[str, ...] = field(default=(), metadata=about(
+        "other processes' /metrics to serve on this /metrics too, as name=url (or "
+        "name=host:port), comma-separated; each series gets service=<name>. pdmesh serve "
+        "sets it; empty = only the gateway's own"))
+    metrics_federate_timeout_s: float = field(default=2.0, metadata=about(
+        "how long /metrics waits for each --metrics-federate process (one missing is "
+        "reported as pdmesh:metrics_scrape_up 0)"))
 
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -118,6 +131,11 @@ class GatewayConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")
+        self.metrics_names = metrics_names(self.metrics_names)
+        self.federate_targets  # noqa: B018 - parses and validates the targets at start-up
+        if not 0 < self.metrics_federate_timeout_s <= 60:
+            raise ValueError("--metrics-federate-timeout-s must be in (0, 60], got "
+                             f"{self.metrics_federate_timeout_s}")
         self.tls.validate(server=False)
         self._validate_https()
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -141,6 +159,11 @@ class GatewayConfig:
     def tool_settings(self) -> ToolSettings:
         return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser,
                             self.exclude_tools_when_tool_choice_none)
+
+    @cached_property
+    def federate_targets(self) -> tuple[MetricsTarget, ...]:
+        """The --metrics-federate processes (gateway/metrics_federation.py)."""
+        return parse_targets(self.metrics_federate)
 
     @property
     def https(self) -> bool:

@@ -18,7 +18,8 @@ from pdmesh.gateway.info_schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdmesh.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdmesh.gateway.metrics import CONTENT_TYPE
+from pdmesh.gateway.metrics_federation import federated_exposition
 from pdmesh.gateway.router_client import RouterClient
 from pdmesh.v1 import router_pb2
 
@@ -33,8 +34,16 @@ async def health(client: RouterClient) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-def prometheus(metrics: GatewayMetrics) -> Response:
-    return Response(metrics.render(), media_type=CONTENT_TYPE)
+async def prometheus(context: GatewayContext) -> Response:
+    """The gateway's metrics; with --metrics-federate (`pdmesh serve`) every listed process's
+    too, fetched now and merged (gateway/metrics_federation.py)."""
+    config = context.config
+    if not config.metrics_federate:
+        return Response(context.metrics.render(config.metrics_names), media_type=CONTENT_TYPE)
+    body = await federated_exposition(
+        context.metrics.registry, config.federate_targets,
+        timeout_s=config.metrics_federate_timeout_s, ca=config.tls_ca, names=config.metrics_names)
+    return Response(body, media_type=CONTENT_TYPE)
 
 
 async def models(context: GatewayContext) -> ModelList:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdmesh.metrics_vllm import named_registry
+
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -55,5 +57,7 @@ class GatewayMetrics:
             "Requests cancelled because the HTTP client went away", ["endpoint"], registry=r,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: str = "pdmesh") -> bytes:
+        """This gateway's own metrics (`names`: see pdmesh/metrics_vllm.py; none of the
+        gateway's is aliased today). Under `pdmesh serve` /metrics serves more: info_routes."""
+        return generate_latest(named_registry(self.registry, names))

@@ -1,6 +1,6 @@
 """X-Request-Id in and out, as vLLM does: the client's id (or a new one) becomes the router's
 request id, so it names the request in every service's logs and traces, and is sent back on
-the response."""
+the response. Without the header, a body's `request_id` (vLLM's field) names it."""
 
 from __future__ import annotations
 
@@ -16,9 +16,21 @@ REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_BYTES = 128  # the router's limit (router/server.py)
 
 
-def request_id_of(request: Request) -> str:
-    """The request's id: the client's X-Request-Id, or one made up (`RequestIdMiddleware`)."""
-    return str(request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex)
+def check_request_id(request_id: str) -> str:
+    """An id the router takes: printable ASCII, 1 to `MAX_REQUEST_ID_BYTES` bytes."""
+    if (not request_id or not request_id.isascii() or not request_id.isprintable()
+            or len(request_id) > MAX_REQUEST_ID_BYTES):
+        raise ValueError(f"must be printable ASCII and at most {MAX_REQUEST_ID_BYTES} bytes")
+    return request_id
+
+
+def request_id_of(request: Request, body_id: str | None = None) -> str:
+    """The request's id: the client's X-Request-Id, else the body's `request_id` (checked by
+    its model), else the one made up for it (`RequestIdMiddleware`)."""
+    state = request.scope.get("state", {})
+    if body_id and not state.get("request_id_given"):
+        return body_id
+    return str(state.get("request_id") or uuid.uuid4().hex)
 
 
 class RequestIdMiddleware:
@@ -41,13 +53,15 @@ class RequestIdMiddleware:
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 
-        if (not request_id or not request_id.isascii() or not request_id.isprintable()
-                or len(request_id) > MAX_REQUEST_ID_BYTES):
+        try:
+            check_request_id(request_id)
+        except ValueError:
             refusal = error_response(GatewayError(
                 400, f"X-Request-Id must be printable ASCII and at most {MAX_REQUEST_ID_BYTES} "
                 "bytes", param="X-Request-Id"))
             header = (REQUEST_ID_HEADER.encode(), uuid.uuid4().hex.encode())
             await refusal(scope, receive, send_with_id)
             return
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, request_id_given=bool(given))
         await self.app(scope, receive, send_with_id)

@@ -4,7 +4,7 @@ bodies sit in their module (completion_schemas.py, chat_schemas.py; info_schemas
 routes that generate nothing).
 
 Unknown request fields are accepted and ignored, as vLLM does (its request models have many
-fields pdmesh does not act on: `chat_template_kwargs`, `store`, `metadata`, ...; and clients
+fields pdmesh does not act on: `store`, `metadata`, `service_tier`, ...; and clients
 send fields of newer API versions): each request model notes the keys it ignored
 (`RequestModel.ignored`, `ignored_fields` for the whole tree), and the gateway logs them once
 and names them in the answer's `X-Ignored-Fields` header (gateway/ignored_fields.py), so a
@@ -38,13 +38,17 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from pdmesh.engine.bad_words import MAX_BAD_WORDS
+from pdmesh.engine.request_rules import check_prompt_cache_key
 from pdmesh.engine_svc import codec
+from pdmesh.gateway.request_id import check_request_id
 from pdmesh.v1 import common_pb2, router_pb2
 
 MAX_N = 128
 """Choices per prompt; a guard against one request fanning out without bound."""
 
 _SP = common_pb2.SamplingParams
+_GR = router_pb2.GenerateRequest
 
 
 def wire_int(message: type[Message], path: str, *, ge: int | None = None,
@@ -183,6 +187,43 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: the context limit less one), applied
+    # where the router tokenizes; usage counts the tokens kept.
+    truncate_prompt_tokens: Annotated[int, wire_int(_GR, "truncate_prompt_tokens", ge=-1)] | \
+        None = None
+    # vLLM's: words the output never contains (the router tokenizes them, the engines mask).
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # OpenAI's: requests with the same key go to the same instances (routing affinity).
+    prompt_cache_key: str | None = None
+    # vLLM's: logprobs name tokens `token_id:<id>` (gateway/token_id_logprobs.py).
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the request's id when no X-Request-Id header names one (gateway/request_id.py).
+    request_id: str | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_keeps_something(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be >= 1 or -1 (the context limit), got 0")
+        return keep
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_are_words(cls, words: list[str] | None) -> list[str] | None:
+        for word in words or ():
+            if not word.strip():
+                raise ValueError(f"entries must tokenize to at least one token, got {word!r}")
+        return words
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id_is_an_id(cls, request_id: str | None) -> str | None:
+        return None if request_id is None else check_request_id(request_id)
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _prompt_cache_key_bounded(cls, key: str | None) -> str | None:
+        return None if key is None else check_prompt_cache_key(key)
 
     @field_validator("logit_bias")
     @classmethod
@@ -268,6 +309,7 @@ class SamplingFields(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            bad_words=self.bad_words or [],
         )
         for name in ("temperature", "top_p", "repetition_penalty", "seed",
                      "skip_special_tokens", "stream_interval"):
@@ -285,6 +327,14 @@ class SamplingFields(RequestModel):
         if structured_output is not None:  # tool calling's (never together with the above)
             proto.structured_output.CopyFrom(structured_output)
         return proto
+
+    def _prompt_options(self, request: router_pb2.GenerateRequest) -> router_pb2.GenerateRequest:
+        """`request` with the body's prompt-side options (truncation, routing affinity)."""
+        if self.truncate_prompt_tokens is not None:
+            request.truncate_prompt_tokens = self.truncate_prompt_tokens
+        if self.prompt_cache_key:
+            request.prompt_cache_key = self.prompt_cache_key
+        return request
 
     @property
     def returned_prompt_logprobs(self) -> int | None:

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdmesh.engine.request_rules import truncate_prompt
 from pdmesh.gateway.chat_formatter import ChatFormatter
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.completion_formatter import CompletionFormatter
 from pdmesh.gateway.completion_schemas import CompletionRequest
 from pdmesh.gateway.formatter import Formatter
+from pdmesh.gateway.responses_formatter import ResponsesFormatter
+from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.router_client import RouterClient
+from pdmesh.gateway.token_id_logprobs import TokenIdLogprobs
 from pdmesh.gateway.tools import ToolSettings, plan_tools
 from pdmesh.v1 import router_pb2
 
@@ -54,7 +58,7 @@ async def completion_plan(
     return GenerationPlan(
         id=f"cmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
         include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
-        requests=requests, formatter=formatter,
+        requests=requests, formatter=_by_token_id(body.return_tokens_as_token_ids, formatter),
     )
 
 
@@ -68,22 +72,47 @@ def chat_plan(
         id=f"chatcmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
         include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
         requests=[request],
-        formatter=ChatFormatter(n=body.n, want_logprobs=body.logprobs,
-                                prompt_logprobs=body.returned_prompt_logprobs, tools=tools),
+        formatter=_by_token_id(body.return_tokens_as_token_ids, ChatFormatter(
+            n=body.n, want_logprobs=body.logprobs, prompt_logprobs=body.returned_prompt_logprobs,
+            tools=tools)),
+    )
+
+
+def _by_token_id(asked: bool | None, formatter: Formatter) -> Formatter:
+    """`formatter`, naming logprob tokens by id when the request asks
+    (`return_tokens_as_token_ids`)."""
+    return TokenIdLogprobs(formatter) if asked else formatter
+
+
+def responses_plan(body: ResponsesRequest, request_id: str) -> GenerationPlan:
+    """A /v1/responses request as the chat completion it amounts to (its messages as a `Chat`
+    prompt), answered by the responses formatter; a stream always ends with the usage
+    (response.completed carries it)."""
+    request = body.to_chat().to_generate(request_id)
+    return GenerationPlan(
+        id=f"resp_{request_id}", model=body.model, n=1, stream=body.stream,
+        include_usage=True, continuous_usage=False, requests=[request],
+        formatter=ResponsesFormatter(request=body, item_id=f"msg_{request_id}"),
     )
 
 
 async def count_prompt_tokens(
     client: RouterClient, requests: list[router_pb2.GenerateRequest]
 ) -> int:
-    """The prompts' tokens, as the router counts them (for usage in every streamed chunk)."""
+    """The prompts' tokens, as the router counts them (for usage in every streamed chunk):
+    after `truncate_prompt_tokens`, which the router applies to Tokenize as to Generate."""
     total = 0
     for r in requests:
         kind = r.WhichOneof("prompt")
+        keep = r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None
         if kind == "token_ids":
-            total += len(r.token_ids.ids)
+            model_len = None
+            if keep == -1:  # the context limit less one: the router knows the limit
+                model_len = (await client.tokenize(router_pb2.TokenizeRequest(
+                    model=r.model, text=""))).max_model_len or None
+            total += len(truncate_prompt(list(r.token_ids.ids), keep, model_len))
             continue
-        tokenize = router_pb2.TokenizeRequest(model=r.model)
+        tokenize = router_pb2.TokenizeRequest(model=r.model, truncate_prompt_tokens=keep)
         if kind == "text":
             tokenize.text = r.text
         else:

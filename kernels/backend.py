@@ -26,8 +26,9 @@ from typing import Protocol
 import torch
 
 from pdmesh.kernels import torch_ref
+from pdmesh.kernels.backend_names import BACKEND_NAMES
 
-BACKEND_NAMES = ("flash-attn", "triton", "cpu", "torch")
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "TorchAttentionBackend"]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdmesh import bench_serve as bs
+from pdmesh.slo import parse_goodput
 
 DATASETS = ("random", "shared-prefix", "multi-turn")
 
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
-                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS itl:MS (itl: the longest gap "
+                   "between two chunks of a request)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-result", default=None, metavar="PATH", help="write JSON here")
     p.add_argument("--label", default="", help="free text stored in the JSON result")
@@ -72,7 +74,7 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, fl
     if not 0 <= a.random_range_ratio < 1:
         p.error("--random-range-ratio must be in [0, 1)")
     try:
-        return bs.parse_goodput(a.goodput)
+        return parse_goodput(a.goodput)
     except ValueError as exc:
         p.error(str(exc))
         raise

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from pdmesh import slo
+
 WORDS = (
     "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
     "child", "eye", "woman", "place", "work", "week", "case", "point", "company", "number",
@@ -240,26 +242,6 @@ class Stats:
                    float(np.percentile(a, 99)))
 
 
-GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-
-
-def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
-    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
-    slos: dict[str, float] = {}
-    for spec in specs:
-        name, sep, value = spec.partition(":")
-        if not sep or name not in GOODPUT_METRICS:
-            raise ValueError(f"goodput SLO must be one of {GOODPUT_METRICS} as name:ms, "
-                             f"got {spec!r}")
-        try:
-            slos[name] = float(value)
-        except ValueError:
-            raise ValueError(f"goodput SLO {spec!r}: {value!r} is not a number") from None
-        if slos[name] <= 0:
-            raise ValueError(f"goodput SLO {spec!r} must be > 0")
-    return slos
-
-
 def tpot_s(r: RequestResult) -> float | None:
     """Time per output token after the first; None with fewer than two output tokens."""
     if r.output_len < 2:
@@ -268,10 +250,8 @@ def tpot_s(r: RequestResult) -> float | None:
 
 
 def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
-    measured = {"ttft": r.ttft_s * 1000, "e2el": r.latency_s * 1000}
-    tpot = tpot_s(r)
-    measured["tpot"] = 0.0 if tpot is None else tpot * 1000
-    return all(measured[name] <= limit for name, limit in slos.items())
+    return slo.meets_slos(slo.RequestLatency(r.ttft_s, r.latency_s, r.output_len,
+                                             max(r.itl_s, default=0.0)), slos)
 
 
 @dataclass

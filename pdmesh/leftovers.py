@@ -5,14 +5,31 @@ shared-memory segments), so whoever comes next does: `pdmesh serve` after its ch
 service at start-up. Names carry the creator's pid namespace and pid (`<prefix><ns>-<pid>-…`)
 because a /tmp or /dev/shm shared between containers holds pids of several namespaces, and a
 pid is only meaningful in its own.
+
+The names and their sweeps live here, not beside the code that makes them (the engine core
+client, the shm data plane), because `pdmesh serve` sweeps after its children and must not
+import torch to do it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Collection
 from functools import cache
+
+from pdmesh.kvstore.connector.config import DEFAULT_SHM_DIR
+
+CORE_DIR_PREFIX = "pdmesh-core-"
+CORE_DIR = re.compile(rf"{CORE_DIR_PREFIX}(\d+)-(\d+)-\w+")
+"""An engine core's socket directory, named after the serving process that owns it: its pid
+namespace and pid (a /tmp shared between containers holds pids of several namespaces)."""
+KV_SEGMENT_PREFIX = "pdmesh-kv-"
+KV_SEGMENT = re.compile(rf"{KV_SEGMENT_PREFIX}(\d+)-(\d+)-([0-9a-f]{{32}})")
+"""A KV shm segment or shared cache file: creator's pid namespace, pid, a random id."""
 
 
 @cache
@@ -54,3 +71,23 @@ def sweep(directory: str, pattern: re.Pattern[str], remove: Callable[[str], None
         remove(os.path.join(directory, name))
         removed += 1
     return removed
+
+
+def sweep_core_dirs(pids: Collection[int] | None = None, root: str | None = None) -> int:
+    """Remove the engine core socket directories of serving processes that are gone: those of
+    `pids`, or of every dead pid (of our pid namespace). Returns how many."""
+    return sweep(root or tempfile.gettempdir(), CORE_DIR,
+                 lambda path: shutil.rmtree(path, ignore_errors=True), pids)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def sweep_kv_segments(directory: str = DEFAULT_SHM_DIR,
+                      pids: Collection[int] | None = None) -> int:
+    """Remove the KV segments and shared cache files whose creating process (in our pid
+    namespace) is gone; `pids` restricts it to those processes (a supervisor such as `pdmesh
+    serve` cleans up after its own children, even SIGKILLed ones). Returns how many."""
+    return sweep(directory, KV_SEGMENT, _unlink, pids)

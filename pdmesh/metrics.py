@@ -2,7 +2,9 @@
 
 Every process keeps its metrics in one `CollectorRegistry` (`process_registry()`), served as
 text on `http://<host>:<port>/metrics` by `start_metrics_server`. Only pdmesh metrics are in
-it, so every exported name starts with `pdmesh:`.
+it, so every exported name starts with `pdmesh:` (unless PDMESH_METRICS_NAMES=vllm adds vLLM's
+names at exposition: pdmesh/metrics_vllm.py). Under `pdmesh serve` the gateway's /metrics
+also serves every other process's (gateway/metrics_federation.py).
 
 Two kinds of metric live here:
 
@@ -30,6 +32,8 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdmesh.metrics_vllm import metrics_names, named_registry
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "pdmesh:"
@@ -41,6 +45,8 @@ TOKEN_LATENCY_BUCKETS_S = (
 )
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                       2.5, 5.0, 10.0, 30.0)
+REQUEST_TOKENS_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 1_000_000)
+"""Tokens per request: vLLM's 1-2-5 series (vLLM stops it at the model's length; here at 1M)."""
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -140,6 +146,8 @@ class EngineMetrics:
     kv_load_fallbacks: Counter
     itl: Histogram
     kv_blocks_loaded: Counter
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
 
     def kv_load_fallback(self, reason: str) -> None:
         """A KV pull failed and this instance prefilled the prompt itself (`reason`: the
@@ -166,6 +174,8 @@ class EngineMetrics:
         self.requests.labels(*who, outcome).inc()
         self.prompt_tokens.labels(*who).inc(prompt_tokens)
         self.generation_tokens.labels(*who).inc(generation_tokens)
+        self.request_prompt_tokens.labels(*who).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*who).observe(generation_tokens)
         self.e2e.labels(*who).observe(e2e_s)
         if ttft_s is not None:
             self.ttft.labels(*who).observe(ttft_s)
@@ -212,6 +222,13 @@ def _build_engine(r: CollectorRegistry, role: str, model_name: str) -> EngineMet
                                  "Prompt KV blocks of remote prefills placed here: pulled from "
                                  "the prefill instance, or reused from this prefix cache",
                                  [*labels, "source"], registry=r),
+        request_prompt_tokens=Histogram(metric_name("request_prompt_tokens"),
+                                        "Prompt tokens of each finished request",
+                                        labels, buckets=REQUEST_TOKENS_BUCKETS, registry=r),
+        request_generation_tokens=Histogram(metric_name("request_generation_tokens"),
+                                            "Tokens this service generated for each finished "
+                                            "request", labels, buckets=REQUEST_TOKENS_BUCKETS,
+                                            registry=r),
     )
 
 
@@ -238,6 +255,11 @@ class EngineState:
     num_steps: int = 0
     step_seconds: float = 0.0
     scheduled_tokens: int = 0
+    num_preemptions: int = 0
+    num_predicted_steps: int = 0
+    predicted_step_seconds: float = 0.0
+    predicted_steps_actual_seconds: float = 0.0
+    itl_target_seconds: float = 0.0
 
 
 class EngineCollector:
@@ -284,6 +306,18 @@ class EngineCollector:
                       "its rate is the fraction of time the engine computes", s.step_seconds)
         yield counter("engine_scheduled_tokens", "Tokens the engine's steps computed (prompt "
                       "chunks and decode tokens)", s.scheduled_tokens)
+        yield counter("num_preemptions", "Sequences preempted (their KV freed, recomputed "
+                      "later) for lack of KV blocks", s.num_preemptions)
+        yield counter("engine_predicted_steps", "Steps the step-cost model predicted "
+                      "(engine/step_cost.py)", s.num_predicted_steps)
+        yield counter("engine_step_predicted_seconds", "The step-cost model's predicted time "
+                      "of the steps it predicted; against engine_step_predicted_actual_seconds "
+                      "it says how far off the model is", s.predicted_step_seconds)
+        yield counter("engine_step_predicted_actual_seconds", "Actual wall time of the steps "
+                      "the step-cost model predicted", s.predicted_steps_actual_seconds)
+        yield gauge("engine_itl_target_seconds", "The step time the scheduler kept the last "
+                    "step with running streams to (--itl-target-ms, engine/step_budget.py); 0 "
+                    "before any", s.itl_target_seconds)
         if s.index_up is not None:
             yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
                         "answers, 0 while unregistered or Redis is unreachable",
@@ -308,6 +342,7 @@ class RouterMetrics:
     index_lookup_duration: Histogram
     reroutes: Counter
     migrations: Counter
+    goodput_requests: Counter
 
 
 def _build_router(r: CollectorRegistry) -> RouterMetrics:
@@ -360,6 +395,10 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
             "another decode instance, by reason (connection_lost, unavailable, internal, "
             "no_result, ...)",
             ["reason"], registry=r),
+        goodput_requests=Counter(
+            metric_name("router_goodput_requests"),
+            "Finished requests that met every SLO given by --goodput (TTFT, TPOT, E2E, the "
+            "longest gap between deltas); its rate is the goodput", registry=r),
     )
 
 
@@ -432,17 +471,18 @@ class MetricsEndpoint:
 
 def start_metrics_server(
     host: str, port: int, registry: CollectorRegistry | None = None, *,
-    certfile: str | None = None, keyfile: str | None = None,
+    certfile: str | None = None, keyfile: str | None = None, names: str | None = None,
 ) -> MetricsEndpoint:
     """Serve `registry` (default: the process registry) on host:port; port 0 picks a free one.
 
     With `certfile`/`keyfile` (the service's --tls-cert/--tls-key) it serves HTTPS, so a TLS
-    mesh has no plaintext port; scrapers need the CA, not a client certificate.
-    Raises OSError naming the address when it cannot bind.
+    mesh has no plaintext port; scrapers need the CA, not a client certificate. `names`
+    ("pdmesh" or "vllm"; None: env PDMESH_METRICS_NAMES) adds vLLM's names (metrics_vllm.py).
+    Raises OSError naming the address when it cannot bind, ValueError for unknown `names`.
     """
+    served = named_registry(registry or process_registry(), metrics_names(names))
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry or
-                                            process_registry(), certfile=certfile,
+        server, _thread = start_http_server(port, addr=host, registry=served, certfile=certfile,
                                             keyfile=keyfile)
     except OSError as exc:
         raise OSError(f"cannot serve /metrics on {host}:{port} ({exc.strerror or exc}); "

@@ -19,6 +19,7 @@ from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits
 from pdmesh.router.routing.base import POLICY_NAMES
+from pdmesh.slo import parse_goodput
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -38,6 +39,14 @@ class RouterConfig:
     )
     tokenizer: str | None = field(
         default=None, metadata=about("model dir/alias to load the tokenizer from; default: model")
+    )
+    revision: str | None = field(
+        default=None, metadata=about("the Hub model's branch, tag or commit (vLLM's flag; the "
+                                     "engines' --revision); unset = main")
+    )
+    download_dir: str | None = field(
+        default=None, metadata=about("where Hub models are looked up and downloaded (the "
+                                     "engines' --download-dir); unset = the Hugging Face cache")
     )
     generation_config: str = field(
         default="auto",
@@ -114,6 +123,10 @@ class RouterConfig:
                        "instance; 0 = never"),
     )
     stall: StallConfig = field(default_factory=StallConfig)
+    goodput: tuple[str, ...] = field(default=(), metadata=about(
+        "SLOs a finished request must meet to count in pdmesh:router_goodput_requests, as "
+        "vLLM's bench client takes them, comma-separated: ttft:MS,tpot:MS,e2el:MS,itl:MS "
+        "(itl: the longest gap between two deltas)"))
     tls_cert: str | None = field(default=None, metadata=about("PEM certificate (server+client)"))
     tls_key: str | None = field(default=None, metadata=about("PEM private key"))
     tls_ca: str | None = field(
@@ -134,6 +147,7 @@ class RouterConfig:
     metrics_host: str = field(default="", metadata=about("/metrics bind address; empty = --host"))
 
     def __post_init__(self) -> None:
+        parse_goodput(self.goodput)  # raises naming the SLO it cannot read
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if not -1 <= self.metrics_port <= 65535:

@@ -44,8 +44,11 @@ class Orchestrator:
         migration_limit: int = 3,
         metrics: RouterMetrics | None = None,
         token: ClusterToken | None = None,
+        slos: dict[str, float] | None = None,
     ) -> None:
+        """`slos`: the goodput SLOs each finished request is judged on (pdmesh/slo.py)."""
         self.metrics = metrics or router_metrics()
+        self.slos = slos or {}
         self.planner = Planner(pool, policies, index, PrefillDecider(local_prefill_threshold),
                                self.metrics)
         self.cleanup = CleanupCalls(rpc_timeout_s)
@@ -57,7 +60,7 @@ class Orchestrator:
         plan = await self.planner.plan(req)
         slots = LoadSlots(req, plan)
         try:
-            responses = ResponseStream(req, send, self.metrics)
+            responses = ResponseStream(req, send, self.metrics, self.slos)
             await RequestRun(self.context, req, plan, responses, slots).execute()
         finally:
             slots.release()

@@ -5,7 +5,8 @@ Decode is chosen first (the Dynamo / llm-d shape), then the prefill/decode decis
 instance prefills (degraded, still serving). Choosing an instance of a role is llm-d's
 pipeline: *filter* (the pool's routable instances of the role, less those this request
 already failed on), *score and pick* (the role's routing policy, router/routing/, over
-candidates carrying load and the prefix index's cached blocks). Re-routing and migration
+candidates carrying load and the prefix index's cached blocks; a request's prompt_cache_key,
+its affinity, comes first while its instance is not overloaded). Re-routing and migration
 choose through the same `choose`, with the plan's lookup.
 """
 
@@ -47,6 +48,8 @@ def decision_reason(policy: RoutingPolicy, decision: Decision, num_candidates: i
     """Why an instance was chosen, as a low-cardinality metric label."""
     if num_candidates == 1:
         return "single_candidate"
+    if decision.affinity:
+        return "prompt_cache_key"
     if not policy.uses_prefix_index:
         return policy.name
     if lookup.consulted and not lookup.ok:
@@ -71,7 +74,8 @@ class Planner:
         with get_tracer().start_as_current_span("pdmesh.router.route") as span:
             lookup = await self.lookup(req)
             route = RouteRequest(len(req.prompt_token_ids),
-                                 self.pool.block_size or DEFAULT_BLOCK_SIZE)
+                                 self.pool.block_size or DEFAULT_BLOCK_SIZE,
+                                 affinity_key=req.prompt_cache_key)
             if span.is_recording():
                 span.set_attributes({
                     "pdmesh.route.policy": self.policies["decode"].name,

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from pdmesh.engine.generation_config import (
     load_generation_defaults,
 )
-from pdmesh.engine.model_store import resolve_model
+from pdmesh.engine.model_store import resolve_tokenizer
 from pdmesh.gc_heap import freeze_startup_heap
 from pdmesh.grpc_common import (
     DRAINING,
@@ -59,6 +59,7 @@ from pdmesh.router.server import (
     SERVICE_NAME,
     RouterService,
 )
+from pdmesh.slo import parse_goodput
 from pdmesh.v1 import router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -122,11 +123,15 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     install_shutdown_signals(stop, config.drain_timeout_s)
     metrics: RouterMetrics = router_metrics()
+    # The model's own tokenizer at --revision, or --tokenizer's at its default revision (as
+    # vLLM): configs and tokenizer files only, the router loads no weights.
+    source = await asyncio.to_thread(
+        resolve_tokenizer, config.model_source, download_dir=config.download_dir,
+        revision=None if config.tokenizer else config.revision)
     tokenizer = await asyncio.to_thread(
-        PromptTokenizer, config.model_source, config.tokenizer_pool_size, config.chat_template
+        PromptTokenizer, str(source), config.tokenizer_pool_size, config.chat_template
     )
-    defaults = load_generation_defaults(config.generation_config,
-                                        resolve_model(config.model_source))
+    defaults = load_generation_defaults(config.generation_config, source)
     conn = RedisConnection.from_url(
         config.redis_url, password_file=config.redis_password_file, ca_file=config.redis_ca,
     ) if config.redis_url else None
@@ -156,6 +161,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         local_prefill_threshold=config.local_prefill_threshold,
         rpc_timeout_s=config.rpc_timeout_s,
         migration_limit=config.migration_limit,
+        slos=parse_goodput(config.goodput),
         metrics=metrics,
         token=config.cluster_token,
     )

@@ -25,8 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from pdmesh.chat_templates import CHAT_TEMPLATES, named_chat_template
-from pdmesh.engine.chat_template import apply_chat_template
-from pdmesh.engine.model_store import resolve_model
+from pdmesh.engine.bad_words import tokenize_bad_words
+from pdmesh.engine.chat_template import (
+    MAX_TEMPLATE_KWARGS_BYTES,
+    apply_chat_template,
+    check_template_kwargs,
+)
+from pdmesh.engine.model_store import resolve_tokenizer
+from pdmesh.engine.request_rules import RuleViolation, truncate_prompt
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_bound import NoBound, PromptBound
 
@@ -62,13 +68,14 @@ class PromptTokenizer:
     def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None) -> None:
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
-        model_dir = resolve_model(model)
+        model_dir = resolve_tokenizer(model)
         copies = [load_tokenizer(model_dir) for _ in range(pool_size)]
         template = load_chat_template(chat_template)
         if template is not None:
             for copy in copies:
                 copy.chat_template = template
-        config = json.loads((model_dir / "config.json").read_text())
+        config_file = model_dir / "config.json"  # a tokenizer-only --tokenizer may lack one
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.vocab_size = int(config.get("vocab_size") or len(copies[0]))
         self.model_dir = model_dir
         self.pool_size = pool_size
@@ -79,9 +86,23 @@ class PromptTokenizer:
         self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="tokenizer")
         self._large_lanes = asyncio.Semaphore(max(1, pool_size - 1))
 
-    async def encode(self, request: Any, max_model_len: int | None = None) -> list[int]:
-        """The prompt's token ids. With `max_model_len`, a text or chat prompt that provably
-        leaves no room to generate raises InvalidRequest without being tokenized."""
+    async def encode(self, request: Any, max_model_len: int | None = None, *,
+                     context_len: int | None = None) -> list[int]:
+        """The prompt's token ids, cut to the request's `truncate_prompt_tokens` (the one
+        place a prompt is tokenized, so usage counts what was kept). With `max_model_len`, a
+        text or chat prompt that provably leaves no room to generate raises InvalidRequest
+        without being tokenized (unless it is to be truncated); `context_len` (default
+        `max_model_len`) is the limit truncation works within."""
+        keep = (request.truncate_prompt_tokens
+                if request.HasField("truncate_prompt_tokens") else None)
+        context_len = max_model_len if context_len is None else context_len
+        ids = await self._encode(request, None if keep is not None else max_model_len)
+        try:
+            return truncate_prompt(ids, keep, context_len)
+        except RuleViolation as exc:
+            raise InvalidRequest(exc.field, str(exc)) from None
+
+    async def _encode(self, request: Any, max_model_len: int | None) -> list[int]:
         kind = request.WhichOneof("prompt" if hasattr(request, "token_ids") else "input")
         if kind == "token_ids":
             return list(request.token_ids.ids)
@@ -99,14 +120,30 @@ class PromptTokenizer:
             if not messages:
                 raise InvalidRequest("chat.messages", "a chat needs at least one message")
             tools = chat_tools(request.chat)
+            kwargs = chat_template_kwargs(request.chat)
             add = (
                 request.chat.add_generation_prompt
                 if request.chat.HasField("add_generation_prompt")
                 else True
             )
             size = request.chat.ByteSize()
-            return await self._run(size, self._encode_chat, messages, add, max_model_len, tools)
+            return await self._run(size, self._encode_chat, messages, add, max_model_len, tools,
+                                   kwargs)
         raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
+
+    async def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """`bad_words` as the token sequences engines ban (engine/bad_words.py);
+        InvalidRequest names the field."""
+        try:
+            return await self._run(sum(map(len, words)),  # type: ignore[return-value]
+                                   self._tokenize_bad_words, list(words))
+        except ValueError as exc:
+            raise InvalidRequest("sampling.bad_words", str(exc)) from None
+
+    @staticmethod
+    def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+        return tokenize_bad_words(
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)), words)
 
     async def _run(self, size: int, work: Any, *args: Any) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -142,20 +179,22 @@ class PromptTokenizer:
     def _encode_chat(
         self, tokenizer: Any, messages: list[dict[str, Any]], add: bool,
         max_model_len: int | None, tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         if max_model_len is not None and self.bound is not None:
             # The bound applies to the rendered text (a template may leave content out).
             # Rendering is cheap next to tokenizing; a template error is reported below.
             try:
                 rendered = tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add, tokenize=False
+                    messages, tools=tools, add_generation_prompt=add, tokenize=False,
+                    **(kwargs or {}),
                 )
             except Exception:  # apply_chat_template below names the problem
                 rendered = None
             if isinstance(rendered, str):
                 self.bound.check(rendered, max_model_len, field="messages")
         try:
-            return apply_chat_template(tokenizer, messages, add, tools)
+            return apply_chat_template(tokenizer, messages, add, tools, kwargs)
         except ValueError as exc:
             raise InvalidRequest("messages", str(exc)) from None
 
@@ -205,6 +244,24 @@ def chat_tools(chat: Any) -> list[dict[str, Any]] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequest("chat.tools_json", "expected a JSON list of tool objects")
     return tools or None
+
+
+def chat_template_kwargs(chat: Any) -> dict[str, Any] | None:
+    """`Chat.chat_template_kwargs_json` → the template's extra variables (None when empty);
+    InvalidRequest when it is not a JSON object the render may take
+    (`check_template_kwargs`)."""
+    text = chat.chat_template_kwargs_json
+    if not text:
+        return None
+    if len(text) > MAX_TEMPLATE_KWARGS_BYTES:  # characters: parse nothing surely over
+        raise InvalidRequest("chat_template_kwargs", f"must be at most "
+                                                     f"{MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+    try:
+        return check_template_kwargs(json.loads(text)) or None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest("chat_template_kwargs", f"not valid JSON: {exc}") from None
+    except ValueError as exc:
+        raise InvalidRequest("chat_template_kwargs", str(exc)) from None
 
 
 def load_chat_template(template: str | None) -> str | None:

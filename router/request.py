@@ -33,6 +33,7 @@ class PreparedRequest:
     received_at: float  # monotonic
     deadline: float  # monotonic
     tokenize_ms: float = 0.0
+    prompt_cache_key: str = ""  # routing affinity (router/routing/base.py); "" = none
 
     def remaining_s(self) -> float:
         remaining = self.deadline - time.monotonic()

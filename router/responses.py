@@ -20,6 +20,7 @@ from opentelemetry import trace
 from pdmesh.metrics import RouterMetrics
 from pdmesh.router.failures import RouteError
 from pdmesh.router.request import Plan, PreparedRequest
+from pdmesh.slo import RequestLatency, meets_slos
 from pdmesh.tracing import gen_ai_response_attributes
 from pdmesh.v1 import common_pb2, engine_pb2, router_pb2
 
@@ -146,20 +147,30 @@ class ResponseStream:
     """One request's responses, through `send`; `sent` once a delta went to the client, from
     when on a failure can no longer be a status."""
 
-    def __init__(self, req: PreparedRequest, send: Send, metrics: RouterMetrics) -> None:
+    def __init__(self, req: PreparedRequest, send: Send, metrics: RouterMetrics,
+                 slos: dict[str, float] | None = None) -> None:
+        """`slos`: the router's goodput SLOs (`--goodput`, pdmesh/slo.py), in ms."""
         self.req = req
         self._send = send
         self.metrics = metrics
+        self.slos = slos or {}
         self.out = Assembler(req.n)
         self.sent = False
         self.ttft_ms = 0.0
+        self._last_token_at = 0.0
+        self.max_itl_s = 0.0  # the longest gap between two deltas with tokens
         self.timings: list[common_pb2.Timing] = []  # each instance call's own
         self._prompt_logprobs_sent = False
 
     async def emit(self, delta: common_pb2.SequenceDelta) -> None:
         self.out.add(delta)
-        if delta.token_ids and not self.ttft_ms:
-            self.ttft_ms = (time.monotonic() - self.req.received_at) * 1000
+        if delta.token_ids:
+            now = time.monotonic()
+            if not self.ttft_ms:
+                self.ttft_ms = (now - self.req.received_at) * 1000
+            else:
+                self.max_itl_s = max(self.max_itl_s, now - self._last_token_at)
+            self._last_token_at = now
         if self.req.stream:
             self.sent = True
             await self._send(router_pb2.GenerateResponse(delta=delta))
@@ -208,9 +219,13 @@ class ResponseStream:
         e2e_s = timing.e2e_ms / 1e3
         m.e2e.observe(e2e_s)
         if self.ttft_ms:
-            m.ttft.observe(self.ttft_ms / 1e3)
+            latency = RequestLatency(self.ttft_ms / 1e3, e2e_s, usage.completion_tokens,
+                                     self.max_itl_s)
+            m.ttft.observe(latency.ttft_s)
             if usage.completion_tokens > 1:
-                m.tpot.observe((e2e_s - self.ttft_ms / 1e3) / (usage.completion_tokens - 1))
+                m.tpot.observe(latency.tpot_s)
+            if self.slos and meets_slos(latency, self.slos):
+                m.goodput_requests.inc()
         span = trace.get_current_span()
         if not span.is_recording():
             return

@@ -37,6 +37,7 @@ from pdmesh.engine.generation_config import (
     GenerationDefaults,
     apply_to_proto,
 )
+from pdmesh.engine.request_rules import RuleViolation, check_prompt_cache_key
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,
@@ -213,6 +214,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             )
         sampling = apply_to_proto(request.sampling, self.defaults)  # request > server default
         params = sampling_from_proto(sampling)
+        if params.bad_words:  # tokenized here, once: the engines get token sequences
+            for ids in await self.tokenizer.bad_words_token_ids(params.bad_words):
+                sampling.bad_words_token_ids.add(token_ids=ids)
+            params = sampling_from_proto(sampling)  # checks the count after tokenization
+        prompt_cache_key = _prompt_cache_key(request.prompt_cache_key)
         await self.grammars.check(params.structured_output)  # compiles, within its budget
         max_model_len = self.pool.max_model_len()
         ids = await self.tokenizer.encode(request, max_model_len)  # refuses provably too long
@@ -240,6 +246,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             cache_salt=request.cache_salt,
             priority=request.priority,
             stream=request.stream,
+            prompt_cache_key=prompt_cache_key,
             received_at=received,
             deadline=received + timeout_s,
             tokenize_ms=tokenize_ms,
@@ -312,7 +319,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.TokenizeResponse:
         try:
             self._check_model(request.model)
-            ids = await self.tokenizer.encode(request)
+            ids = await self.tokenizer.encode(request, context_len=self.pool.max_model_len())
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouteError as exc:
@@ -371,6 +378,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             num_running=self.admission.running,
             num_queued=self.admission.queued,
         )
+
+
+def _prompt_cache_key(key: str) -> str:
+    try:
+        return check_prompt_cache_key(key)
+    except RuleViolation as exc:
+        raise InvalidRequest(exc.field, str(exc)) from None
 
 
 def _valid_request_id(request_id: str) -> bool:

@@ -83,11 +83,16 @@ def router_placement(mesh: MeshConfig, *, redis_url: str, port: int, metrics_por
     return placement
 
 
-def gateway_placement(mesh: MeshConfig, *, router_address: str, port: int) -> dict[str, Any]:
+def gateway_placement(mesh: MeshConfig, *, router_address: str, port: int,
+                      metrics: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Where the gateway serves, and its router. A TLS mesh serves HTTPS too (with the mesh's
-    certificate, no client certificates) unless --ssl-certfile/--ssl-keyfile say otherwise."""
+    certificate, no client certificates) unless --ssl-certfile/--ssl-keyfile say otherwise.
+    `metrics`: every other child's /metrics URL by child name, which the gateway's /metrics
+    serves too (one scrape for the mesh: gateway/metrics_federation.py)."""
     placement: dict[str, Any] = {"router_address": router_address, "host": mesh.host,
                                  "port": port, "model_root": mesh.model}
+    if metrics:
+        placement["metrics_federate"] = tuple(f"{name}={url}" for name, url in metrics.items())
     if mesh.tls_cert and mesh.tls_key and not mesh.ssl_certfile:
         placement.update(ssl_certfile=mesh.tls_cert, ssl_keyfile=mesh.tls_key)
     return placement
@@ -105,4 +110,5 @@ def check_children(mesh: MeshConfig) -> None:
         decode=[STAND_IN_ADDRESS]))
     if mesh.http_port >= 0:
         child_config(GatewayConfig, mesh, gateway_placement(
-            mesh, router_address=STAND_IN_ADDRESS, port=0))
+            mesh, router_address=STAND_IN_ADDRESS, port=0,
+            metrics={"router": f"http://{STAND_IN_ADDRESS}/metrics"}))

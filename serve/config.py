@@ -67,6 +67,7 @@ class MeshConfig:
     routing_policy: str = field_like(RouterConfig, "routing_policy")
     local_prefill_threshold: int = field_like(RouterConfig, "local_prefill_threshold")
     max_queue_delay_s: float = field_like(RouterConfig, "max_queue_delay_s")
+    goodput: tuple[str, ...] = field_like(RouterConfig, "goodput")
     generation_config: str = field_like(RouterConfig, "generation_config")
     chat_template: str | None = field_like(RouterConfig, "chat_template")
 
@@ -83,6 +84,7 @@ class MeshConfig:
     ssl_cert_reqs: int = field_like(GatewayConfig, "ssl_cert_reqs")
     uvicorn_log_level: str | None = field_like(GatewayConfig, "uvicorn_log_level")
     max_logprobs: int = field_like(GatewayConfig, "max_logprobs")
+    metrics_names: str = field_like(GatewayConfig, "metrics_names")
 
     # vLLM's, accepted only where pdmesh behaves so (serve/vllm_flags.py: those refused).
     trust_remote_code: bool = field(default=False, metadata=about(

@@ -16,7 +16,9 @@ port. Streams that a dead router or gateway carried are lost with it; those of a
 the router migrates. Tests that kill children on purpose leave supervision off.
 
 Every child serves Prometheus metrics on a free port (`--metrics-port 0`); its URL comes back
-in the ready line (`metrics=http://...`, `Child.metrics_url`). The OTEL_* variables of this
+in the ready line (`metrics=http://...`, `Child.metrics_url`). The gateway is told them all
+(`--metrics-federate`), so its /metrics on the HTTP port is one scrape of the whole mesh, each
+series labelled with its child's name (`service`). The OTEL_* variables of this
 process (or of `env`) reach every child unchanged, so one `OTEL_EXPORTER_OTLP_ENDPOINT` traces
 the whole mesh. `LocalMesh` passes on whatever environment it is given (`pdmesh serve` adds a
 cluster token to it).
@@ -38,14 +40,12 @@ from collections.abc import Sequence
 from functools import partial
 from types import TracebackType
 
-import torch
-
-from pdmesh.engine.core_client import sweep_core_dirs
 from pdmesh.engine.cpu_threads import usable_cpus
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.grpc_common import TEARDOWN_BOUND_S
 from pdmesh.kvstore.redis_server import RedisServer
-from pdmesh.kvstore.transfer.backends.shm import sweep_stale
+from pdmesh.leftovers import sweep_core_dirs
+from pdmesh.leftovers import sweep_kv_segments as sweep_stale
 from pdmesh.router.config import RouterConfig
 from pdmesh.serve.child import Child, Endpoint, pdmesh_command
 from pdmesh.serve.child_config import (
@@ -56,6 +56,7 @@ from pdmesh.serve.child_config import (
     router_placement,
 )
 from pdmesh.serve.config import MeshConfig
+from pdmesh.serve.devices import engines_use_cuda
 from pdmesh.serve.supervisor import Backoff, ChildSpec, Supervised, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 DRAIN_ENV, DEFAULT_DRAIN_TIMEOUT_S = "PDMESH_DRAIN_TIMEOUT_S", 30.0
 """Every child's `--drain-timeout-s`, from its environment unless `pdmesh serve` sets it."""
 API_KEY_ENV = "PDMESH_API_KEY"
+NAMES_ENV = "PDMESH_METRICS_NAMES"  # pdmesh/metrics_vllm.py reads it
 """How the gateway child gets `--api-key`: `ps` shows a command line to every user."""
 
 
@@ -105,6 +107,7 @@ class LocalMesh:
         self.router: Child | None = None
         self.gateway: Child | None = None
         self.endpoints: dict[str, Endpoint] = {}  # by child name, from its first start
+        self.pinned_metrics: dict[str, str] = {}  # /metrics URL by child name, first start's
         self.supervisor: Supervisor | None = None
 
     @property
@@ -128,7 +131,7 @@ class LocalMesh:
         c = self.config
         engines = c.num_prefill + c.num_decode
         env = os.environ if self.env is None else self.env
-        if engines < 2 or torch.cuda.is_available() or env.get("OMP_NUM_THREADS"):
+        if engines < 2 or engines_use_cuda(c.engine.device) or env.get("OMP_NUM_THREADS"):
             return None
         return max(1, usable_cpus() // engines)
 
@@ -160,6 +163,8 @@ class LocalMesh:
     def _wait_ready(self, child: Child) -> str:
         address = child.wait_ready(self.config.startup_timeout_s)
         self.endpoints[child.name] = Endpoint.of(child)
+        if child.metrics_url:
+            self.pinned_metrics.setdefault(child.name, child.metrics_url)
         return address
 
     @property
@@ -172,11 +177,19 @@ class LocalMesh:
         name = f"{kind}-{index}"
         role = "prefill" if kind == "prefill" else "decode"
         argv = pdmesh_command(role, *self.engine_args(kind, self.endpoints.get(name)))
-        return Child(name, argv, env=self.env)
+        return Child(name, argv, env=self._service_env())
 
     def _router_child(self) -> Child:
         argv = self._router_argv(self.endpoints.get("router"))
-        return Child("router", pdmesh_command("router", *argv), env=self.env)
+        return Child("router", pdmesh_command("router", *argv), env=self._service_env())
+
+    def _service_env(self) -> dict[str, str] | None:
+        """An engine's or the router's environment: `env`, plus `--metrics-names` (which they
+        take as PDMESH_METRICS_NAMES, so their own /metrics ports name alike)."""
+        if self.config.metrics_names == "pdmesh":
+            return self.env
+        return {**(os.environ if self.env is None else self.env),
+                NAMES_ENV: self.config.metrics_names}
 
     def _gateway_child(self) -> Child:
         argv = self._gateway_argv(self.endpoints.get("gateway"))
@@ -200,8 +213,10 @@ class LocalMesh:
 
     def _gateway_argv(self, endpoint: Endpoint | None = None) -> list[str]:
         """`pdmesh gateway` flags; `endpoint`: the port a restarted gateway keeps."""
+        metrics = {name: url for name, url in self.pinned_metrics.items() if name != "gateway"}
         placement = gateway_placement(self.config, router_address=self.router_address,
-                                      port=endpoint.port if endpoint else self.config.http_port)
+                                      port=endpoint.port if endpoint else self.config.http_port,
+                                      metrics=metrics)
         return child_argv(GatewayConfig, self.config, placement)
 
     def _gateway_env(self) -> dict[str, str]:
@@ -223,7 +238,8 @@ class LocalMesh:
         return self.gateway.fields.get("scheme", "http") if self.gateway else "http"
 
     def metrics_urls(self) -> dict[str, str]:
-        """Each child's /metrics URL, by child name (the gateway serves it on its API port)."""
+        """Each child's /metrics URL, by child name (the gateway serves it on its API port, and
+        every other child's there too)."""
         urls = {c.name: c.metrics_url for c in self.children if c.metrics_url}
         if self.gateway is not None and self.gateway.address:
             urls[self.gateway.name] = f"{self._http_scheme}://{self.gateway.address}/metrics"

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.kvstore.transfer.backend_names import BACKEND_NAMES
 from pdmesh.kvstore.transfer.checksum import PAYLOAD_ALGOS, ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.errors import KVHandleError
 from pdmesh.kvstore.transfer.layout import (
@@ -22,7 +23,6 @@ from pdmesh.kvstore.transfer.layout import (
 )
 from pdmesh.v1 import kv_transfer_pb2 as pb
 
-BACKEND_NAMES = ("shm", "tcp", "ucxx", "torch_dist")
 MAX_ID_BYTES = 256
 _TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
 _ADDRESS = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})")

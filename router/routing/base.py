@@ -6,10 +6,16 @@ says it holds — so policies stay synchronous, deterministic and unit-testable.
 round-robin policy keeps state (its cursor).
 
 The policies import this module, so it imports none of them: `factory.py` builds one by name.
+
+A request's affinity key (OpenAI's `prompt_cache_key`) comes before any policy: its requests go
+to the instance the key hashes to among the candidates (rendezvous hashing: the same instance
+while it stays live, whoever else joins or leaves, and the same answer on every router), unless
+that instance is overloaded (`overloaded`), when the policy picks as without a key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -59,6 +65,7 @@ class Candidate:
 class RouteRequest:
     num_prompt_tokens: int
     block_size: int
+    affinity_key: str = ""  # prompt_cache_key; "" = none
 
     @property
     def prompt_blocks(self) -> int:
@@ -71,6 +78,40 @@ class Decision:
     cached_blocks: int
     cost: float
     reason: str
+    affinity: bool = False  # chosen by the request's affinity key, not the policy
+
+
+AFFINITY_MAX_KV_USE = 0.9
+"""An affinity instance with this share of its KV blocks active is overloaded."""
+
+AFFINITY_MAX_EXTRA_REQUESTS = 8
+"""... and so is one with more active requests than this over the least busy candidate: a hot
+key spreads once its instance queues work that others could start now."""
+
+
+def overloaded(load: LoadSnapshot, least_active_requests: int) -> bool:
+    """Whether an affinity instance should give way to the policy."""
+    full = load.num_total_blocks > 0 and \
+        load.active_blocks >= AFFINITY_MAX_KV_USE * load.num_total_blocks
+    return full or load.active_requests > least_active_requests + AFFINITY_MAX_EXTRA_REQUESTS
+
+
+def affinity_score(key: str, instance_id: str) -> bytes:
+    """Rendezvous hashing's weight of an instance for a key (the highest wins)."""
+    return hashlib.blake2b(f"{instance_id}\0{key}".encode("utf-8", "surrogatepass"),
+                           digest_size=8).digest()
+
+
+def affinity_candidate(request: RouteRequest, candidates: Sequence[Candidate]
+                       ) -> Candidate | None:
+    """The candidate the request's affinity key maps to, unless it is overloaded; None
+    without a key."""
+    if not request.affinity_key or not candidates:
+        return None
+    target = max(candidates, key=lambda c: (affinity_score(request.affinity_key,
+                                                           c.instance_id), c.instance_id))
+    least = min(c.load.active_requests for c in candidates)
+    return None if overloaded(target.load, least) else target
 
 
 class RoutingPolicy(ABC):
@@ -79,8 +120,25 @@ class RoutingPolicy(ABC):
     name: str = ""
     uses_prefix_index: bool = False
 
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """The affinity key's instance when it has one and it is not overloaded, else the
+        policy's pick (`pick`)."""
+        require_candidates(candidates)
+        held = affinity_candidate(request, candidates)
+        if held is None:
+            return self.pick(request, candidates)
+        return Decision(
+            instance_id=held.instance_id,
+            cached_blocks=min(held.cached_blocks, request.prompt_blocks),
+            cost=0.0,
+            reason=f"prompt_cache_key affinity ({held.load.active_requests} active requests, "
+            f"{held.load.active_blocks} active blocks)",
+            affinity=True,
+        )
+
     @abstractmethod
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision: ...
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """The policy's own choice among non-empty `candidates`."""
 
 
 def require_candidates(candidates: Sequence[Candidate]) -> None:

@@ -9,15 +9,13 @@ from pdmesh.router.routing.base import (
     Decision,
     RouteRequest,
     RoutingPolicy,
-    require_candidates,
 )
 
 
 class LeastLoadedPolicy(RoutingPolicy):
     name = "least_loaded"
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        require_candidates(candidates)
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         best = min(
             candidates,
             key=lambda c: (c.load.active_requests, c.load.active_blocks, c.instance_id),

@@ -19,7 +19,6 @@ from pdmesh.router.routing.base import (
     Decision,
     RouteRequest,
     RoutingPolicy,
-    require_candidates,
 )
 
 
@@ -38,8 +37,7 @@ class PrefixAwarePolicy(RoutingPolicy):
             raise ValueError(f"prefix_weight must be >= 0, got {prefix_weight}")
         self.prefix_weight = prefix_weight
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        require_candidates(candidates)
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         best = min(
             candidates,
             key=lambda c: (

@@ -9,7 +9,6 @@ from pdmesh.router.routing.base import (
     Decision,
     RouteRequest,
     RoutingPolicy,
-    require_candidates,
 )
 
 
@@ -25,8 +24,7 @@ class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
         self._cursor = 0
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        require_candidates(candidates)
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         ordered = sorted(candidates, key=lambda c: c.instance_id)
         chosen = ordered[self._cursor % len(ordered)]
         self._cursor += 1

@@ -267,4 +267,4 @@ def test_killed_decode_requests_rerouted_then_503_when_none_left(
         assert gone.status == 503, gone
         assert int(gone.headers["retry-after"]) >= 1
         error = json.loads(gone.error)["error"]
-        assert error["type"] == "service_unavailable" and "decode" in error["message"]
+        assert error["type"] == "Service Unavailable" and "decode" in error["message"]

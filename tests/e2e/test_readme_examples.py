@@ -1,6 +1,7 @@
 """The README's Python examples, run as written, print sensible answers.
 
-The library example runs as is; the OpenAI-client example runs against `pdmesh serve smollm2`
+The library example runs as is, and with the model's Hugging Face Hub id offline (the README
+says a Hub id works); the OpenAI-client example runs against `pdmesh serve smollm2`
 started as the README says, on a free port instead of 8000 (the only change made to it). Both
 rely on the server sampling defaults from the model's generation config (temperature 0.2,
 top_p 0.9 for SmolLM2), which is what makes a 135M model answer on topic. The answer is a
@@ -13,6 +14,7 @@ the model continue the prompt or emit noise instead.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.serve import Child, pdmesh_command
+from tests.hub_cache import SMOLLM2_ID, commit_of, model_files, put_snapshot
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
@@ -39,9 +42,9 @@ def block_with(marker: str) -> str:
     return next(b for b in python_blocks() if marker in b)
 
 
-def run(code: str) -> list[str]:
+def run(code: str, env: dict[str, str] | None = None) -> list[str]:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
@@ -57,6 +60,22 @@ def on_colors(text: str) -> bool:
 
 def test_library_example() -> None:
     lines = run(block_with("from pdmesh import LLM"))
+    assert "Paris" in lines[0], lines
+    assert on_colors(" ".join(lines[1:])), lines
+
+
+def test_library_example_with_a_hub_id_offline(tmp_path: Path, model_dir: Path) -> None:
+    """The library example with the model's Hub id in place of the alias, offline: the Hub
+    cache (HF_HOME) holds SmolLM2 under its id (the converted files, linked), HF_HUB_OFFLINE=1,
+    and the Hub's endpoint a dead local port, so any network use would fail the run."""
+    put_snapshot(tmp_path / "hf" / "hub", SMOLLM2_ID, commit_of("smollm2"),
+                 model_files(model_dir))
+    code = block_with("from pdmesh import LLM")
+    assert 'LLM(model="smollm2")' in code
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
+    lines = run(code.replace('LLM(model="smollm2")', f'LLM(model="{SMOLLM2_ID}")'), env=env)
     assert "Paris" in lines[0], lines
     assert on_colors(" ".join(lines[1:])), lines
 

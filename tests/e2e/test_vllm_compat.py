@@ -222,6 +222,19 @@ def test_x_request_id_in_and_out(mesh: Mesh) -> None:
     assert "trace-me-42" in resp.json()["id"]
     resp = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=60)
     assert resp.headers.get("x-request-id")  # one is made up when the client sends none
+    # vLLM's body field names it when no header does; the header wins over it.
+    resp = httpx.post(f"{mesh.base_url}/v1/completions", timeout=60,
+                      json={**body, "request_id": "from-the-body-7"})
+    assert resp.status_code == 200, resp.text
+    assert "from-the-body-7" in resp.json()["id"]
+    assert "x-ignored-fields" not in resp.headers
+    resp = httpx.post(f"{mesh.base_url}/v1/completions", timeout=60,
+                      json={**body, "request_id": "from-the-body-8"},
+                      headers={"X-Request-Id": "from-the-header"})
+    assert "from-the-header" in resp.json()["id"]
+    bad = httpx.post(f"{mesh.base_url}/v1/completions", timeout=60,
+                     json={**body, "request_id": "x" * 200})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
 
 
 def test_cors_preflight(mesh: Mesh) -> None:
@@ -278,3 +291,39 @@ def test_stream_interval_sends_several_tokens_per_chunk(mesh: Mesh,
         client.chat.completions.create(stream=True, **{**kwargs, "extra_body": {
             "stream_interval": 0}})
     assert refused.value.param == "stream_interval"
+
+
+def test_vllm_request_fields_act(mesh: Mesh) -> None:
+    """vLLM's fields pdmesh once ignored are taken (X-Ignored-Fields names none of them) and
+    act: bad_words keeps a word out of a greedy answer, truncate_prompt_tokens shows in usage,
+    return_tokens_as_token_ids names logprob tokens by id, chat_template_kwargs reach the
+    template (keys the render sets are a 400 naming the field), prompt_cache_key routes."""
+    url = f"{mesh.base_url}/v1/completions"
+    body = {"model": mesh.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    plain = httpx.post(url, json=body, timeout=60)
+    assert plain.status_code == 200, plain.text
+    assert "four" in plain.json()["choices"][0]["text"]
+    fields = {"bad_words": ["four"], "truncate_prompt_tokens": 6, "logprobs": 1,
+              "return_tokens_as_token_ids": True, "prompt_cache_key": "tenant-1"}
+    acted = httpx.post(url, json={**body, **fields}, timeout=60)
+    assert acted.status_code == 200, acted.text
+    assert "x-ignored-fields" not in acted.headers
+    answer = acted.json()
+    assert "four" not in answer["choices"][0]["text"]
+    assert answer["usage"]["prompt_tokens"] == 6
+    tokens = answer["choices"][0]["logprobs"]["tokens"]
+    assert tokens and all(t.startswith("token_id:") for t in tokens)
+
+    chat_url = f"{mesh.base_url}/v1/chat/completions"
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = httpx.post(chat_url, timeout=60, json={
+        "model": mesh.model, "messages": messages, "max_tokens": 4,
+        "chat_template_kwargs": {"enable_thinking": False}, "prompt_cache_key": "tenant-1",
+        "truncate_prompt_tokens": -1, "bad_words": ["four"]})
+    assert chat.status_code == 200, chat.text
+    assert "x-ignored-fields" not in chat.headers
+    refused = httpx.post(chat_url, timeout=60, json={
+        "model": mesh.model, "messages": messages,
+        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"

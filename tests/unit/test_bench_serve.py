@@ -10,6 +10,7 @@ import pytest
 
 from pdmesh import bench_serve as bs
 from pdmesh.bench_serve import RequestResult
+from pdmesh.slo import parse_goodput
 
 
 def _result(ttft: float, latency: float, out: int, itl: list[float], prompt: int = 10,
@@ -65,19 +66,22 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
         _result(0.100, 3.100, 11, []),   # tpot 300 (too slow)
         _result(0.200, 0.200, 1, []),    # one token: tpot does not apply
     ]
-    slos = bs.parse_goodput(["ttft:500", "tpot:150"])
+    slos = parse_goodput(["ttft:500", "tpot:150"])
     assert slos == {"ttft": 500.0, "tpot": 150.0}
     m = bs.compute_metrics(results, duration_s=4.0, slos=slos)
     assert m.goodput == pytest.approx(2 / 4.0)
-    e2e = bs.compute_metrics(results, 4.0, bs.parse_goodput(["e2el:1000"]))
+    e2e = bs.compute_metrics(results, 4.0, parse_goodput(["e2el:1000"]))
     assert e2e.goodput == pytest.approx(1 / 4.0)
+    freezes = [_result(0.1, 1.1, 11, [0.1] * 10), _result(0.1, 1.1, 11, [0.05] * 9 + [0.55])]
+    itl = bs.compute_metrics(freezes, 2.0, parse_goodput(["itl:200"]))
+    assert itl.goodput == pytest.approx(1 / 2.0)  # same tpot, one freeze of 550 ms
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("spec", ["ttft", "latency:5", "ttft:abc", "tpot:0"])
 def test_bad_goodput_specs(spec: str) -> None:
     with pytest.raises(ValueError):
-        bs.parse_goodput([spec])
+        parse_goodput([spec])
 
 
 @pytest.mark.fast

@@ -47,8 +47,8 @@ def test_gateway_maps_unavailable_to_503_with_the_routers_retry_hint() -> None:
     assert hinted.status == 503
     assert hinted.headers == {"Retry-After": "3"}
     assert hinted.body() == {"error": {"message": "no decode instance left",
-                                       "type": "service_unavailable", "param": None,
-                                       "code": "no_backend"}}
+                                       "type": "Service Unavailable", "param": None,
+                                       "code": 503}}
     plain = error_from_rpc(rpc_error(grpc.StatusCode.UNAVAILABLE, ""))  # e.g. no router
     assert (plain.status, plain.headers) == (503, {"Retry-After": "1"})
 

@@ -28,8 +28,8 @@ def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--enable-lora"], ["--quantization", "awq"], ["-q", "gptq"], ["--revision", "main"],
-    ["--download-dir=/tmp/x"], ["--tokenizer", "other"], ["--lora-modules", "a=b"],
+    ["--enable-lora"], ["--quantization", "awq"], ["-q", "gptq"], ["--code-revision", "main"],
+    ["--tokenizer-revision=v1"], ["--tokenizer-mode", "slow"], ["--lora-modules", "a=b"],
 ])
 def test_an_unsupported_vllm_flag_is_named_in_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str],

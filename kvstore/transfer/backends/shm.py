@@ -21,7 +21,6 @@ import contextlib
 import logging
 import mmap
 import os
-import re
 import threading
 import uuid
 from collections.abc import Collection, Mapping
@@ -53,12 +52,12 @@ from pdmesh.kvstore.transfer.wire import (
     decode_header,
     header_length,
 )
-from pdmesh.leftovers import pid_namespace, sweep
+from pdmesh.leftovers import KV_SEGMENT as _NAME
+from pdmesh.leftovers import KV_SEGMENT_PREFIX as PREFIX
+from pdmesh.leftovers import pid_namespace, sweep_kv_segments
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "pdmesh-kv-"
-_NAME = re.compile(rf"{PREFIX}(\d+)-(\d+)-([0-9a-f]{{32}})")
 _CHUNK = 64 << 20  # copy in slices so an abort or a deadline is noticed between them
 _ROUND = 1 << 20  # segment capacities are whole MiB, so similar sizes can share a segment
 
@@ -257,5 +256,5 @@ def sweep_stale(directory: str = DEFAULT_SHM_DIR, pids: Collection[int] | None =
     `pids` restricts the sweep to segments of those processes: a supervisor such as
     `pdmesh serve` cleans up after its own children, even ones that were SIGKILLed.
     """
-    return sweep(directory, _NAME, _unlink, pids)
+    return sweep_kv_segments(directory, pids)
 
