@@ -48,6 +48,8 @@ from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduler import Scheduler, SchedulerConfig
 from pdmesh.engine.sequence import SequenceStatus
 from pdmesh.engine.startup import core_info, set_up_engine
+from pdmesh.engine.step_budget import ItlTarget, min_prefill_tokens
+from pdmesh.engine.step_cost import PredictionStats, StepCostModel, attention_weight, work_of
 from pdmesh.engine.step_sampling import StepSampler
 from pdmesh.engine.structured_output import StructuredOutput
 from pdmesh.kernels.backend_selection import get_attention_backend
@@ -76,9 +78,15 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                itl_target=ItlTarget.from_ms(config.itl_target_ms, min_prefill_tokens(
+                    config.max_num_batched_tokens, config.block_size)),
             ),
             self.kv_manager,
             self.max_model_len,
+            StepCostModel(attention_weight(
+                self.model_config.num_heads, self.model_config.num_kv_heads,
+                self.model_config.head_dim, self.model_config.hidden_size,
+                self.model_config.intermediate_size)),
         )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.async_scheduling = config.use_async_scheduling(self.device)
@@ -110,6 +118,7 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
         self.scheduled_tokens = 0
+        self.step_cost_stats = PredictionStats()
         self._info = core_info(setup, config.block_size)
         if self.connector is not None:
             self._info = msgspec.structs.replace(
@@ -282,12 +291,18 @@ class EngineCore:
                 self._check_progress()
             return self.commit.update_from_output(touched, previous=previous)
         self.num_steps += 1
+        work = work_of([(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled])
+        predicted = self.scheduler.step_cost.predict(work)
         started = time.monotonic()
         output = self.runner.execute_model(sched, previous)
         self._in_flight = output.in_flight
         outputs = self.commit.update_from_output(touched, output, previous, started)
-        self.step_seconds += time.monotonic() - started
+        seconds = time.monotonic() - started
+        self.scheduler.step_cost.observe(work, seconds)
+        self.step_seconds += seconds
         self.scheduled_tokens += sched.num_batched_tokens
+        if predicted is not None:
+            self.step_cost_stats.add(predicted, seconds)
         return outputs
 
     def _check_progress(self) -> None:
@@ -326,6 +341,11 @@ class EngineCore:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             scheduled_tokens=self.scheduled_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_predicted_steps=self.step_cost_stats.steps,
+            predicted_step_seconds=self.step_cost_stats.predicted_s,
+            predicted_steps_actual_seconds=self.step_cost_stats.actual_s,
+            itl_target_seconds=self.scheduler.itl_target_s,
         )
 
     @property

@@ -5,6 +5,10 @@ Running sequences are served first (decodes and unfinished prompt chunks), then 
 are admitted, with long prompts split into chunks that share the step with decodes. When
 blocks run out, the least important running sequence is preempted: its blocks are freed and
 it waits to be recomputed (prefix-cache hits usually make that cheap).
+
+A step with decode rows also has a budget in time (engine/step_budget.py): its prefill chunks
+take only as many tokens as fit the ITL target beside the decodes, by the step costs the
+engine has learned (`step_cost`, fed by the core after every step).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Literal
 
 from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.engine.step_budget import ItlTarget, StepBudget
+from pdmesh.engine.step_cost import StepCostModel
 
 Policy = Literal["fcfs", "priority"]
 
@@ -28,6 +34,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: Policy = "fcfs"
+    itl_target: ItlTarget = field(default_factory=ItlTarget)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -112,7 +119,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         max_model_len: int,
+        step_cost: StepCostModel | None = None,
     ) -> None:
+        """`step_cost`: the engine's step-cost model (its attention weight is the model's);
+        a bare one when not given."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={config.max_num_batched_tokens} must be >= "
@@ -124,6 +134,8 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_cost = step_cost or StepCostModel()
+        self.itl_target_s = 0.0  # the target of the last step bounded in time (metrics)
         # Called with every sequence the scheduler preempts (the engine resets its state).
         self.on_preempt: Callable[[Sequence], None] | None = None
 
@@ -162,10 +174,15 @@ class Scheduler:
 
         # 1) Running sequences first: decodes and the rest of chunked prompts.
         num_room_made = len(out.preempted)
+        step = self._time_budget()
+        if step.bounded:
+            self.itl_target_s = step.seconds
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new > 1:
+                num_new = step.take_prefill(seq.num_computed_tokens, num_new)
             if num_new <= 0 or seq.pending_reaches_length(self.max_model_len):
                 i += 1
                 continue
@@ -203,7 +220,9 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
-            if not self.kv.allocate_slots(seq, num_new, cached):
+            if self.config.enable_chunked_prefill:
+                num_new = step.take_prefill(seq.num_computed_tokens + num_cached_tokens, num_new)
+            if num_new <= 0 or not self.kv.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.pop()
             if not seq.scheduled_once:
@@ -217,6 +236,15 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         return out
+
+    def _time_budget(self) -> StepBudget:
+        """This step's budget in time: its decode rows (one token each) counted first."""
+        if not self.config.enable_chunked_prefill:
+            return StepBudget.unbounded()
+        decodes = [(seq.num_computed_tokens, 1) for seq in self.running
+                   if seq.num_uncomputed_tokens == 1
+                   and not seq.pending_reaches_length(self.max_model_len)]
+        return StepBudget.for_step(self.config.itl_target, self.step_cost, decodes)
 
     def _pick_victim(self, exclude: set[str]) -> Sequence | None:
         """The running sequence to give up: the newest (FCFS) or the least important."""
