@@ -65,7 +65,7 @@ class EngineConfig:
         "inter-token latency the scheduler keeps: a step with running streams takes only the "
         "prefill tokens that fit this many ms beside its decodes, by step costs learned while "
         "serving (engine/step_budget.py); unset = auto (a step's prefill may delay the "
-        "running streams by 0.8 stream-seconds in all, or half their own step time when "
+        "running streams by 2.4 stream-seconds in all, or half their own step time when "
         "more); 0 = off (only --max-num-batched-tokens bounds a step)"))
     max_model_len: int | None = field(default=None, metadata=about(
         "context limit (tokens); unset = the model's"))

@@ -17,10 +17,13 @@ Rules (`ItlTarget`, `StepBudget`):
 - `--itl-target-ms` unset is *auto*, which bounds the delay a step's prefill imposes on the
   streams in it, in stream-seconds: the prefill part may take `AUTO_STALL_STREAM_S` divided
   among the running streams, or `AUTO_PREFILL_SHARE` of the decodes' own time when that is
-  more. Beside two streams a prompt of a few hundred tokens still goes in one step (light
-  load keeps its TTFT; each of two readers sees one pause), beside sixteen a step grows by
-  half a decode step (the many readers' ITL is what matters, and the prefill still moves at
-  a third of the step). 0 turns it off; a number is a fixed target for the whole step.
+  more. Beside six streams (1 req/s of 64-token answers on a 2-core CPU) a prompt of a few
+  hundred tokens still goes in one step, so light load keeps its TTFT, while a burst of
+  prompts is spread over several steps instead of freezing every stream for seconds; beside
+  sixteen the prefill part is 150 ms. Measured trade-offs (bench/README.md, "Inter-token
+  latency"): on a CPU, chunking a prompt finely costs TTFT and some throughput (a chunk after
+  earlier ones attends over the paged context, a slower kernel), so a strict ITL is a choice
+  made with a number. 0 turns it off; a number is a fixed target for the whole step.
 - Until the cost model has learned enough, nothing is bounded by time.
 """
 
@@ -30,9 +33,9 @@ from dataclasses import dataclass
 
 from pdmesh.engine.step_cost import StepCost, StepCostModel, StepWork
 
-AUTO_STALL_STREAM_S = 0.8
-"""Auto target: the stream-seconds of delay a step's prefill may impose (0.4 s beside two
-streams, 50 ms beside sixteen)."""
+AUTO_STALL_STREAM_S = 2.4
+"""Auto target: the stream-seconds of delay a step's prefill may impose (0.4 s beside six
+streams, 150 ms beside sixteen)."""
 AUTO_PREFILL_SHARE = 0.5
 """Auto target: the prefill part may always take this share of the decodes' own time."""
 
@@ -73,6 +76,7 @@ class StepBudget:
         self._cost = cost
         self._work = StepWork()
         self._seconds = seconds
+        self._plan_s = seconds  # the target in the model's (uncorrected) seconds
         self._min_prefill = min_prefill
         self._prefill_rows = 0
 
@@ -90,6 +94,7 @@ class StepBudget:
         for context, tokens in decode_rows:
             budget._work = budget._work.plus_row(context, tokens)
         budget._seconds = target.for_decodes(model.cost, budget._work)
+        budget._plan_s = budget._seconds / model.mixed_ratio
         return budget
 
     @property
@@ -106,7 +111,7 @@ class StepBudget:
         they are counted in. The first prefill row gets at least the minimum."""
         if self._cost is None or wanted <= 0:
             return wanted
-        left = self._seconds - self._cost.seconds(self._work)
+        left = self._plan_s - self._cost.seconds(self._work)
         fits = self._cost.tokens_within(left, context)
         if self._prefill_rows == 0:
             fits = max(fits, self._min_prefill)

@@ -42,6 +42,9 @@ MIN_STEPS = 16
 MIN_PREFILL_STEPS = 4
 """Of those, steps with more tokens than rows (a prefill chunk), without which the cost per
 token cannot be told from the cost per row."""
+MIXED_SMOOTHING = 0.1
+"""Weight of the newest mixed step in `StepCostModel.mixed_ratio` (an EMA over ~10 steps)."""
+MIXED_RATIO_BOUNDS = (0.5, 4.0)
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,11 @@ class StepCostModel:
         self._steps: deque[tuple[StepWork, float]] = deque(maxlen=WINDOW_STEPS)
         self._since_fit = 0
         self.cost: StepCost | None = None
+        self.mixed_ratio = 1.0
+        """Actual over predicted time of recent *mixed* steps (decodes and a prefill chunk),
+        the steps a budget plans: one linear fit over every step tends to under-predict them
+        (a chunk after earlier chunks attends over a paged context, on a CPU a slower kernel
+        than a fresh prompt's), and the budget divides its target by this."""
 
     @property
     def ready(self) -> bool:
@@ -155,6 +163,10 @@ class StepCostModel:
     def observe(self, work: StepWork, seconds: float) -> None:
         if work.rows <= 0 or seconds <= 0:
             return
+        if self.cost is not None and work.has_prefill and work.rows > 1:
+            ratio = seconds / max(self.cost.seconds(work), 1e-9)
+            low, high = MIXED_RATIO_BOUNDS
+            self.mixed_ratio += MIXED_SMOOTHING * (min(high, max(low, ratio)) - self.mixed_ratio)
         self._steps.append((work, seconds))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY or (self.cost is None and self._enough()):

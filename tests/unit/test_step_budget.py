@@ -186,3 +186,16 @@ def test_prefill_alone_takes_the_whole_token_budget() -> None:
 def test_min_prefill_tokens() -> None:
     assert min_prefill_tokens(2048, 16) == 32
     assert min_prefill_tokens(256, 16) == 16
+
+
+def test_mixed_steps_slower_than_predicted_shrink_the_plan() -> None:
+    model = trained_model()
+    decodes = [(500, 1)] * 8
+    before = StepBudget.for_step(ItlTarget(0.2), model, decodes).take_prefill(0, 4000)
+    mixed = work_of([*decodes, (0, 64)])
+    for _ in range(60):  # every mixed step takes 1.5x its prediction
+        model.observe(mixed, 1.5 * TRUE.seconds(mixed))
+    assert model.mixed_ratio == pytest.approx(1.5, rel=0.05)
+    after = StepBudget.for_step(ItlTarget(0.2), model, decodes).take_prefill(0, 4000)
+    assert after < before
+    assert TRUE.seconds(work_of([*decodes, (0, after)])) * 1.5 <= 0.2 * 1.01
