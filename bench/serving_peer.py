@@ -176,6 +176,9 @@ def main() -> None:
     parser.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment of the pdmesh-baseline run (repeatable), e.g. "
                              "PDMESH_CPU_KERNELS=0")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                        help="also run pdmesh with these `pdmesh serve` flags in every round, "
+                             "labelled LABEL (repeatable)")
     parser.add_argument("--baseline-each-run", action="store_true",
                         help="run the baseline in every round (A B C A B C ...), not once")
     parser.add_argument("--skip-vllm", action="store_true")
@@ -196,6 +199,10 @@ def main() -> None:
                                     Path(f"/tmp/serving-peer-vllm-{i}.log"))
         runs += serve_and_bench(f"pdmesh#{i}", pdmesh_argv, args.port, model,
                                 Path(f"/tmp/serving-peer-pdmesh-{i}.log"))
+        for variant in args.variant:
+            label, _, flags = variant.partition("=")
+            runs += serve_and_bench(f"{label}#{i}", [*pdmesh_argv[:7], *shlex.split(flags)],
+                                    args.port, model, Path(f"/tmp/serving-peer-{label}-{i}.log"))
         if baseline and (args.baseline_each_run or i == 0):
             runs += serve_and_bench(f"pdmesh-baseline#{i}", base_argv, args.port, model,
                                     Path(f"/tmp/serving-peer-baseline-{i}.log"), env=base_env)
