@@ -3,7 +3,10 @@
 The core (scheduler, KV cache, model) steps on its own — in a process of its own when serving
 (`AsyncEngine.spawn`), or on a thread (`AsyncEngine(llm_engine)`) — and reports token deltas.
 The output processor (text, stop strings, logprobs) runs here on the event loop, so every
-`RequestOutput` a stream yields is built and read on one thread.
+`RequestOutput` a stream yields is built and read on one thread. Two parts it composes: the
+commands to the core and their answers (engine/core_calls.py) and the requests' streams with
+the output processor behind them (engine/request_streams.py); this class is the API over them
+and the order of one request's life (open its stream, add it, yield, abort if left).
 
 Lifetimes are tied to consumers: a stream whose consumer stops iterating (client cancelled)
 aborts its request so its blocks are freed. If a step fails, every request in flight fails
@@ -20,8 +23,6 @@ life (answered between two steps); the service's watchdog reads them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,7 @@ import msgspec
 import torch
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.core_calls import CoreCalls, EngineError
 from pdmesh.engine.core_client import ProcessCoreLink, ThreadCoreLink
 from pdmesh.engine.core_liveness import CoreLiveness
 from pdmesh.engine.core_protocol import (
@@ -37,7 +39,6 @@ from pdmesh.engine.core_protocol import (
     Add,
     Batch,
     Call,
-    Command,
     ExportKV,
     Failed,
     KVSnapshot,
@@ -48,10 +49,9 @@ from pdmesh.engine.core_protocol import (
     SetGrammarVocabulary,
     Shutdown,
     StopSequences,
-    events_from_wire,
 )
 from pdmesh.engine.core_types import CoreInfo, EngineLoadSnapshot
-from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError, check_kv_capacity
+from pdmesh.engine.engine_request import EngineRequest, check_kv_capacity
 from pdmesh.engine.grammar import grammar_vocabulary
 from pdmesh.engine.kv_events import KVEvent
 from pdmesh.engine.llm_engine import (
@@ -63,6 +63,7 @@ from pdmesh.engine.llm_engine import (
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
+from pdmesh.engine.request_streams import RequestStreams
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.startup import eos_token_ids
 from pdmesh.kvstore.connector.config import KVConnectorConfig
@@ -73,52 +74,9 @@ __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 logger = logging.getLogger(__name__)
 
 
-class EngineError(RuntimeError):
-    """The engine failed while serving this request (or is shut down, or its core died)."""
-
-
 PROBE_REQUEST_ID = "\x00pdmesh-liveness-probe"
 """A request id no request has: `probe` releases its (absent) KV, which the core answers
 between two steps without touching anything."""
-
-_ERRORS: dict[str, type[Exception]] = {
-    "value": ValueError, "kv_full": KVCacheFullError, "key": KeyError, "engine": EngineError,
-}
-
-
-class _Stream:
-    """Outputs of one request, from the reply handler to its consumer (both on the loop).
-
-    Newest wins: outputs are cumulative, so a consumer that fell behind (its gRPC stream
-    blocked on a slow peer, or the step loop outpacing the per-token messaging) gets the
-    latest output, holding everything the ones it missed did, at once: one message carrying
-    several tokens instead of a backlog of one-token messages that only grows. An error is
-    delivered after the output that was pending when it came."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, out: RequestOutput) -> None:
-        self._latest = out
-        self._ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def next(self) -> RequestOutput:
-        """The newest output not taken yet; raises the stream's error after the outputs."""
-        await self._ready.wait()
-        out, self._latest = self._latest, None
-        if out is not None:
-            if self._error is None:
-                self._ready.clear()
-            return out
-        assert self._error is not None
-        raise self._error
 
 
 class AsyncEngine:
@@ -135,29 +93,30 @@ class AsyncEngine:
         assert _tokenizer is not None and _eos is not None
         self.tokenizer = _tokenizer
         self.eos_token_ids = set(_eos)
-        self.processor = OutputProcessor(_tokenizer, _eos, _stream_interval)
-        self.kv_events_ready = asyncio.Event()
         self.dead_event = asyncio.Event()
-        self.dead_reason: str | None = None
-        self._events: list[KVEvent] = []
-        self._streams: dict[str, _Stream] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count(1)
-        self._closed = False  # no new work: shut down, or the core died
         self._shut_down = False
         self._core_gone = False
         self._grammar_lock = asyncio.Lock()
         self._grammar_sent = False
-        self.liveness = CoreLiveness(lambda: len(self._streams) + len(self._calls))
+        self.liveness = CoreLiveness(lambda: len(self.streams) + len(self.calls))
+        self.streams = RequestStreams(OutputProcessor(_tokenizer, _eos, _stream_interval),
+                                      self.liveness)
+        self.processor = self.streams.processor
+        self.kv_events_ready = self.streams.kv_events_ready
         if engine is not None:
-            self._link: Any = ThreadCoreLink(engine.core, self._on_reply, self._on_dead,
-                                             name=name)
+            _link = ThreadCoreLink(engine.core, self._on_reply, self._on_dead, name=name)
             self._load = engine.core.load()
         else:
-            self._link = _link
             self._load = EngineLoadSnapshot(num_total_blocks=_link.info.num_total_blocks,
                                             num_free_blocks=_link.info.num_total_blocks)
-        self.info: CoreInfo = self._link.info
+        self.calls = CoreCalls(_link, self.liveness)
+        self.info: CoreInfo = _link.info
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (its core died, output handling failed); None while
+        it serves."""
+        return self.calls.dead_reason
 
     @classmethod
     async def spawn(cls, config: EngineConfig, *, name: str = "engine",
@@ -202,20 +161,20 @@ class AsyncEngine:
     @property
     def core_pid(self) -> int | None:
         """The core's process id when it runs in a process of its own."""
-        return getattr(self._link, "pid", None)
+        return getattr(self.calls.link, "pid", None)
 
     def load(self) -> EngineLoadSnapshot:
         return self._load
 
     # -- liveness (engine_svc/watchdog.py reads `liveness`) ----------------------------------------
     def step_tokens_bound(self, budget_tokens: int) -> int:
-        return self.liveness.step_tokens_bound(budget_tokens, len(self._streams))
+        return self.liveness.step_tokens_bound(budget_tokens, len(self.streams))
 
     def probe(self) -> None:
         """Ask the core for a sign of life unless a probe is already out: a core that lives
         answers it between two steps (a fire-and-forget command is answered with a Batch)."""
-        if not self._closed and self.liveness.take_probe():
-            self._link.send(Call(0, ReleaseKV(PROBE_REQUEST_ID)))
+        if not self.calls.closed and self.liveness.take_probe():
+            self.calls.link.send(Call(0, ReleaseKV(PROBE_REQUEST_ID)))
 
     def check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise `KVCacheFullError` for a request that can never fit this engine's KV pool.
@@ -284,40 +243,39 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free all its blocks; False if unknown."""
-        self._end_stream(request_id, EngineError(f"request {request_id!r} was aborted"))
-        return bool(await self._call(Abort(request_id)))
+        self.streams.end(request_id, EngineError(f"request {request_id!r} was aborted"))
+        return bool(await self.calls.call(Abort(request_id)))
 
     def abort_nowait(self, request_id: str) -> None:
         """Fire-and-forget abort, usable from `finally` blocks and callbacks."""
-        self._end_stream(request_id, EngineError(f"request {request_id!r} was aborted"))
-        self._send(Abort(request_id))
+        self.streams.end(request_id, EngineError(f"request {request_id!r} was aborted"))
+        self.calls.send(Abort(request_id))
 
     async def read_kv(self, request_id: str) -> torch.Tensor:
         """A copy of an exported request's KV blocks."""
-        return await self._call(ReadKV(request_id))  # type: ignore[no-any-return]
+        return await self.calls.call(ReadKV(request_id))  # type: ignore[no-any-return]
 
     async def export_kv(self, request_id: str) -> ExportInfo:
         """Lend an exported request's blocks to the core's KV connector (peers pull them
         straight from its cache until `release_kv`); their per-block checksums."""
-        value = await self._call(ExportKV(request_id))
+        value = await self.calls.call(ExportKV(request_id))
         return value if isinstance(value, ExportInfo) else msgspec.convert(value, ExportInfo)
 
     async def release_kv(self, request_id: str) -> bool:
-        return bool(await self._call(ReleaseKV(request_id)))
+        return bool(await self.calls.call(ReleaseKV(request_id)))
 
     def release_kv_nowait(self, request_id: str) -> None:
         """Thread-safe (transfer leases end on other threads)."""
-        self._send(ReleaseKV(request_id))
+        self.calls.send(ReleaseKV(request_id))
 
     # -- KV events -------------------------------------------------------------------------------
     async def take_kv_events(self) -> list[KVEvent]:
         """Events since the previous call (or snapshot)."""
-        events, self._events = self._events, []
-        return events
+        return self.streams.take_events()
 
     async def kv_snapshot(self) -> list[KVEvent]:
         """Everything cached right now as one batch; drops events it supersedes."""
-        events = await self._call(KVSnapshot())
+        events = await self.calls.call(KVSnapshot())
         return events  # type: ignore[no-any-return]
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -329,61 +287,39 @@ class AsyncEngine:
         self._shut_down = True
         self._fail_everything(EngineError("engine is shutting down"))
         if not self._core_gone:
-            self._link.send(Call(0, Shutdown()))
-        self._closed = True
-        await self._link.join(30.0)
+            self.calls.link.send(Call(0, Shutdown()))
+        self.calls.closed = True
+        await self.calls.link.join(30.0)
 
-    # -- plumbing --------------------------------------------------------------------------------
-    def _send(self, command: Command) -> None:
-        if not self._closed:
-            self.liveness.owe()
-            self._link.send(Call(0, command))
-
-    async def _call(self, command: Command, tensor: torch.Tensor | None = None) -> Any:
-        if self._closed:
-            raise EngineError(self.dead_reason or "engine is shut down")
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.liveness.owe()
-        self._calls[call_id] = future
-        self._link.send(Call(call_id, command), tensor)
-        try:
-            return await future
-        finally:
-            self._calls.pop(call_id, None)
-
+    # -- one request's stream ----------------------------------------------------------------------
     async def _stream(
         self, request: EngineRequest, prompt: str | None, given: list[list[int]] | None,
         given_logprobs: list[list[TokenLogprobs | None]] | None,
     ) -> AsyncIterator[RequestOutput]:
         request_id, params = request.request_id, request.params
-        if request_id in self._streams:
+        if request_id in self.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if params.structured_output is not None:
             await self._send_grammar_vocabulary()
-        stream = _Stream(request_id)
         self.liveness.owe()
-        self._streams[request_id] = stream
-        self.liveness.unprefilled[request_id] = request.num_prefill_tokens
+        stream = self.streams.open(request_id, request.num_prefill_tokens)
         # Tracked before the core sees it: its first outputs may arrive right behind the reply.
         stopped = self.processor.add_request(request_id, prompt, list(request.prompt_token_ids),
                                              params, export_kv=request.export_kv, given=given,
                                              given_logprobs=given_logprobs)
         try:
-            await self._call(Add.of(request), request.kv)
+            await self.calls.call(Add.of(request), request.kv)
         except asyncio.CancelledError:
             # Cancelled while the core may be adding it: nobody will consume it, so drop it.
-            if self._streams.get(request_id) is stream:
+            if self.streams.is_open(request_id, stream):
                 self.abort_nowait(request_id)
             raise
         except BaseException:
-            if self._streams.get(request_id) is stream:
-                self._streams.pop(request_id)
-                self.liveness.unprefilled.pop(request_id, None)
-                self.processor.abort(request_id)
+            if self.streams.is_open(request_id, stream):
+                self.streams.drop(request_id)
             raise
         if stopped:
-            self._send(StopSequences(request_id, stopped))
+            self.calls.send(StopSequences(request_id, stopped))
         finished = False
         try:
             while True:
@@ -393,7 +329,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished and self._streams.get(request_id) is stream:
+            if not finished and self.streams.is_open(request_id, stream):
                 # The consumer left early (client cancel, error): free the request's blocks.
                 self.abort_nowait(request_id)
 
@@ -409,17 +345,10 @@ class AsyncEngine:
             # The core imports xgrammar meanwhile: seconds without an answer.
             self.liveness.setting_up = True
             try:
-                await self._call(SetGrammarVocabulary(vocabulary))
+                await self.calls.call(SetGrammarVocabulary(vocabulary))
             finally:
                 self.liveness.setting_up = False
             self._grammar_sent = True
-
-    def _end_stream(self, request_id: str, error: BaseException) -> None:
-        self.liveness.unprefilled.pop(request_id, None)
-        stream = self._streams.pop(request_id, None)
-        self.processor.abort(request_id)
-        if stream is not None:
-            stream.fail(error)
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
@@ -443,37 +372,16 @@ class AsyncEngine:
             self._load = reply.load
             error = EngineError(reply.message)
             for request_id in reply.request_ids:
-                self._end_stream(request_id, error)
+                self.streams.end(request_id, error)
 
     def _deliver(self, batch: Batch) -> None:
-        outputs, stops = self.processor.process(batch.outputs)
-        for request_id, indices in stops:
-            self._send(StopSequences(request_id, indices))
-        for out in outputs:
-            self.liveness.unprefilled.pop(out.request_id, None)
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.put(out)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        if batch.events:
-            self._events.extend(events_from_wire(batch.events))
-            self.kv_events_ready.set()
+        for request_id, indices in self.streams.deliver(batch):
+            self.calls.send(StopSequences(request_id, indices))
 
     def _settle(self, result: Result, tensor: torch.Tensor | None) -> None:
-        future = self._calls.get(result.call_id)
-        if future is None or future.done():
-            return
-        if result.error_kind is not None:
-            future.set_exception(_ERRORS.get(result.error_kind, EngineError)(result.error))
-        elif tensor is not None:
-            future.set_result(tensor)
-        elif result.events is not None:
-            self._events = []  # a snapshot supersedes what was not taken yet
-            future.set_result(events_from_wire(result.events))
-        else:
-            future.set_result(result.value)
+        if result.events is not None and result.error_kind is None:
+            self.streams.clear_events()  # a snapshot supersedes what was not taken yet
+        self.calls.settle(result, tensor)
 
     def _on_dead(self, reason: str) -> None:
         """The core is gone (its process exited, its thread died)."""
@@ -483,18 +391,13 @@ class AsyncEngine:
     def _stop_serving(self, reason: str) -> None:
         """Nothing more can be served: fail everything now, refuse new work, tell the
         service (`dead_event`), which stops; `shutdown` still stops a core that lives on."""
-        if self.dead_reason is not None:
+        if self.calls.dead_reason is not None:
             return
-        self.dead_reason = reason
+        self.calls.dead_reason = reason
         self._fail_everything(EngineError(reason))
-        self._closed = True
+        self.calls.closed = True
         self.dead_event.set()
 
     def _fail_everything(self, error: EngineError) -> None:
-        for request_id in list(self._streams):
-            self._end_stream(request_id, error)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(error)
-        with contextlib.suppress(Exception):
-            self.processor.requests.clear()
+        self.streams.end_all(error)
+        self.calls.fail_all(error)

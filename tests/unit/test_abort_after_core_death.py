@@ -32,7 +32,7 @@ CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=51
 @pytest.mark.anyio
 async def test_abort_after_the_core_died_is_not_found() -> None:
     engine = await AsyncEngine.spawn(CONFIG)
-    core_dir = engine._link._dir  # type: ignore[attr-defined]
+    core_dir = engine.calls.link._dir  # type: ignore[attr-defined]
     try:
         assert os.path.basename(core_dir).startswith(core_dir_prefix())
         stream = engine.generate("r", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))

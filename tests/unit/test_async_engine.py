@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from pdmesh.engine.async_engine import AsyncEngine, EngineError, _Stream
+from pdmesh.engine.async_engine import AsyncEngine, EngineError
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
 from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
+from pdmesh.engine.request_streams import RequestStream
 from pdmesh.engine.sampling_params import SamplingParams
 from tests.engine_steps import collect, reference, wait_all_free
 
@@ -78,7 +79,7 @@ async def test_a_consumer_that_falls_behind_gets_the_newest_output(
 async def test_an_error_comes_after_the_output_pending_before_it(
     greedy_ref: RequestOutput
 ) -> None:
-    stream = _Stream("r")
+    stream = RequestStream("r")
     stream.put(greedy_ref)
     stream.fail(EngineError("core died"))
     assert await stream.next() is greedy_ref
