@@ -4,6 +4,7 @@ being the longest gap between two deltas with tokens (a freeze the reader saw)."
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -33,7 +34,8 @@ def stream_with_gaps(monkeypatch: pytest.MonkeyPatch, gaps_s: list[float],
     """A request whose first token comes 0.1 s in and each next one `gaps_s` later; the
     router's goodput counter afterwards."""
     clock = Clock()
-    monkeypatch.setattr(responses.time, "monotonic", clock.monotonic)
+    # The stream's module reads this clock; the real `time` module stays untouched.
+    monkeypatch.setattr(responses, "time", SimpleNamespace(monotonic=clock.monotonic))
     registry = CollectorRegistry()
     metrics = router_metrics(registry)
     req = PreparedRequest("r", [1, 2, 3], common_pb2.SamplingParams(), 1, 16, "", 0, True,
