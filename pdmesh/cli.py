@@ -30,8 +30,9 @@ def _model_cmd(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdmesh model",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
-    path = sub.add_parser("path", help="print the HF-format directory of a model alias or path")
-    path.add_argument("model", nargs="?", default="smollm2", help="alias or directory")
+    path = sub.add_parser(
+        "path", help="print the HF-format directory of a model alias, path or Hub id")
+    path.add_argument("model", nargs="?", default="smollm2", help="alias, directory or Hub id")
     args = parser.parse_args(argv)
     from pdmesh.engine.model_store import resolve_model
 
@@ -47,7 +48,7 @@ def _generate_cmd(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdmesh generate",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("prompt", nargs="+")
-    parser.add_argument("--model", default="smollm2", help="alias or directory")
+    parser.add_argument("--model", default="smollm2", help="alias, directory or Hub id")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=None,
                         help="unset = the model's generation config")

@@ -30,7 +30,7 @@ class RouterConfig:
     port: int = field(default=0, metadata=about("port to listen on; 0 picks a free one"))
     model: str = field(
         default="smollm2",
-        metadata=about("model alias or directory; also the served name unless "
+        metadata=about("model alias, directory or Hub id; also the served name unless "
                        "--served-model-name is given"),
     )
     served_model_name: str = field(

@@ -67,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="pdmesh serve [MODEL]",
         description=f"pdmesh {__version__}: start redis, prefill and decode engines, the "
                     "router and the OpenAI HTTP API as local processes, and restart any of "
-                    "them that dies. MODEL (or --model) is an alias or an HF-format directory; "
-                    "--port is the HTTP port, as in `vllm serve`, and --grpc-port the router's.",
+                    "them that dies. MODEL (or --model) is an alias, an HF-format directory or "
+                    "a Hub id; --port is the HTTP port, as in `vllm serve`, and --grpc-port the "
+                    "router's.",
         unsupported=UNSUPPORTED_VLLM_FLAGS,
     )
     configure_logging(config.log_level)

@@ -28,7 +28,8 @@ class MeshConfig:
     # The mesh's own: the model and KV budget of every engine (a smaller default budget than
     # one engine alone: several share this host); `engine` takes them over.
     model: str = field(default="smollm2", metadata=about(
-        "model alias or HF-format directory (also positional: pdmesh serve MODEL)"))
+        "model alias, HF-format directory or Hugging Face Hub id (also positional: pdmesh "
+        "serve MODEL)"))
     kv_cache_memory: int | float | str = field(default="512MiB", metadata=about(
         "KV budget per engine: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.5"))
     served_model_name: str = field(default="", metadata=about(
