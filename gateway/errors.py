@@ -153,7 +153,7 @@ _ROUTER_MESSAGES = ("sampling.", "chat.")  # GenerateRequest's sub-messages, not
 
 # vLLM's `structured_outputs` keys and the `guided_*` suffixes, by router.proto's kind.
 _STRUCTURED_KEYS = {"json_schema": "json"}
-_FIELD_AT_START = re.compile(r"[a-z_][\w.]*")
+_FIELD_AT_START = re.compile(r"[a-z_][\w.]*(?:\[\d+\][\w.]*)*")  # messages[1].role
 
 
 def _structured_output_field(kind: str, body: BaseModel | None) -> str:

@@ -1,12 +1,19 @@
-"""/v1/responses' answers, whole and streamed: a response object with one assistant message
-item, and, streamed, the Responses API's typed events as vLLM sends them.
+"""/v1/responses' answers, whole and streamed: a response object whose output items are an
+assistant message and, with function tools, the function calls read out of the output (the
+chat path's `ToolPlan` reads them: gateway/tools.py), and, streamed, the Responses API's typed
+events as vLLM sends them.
 
 A stream is `event: <type>` / `data: <event>` pairs, numbered by `sequence_number`:
-response.created and response.in_progress (the response so far), response.output_item.added
-and response.content_part.added (the message and its text part, opened at once),
-response.output_text.delta per delta, then response.output_text.done,
-response.content_part.done and response.output_item.done when the sequence finishes, and
-response.completed with the whole response and its usage (status "incomplete" when
+response.created and response.in_progress (the response so far), then each output item in
+turn, as vLLM's streaming state machine opens and closes them: a message is
+response.output_item.added and response.content_part.added, response.output_text.delta per
+delta, then response.output_text.done, response.content_part.done and
+response.output_item.done; a function call is response.output_item.added (the call, its
+arguments empty), response.function_call_arguments.delta per piece, then
+response.function_call_arguments.done and response.output_item.done. Without tools the message
+opens at once; with them an item opens when its first content or call arrives (so a reply that
+only calls has no message item), and the next one closes it. response.completed carries the
+whole response, its items as streamed, and its usage (status "incomplete" when
 max_output_tokens cut it, as vLLM reports it). A failure after the stream started is an
 `error` event. No `[DONE]` (neither OpenAI nor vLLM sends one here).
 
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from fastapi.responses import Response, StreamingResponse
@@ -38,6 +45,8 @@ from pdmesh.gateway.formatter import (
 from pdmesh.gateway.openai_format import SequenceState
 from pdmesh.gateway.responses_schemas import (
     IncompleteDetails,
+    OutputFunctionCall,
+    OutputItem,
     OutputMessage,
     OutputText,
     ResponsesRequest,
@@ -48,6 +57,8 @@ from pdmesh.gateway.responses_schemas import (
 )
 from pdmesh.gateway.schemas import UsageInfo
 from pdmesh.gateway.streaming import DONE, sse_response
+from pdmesh.gateway.tool_parsers import StreamEvents, ToolCallDelta, collect
+from pdmesh.gateway.tools import OutputStream, ToolPlan
 from pdmesh.v1 import common_pb2
 
 _SNAPSHOTS = ("response.created", "response.in_progress")
@@ -63,52 +74,78 @@ def status_of(finish: common_pb2.Finish | None) -> ResponseStatus:
 
 @dataclass
 class ResponsesFormatter:
-    """One /v1/responses request's answer (a `Formatter`; one output sequence)."""
+    """One /v1/responses request's answer (a `Formatter`; one output sequence). Its items are
+    named after the request: `msg_<id>` (`msg_<id>_<n>` for a later message), `fc_<id>_<n>`
+    for the n-th call, the same streamed and in the final response."""
 
     operation: ClassVar[str] = "chat"
     chunk_object: ClassVar[str] = "response"
 
     request: ResponsesRequest
-    item_id: str  # the message item's id, the same streamed and in the final response
-    _text: str = ""  # streamed so far
+    request_id: str
+    tools: ToolPlan | None = None  # how to read function calls (None: plain text)
+    _reader: OutputStream | None = field(init=False, default=None)  # streamed: the tool reader
+    _item: OutputMessage | OutputFunctionCall | None = None  # streamed: the item open now
+    _text: str = ""  # ... its text or arguments so far
+    _done: list[OutputItem] = field(default_factory=list)  # ... the items closed, in order
+    _messages: int = 0  # ... message items opened
     _status: ResponseStatus = "in_progress"
+
+    def __post_init__(self) -> None:
+        self._reader = self.tools.stream() if self.tools is not None else None
+
+    def message_id(self, n: int = 0) -> str:
+        return f"msg_{self.request_id}" if n == 0 else f"msg_{self.request_id}_{n}"
+
+    def call_item_id(self, n: int) -> str:
+        """The n-th function call item's id (its `call_id` is the parser's)."""
+        return f"fc_{self.request_id}_{n}"
 
     def whole(self, head: ResponseHead, outputs: Outputs) -> ResponsesResponse:
         seq = outputs.sequences.get(0, SequenceState())
-        return self.response(head, status_of(seq.finish), seq.text,
+        return self.response(head, status_of(seq.finish), self._items(seq.text),
                              ResponseUsage.of(outputs.usage))
 
-    def response(self, head: ResponseHead, status: ResponseStatus, text: str | None,
+    def _items(self, text: str) -> list[OutputItem]:
+        """The output items of a whole text: the message, then the calls read out of it; with
+        a tool reader the message only when there is content besides the calls (vLLM's)."""
+        reader = self.tools.stream() if self.tools is not None else None
+        if reader is None:
+            return [_message(self.message_id(), text, "completed")]
+        content, calls = collect(reader, [text])
+        items: list[OutputItem] = [_message(self.message_id(), content, "completed")] \
+            if content else []
+        return [*items, *(OutputFunctionCall(id=self.call_item_id(n), call_id=c.id,
+                                             name=c.name, arguments=c.arguments,
+                                             status="completed")
+                          for n, c in enumerate(calls))]
+
+    def response(self, head: ResponseHead, status: ResponseStatus, output: list[OutputItem],
                  usage: ResponseUsage | None = None) -> ResponsesResponse:
-        """The response object; `text` None: no output yet."""
+        """The response object with `output` (a snapshot: [], no output yet)."""
         req = self.request
         fmt = req.text.model_dump(mode="json", by_alias=True, exclude_none=True) \
             if req.text is not None else None
+        choice = req.effective_tool_choice()
         return ResponsesResponse(
             id=head.id, created_at=head.created, model=head.model, status=status,
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete" else None,
-            output=[] if text is None else [self._message(text, "completed")],
+            output=output,
             instructions=req.instructions, metadata=req.metadata, user=req.user,
             temperature=req.temperature, top_p=req.top_p,
             max_output_tokens=req.max_output_tokens, text=fmt, usage=usage,
+            tools=[t.model_dump(mode="json") for t in req.tools],
+            tool_choice=choice if isinstance(choice, str) else choice.model_dump(mode="json"),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
         )
-
-    def _message(self, text: str, status: ResponseStatus) -> OutputMessage:
-        return OutputMessage(id=self.item_id, status=status,
-                             content=[OutputText(text=text)] if text else [])
 
     # -- streamed ----------------------------------------------------------------------------------
     def opening(self) -> list[Choice]:
-        """The response's snapshots (markers), then the message item and its text part."""
-        part = OutputText(text="", logprobs=[]).model_dump(mode="json")
-        return [
-            *({"type": kind} for kind in _SNAPSHOTS),
-            {"type": "response.output_item.added", "output_index": 0,
-             "item": self._message("", "in_progress").model_dump(mode="json")},
-            {"type": "response.content_part.added", "item_id": self.item_id,
-             "output_index": 0, "content_index": 0, "part": part},
-        ]
+        """The response's snapshots (markers), then, without tools, the message item and its
+        text part (with tools the first item opens when its output arrives)."""
+        markers: list[Choice] = [{"type": kind} for kind in _SNAPSHOTS]
+        return markers if self._reader is not None else [*markers, *self._open_message()]
 
     def prompt_started(
         self, p: int, prompt_logprobs: list[common_pb2.TokenLogprob] | None
@@ -116,26 +153,103 @@ class ResponsesFormatter:
         return []
 
     def delta(self, index: int, delta: common_pb2.SequenceDelta) -> StreamedDelta:
+        failed = sequence_failed(delta)
+        ends = delta.HasField("finish") and not failed
+        if self._reader is None:
+            reads = [StreamEvents(content=delta.text)]
+        else:
+            reads = [self._reader.feed(delta.text), *([self._reader.finish()] if ends else [])]
         events: list[Choice] = []
-        if delta.text:
-            self._text += delta.text
-            events.append({"type": "response.output_text.delta", "item_id": self.item_id,
-                           "output_index": 0, "content_index": 0, "delta": delta.text,
-                           "logprobs": []})
-        if sequence_failed(delta):  # the stream ends with an error event instead
+        for read in reads:
+            if read.content:
+                events += self._content(read.content)
+            for call in read.tool_calls:
+                events += self._call(call)
+        if failed:  # the stream ends with an error event instead
             return StreamedDelta(events, failed=True)
-        if delta.HasField("finish"):
+        if ends:
             self._status = status_of(delta.finish)
-            part = OutputText(text=self._text).model_dump(mode="json")
-            events += [
-                {"type": "response.output_text.done", "item_id": self.item_id,
-                 "output_index": 0, "content_index": 0, "text": self._text, "logprobs": []},
-                {"type": "response.content_part.done", "item_id": self.item_id,
-                 "output_index": 0, "content_index": 0, "part": part},
-                {"type": "response.output_item.done", "output_index": 0,
-                 "item": self._message(self._text, "completed").model_dump(mode="json")},
-            ]
+            events += self._close()
         return StreamedDelta(events)
+
+    def _output_index(self) -> int:
+        return len(self._done)
+
+    def _open_message(self) -> list[Choice]:
+        self._item = _message(self.message_id(self._messages), "", "in_progress")
+        self._messages += 1
+        self._text = ""
+        part = OutputText(text="", logprobs=[]).model_dump(mode="json")
+        return [
+            {"type": "response.output_item.added", "output_index": self._output_index(),
+             "item": self._item.model_dump(mode="json")},
+            {"type": "response.content_part.added", "item_id": self._item.id,
+             "output_index": self._output_index(), "content_index": 0, "part": part},
+        ]
+
+    def _content(self, text: str) -> list[Choice]:
+        """Content text: into the open message, else a message opened after the item before."""
+        events = [] if isinstance(self._item, OutputMessage) else \
+            [*self._close(), *self._open_message()]
+        assert self._item is not None
+        self._text += text
+        return [*events, {"type": "response.output_text.delta", "item_id": self._item.id,
+                          "output_index": self._output_index(), "content_index": 0,
+                          "delta": text, "logprobs": []}]
+
+    def _call(self, call: ToolCallDelta) -> list[Choice]:
+        """A tool-call delta: a new call (its id and name) closes the item before and opens
+        its own; later ones are pieces of its arguments."""
+        events: list[Choice] = []
+        if call.id is not None:
+            events += self._close()
+            self._item = OutputFunctionCall(
+                id=self.call_item_id(call.index), call_id=call.id, name=call.name or "",
+                arguments="", status="in_progress")
+            self._text = ""
+            events.append({"type": "response.output_item.added",
+                           "output_index": self._output_index(),
+                           "item": self._item.model_dump(mode="json")})
+        if call.arguments and self._item is not None:
+            self._text += call.arguments
+            events.append({"type": "response.function_call_arguments.delta",
+                           "item_id": self._item.id, "output_index": self._output_index(),
+                           "delta": call.arguments})
+        return events
+
+    def _close(self) -> list[Choice]:
+        """The open item's closing events (none when no item is open)."""
+        item, index = self._item, self._output_index()
+        if item is None:
+            return []
+        self._item = None
+        if isinstance(item, OutputFunctionCall):
+            done: OutputItem = item.model_copy(update={"arguments": self._text,
+                                                       "status": "completed"})
+            events: list[Choice] = [
+                {"type": "response.function_call_arguments.done", "item_id": item.id,
+                 "output_index": index, "name": item.name, "arguments": self._text}]
+        else:
+            done = _message(item.id, self._text, "completed")
+            events = [
+                {"type": "response.output_text.done", "item_id": item.id,
+                 "output_index": index, "content_index": 0, "text": self._text,
+                 "logprobs": []},
+                {"type": "response.content_part.done", "item_id": item.id,
+                 "output_index": index, "content_index": 0,
+                 "part": OutputText(text=self._text).model_dump(mode="json")}]
+        self._done.append(done)
+        return [*events, {"type": "response.output_item.done", "output_index": index,
+                          "item": done.model_dump(mode="json")}]
+
+    def _streamed_output(self) -> list[OutputItem]:
+        """The items streamed, for response.completed (one still open as it stands)."""
+        item = self._item
+        if isinstance(item, OutputFunctionCall):
+            item = item.model_copy(update={"arguments": self._text})
+        elif item is not None:
+            item = _message(item.id, self._text, "in_progress")
+        return [*self._done, *([item] if item is not None else [])]
 
     async def events(self, chunks: AsyncIterable[str | bytes]) -> AsyncIterator[str]:
         """The generation flow's SSE chunks (gateway/streaming.py) as Responses events."""
@@ -163,15 +277,20 @@ class ResponsesFormatter:
         head = ResponseHead(id=body["id"], created=body["created"], model=body["model"])
         if not body["choices"]:  # the closing usage chunk
             usage = ResponseUsage.of(UsageInfo.model_validate(body["usage"] or {}))
-            done = self.response(head, self._status, self._text, usage)
+            done = self.response(head, self._status, self._streamed_output(), usage)
             return [{"type": "response.completed", "response": done.model_dump(mode="json")}]
         events = []
         for event in body["choices"]:
             if event["type"] in _SNAPSHOTS:
-                snapshot = self.response(head, "in_progress", None)
+                snapshot = self.response(head, "in_progress", [])
                 event = {**event, "response": snapshot.model_dump(mode="json")}
             events.append(event)
         return events
+
+
+def _message(item_id: str, text: str, status: ResponseStatus) -> OutputMessage:
+    return OutputMessage(id=item_id, status=status,
+                         content=[OutputText(text=text)] if text else [])
 
 
 def sse_typed_event(event: dict[str, Any]) -> str:

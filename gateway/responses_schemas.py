@@ -1,15 +1,20 @@
 """/v1/responses' bodies, in the subset vLLM serves without a response store: the request
-(`input` as text or message items, `instructions`, `text.format`, sampling) and the response
-object with its output message and usage.
+(`input` as text or items: messages, function calls and their outputs; `instructions`,
+`text.format`, function `tools` and `tool_choice`, sampling) and the response object with its
+output items (a message, function calls) and usage.
 
 A request is served as the chat completion it amounts to (`to_chat`): `instructions` is a
-system message before the input's messages, `text.format` is chat's `response_format`, and
-vLLM's sampling extensions pass through under the same names, so templates, structured
-outputs and every sampling check are chat's. Nothing is stored (vLLM's default, without
+system message before the input's messages, a `function_call` item is an assistant message's
+tool call (merged into the assistant message before it, as vLLM does), a
+`function_call_output` item is a `tool` message, the flat function tools are chat's nested
+ones, `text.format` is chat's `response_format`, and vLLM's sampling extensions pass through
+under the same names, so templates, tool calling (gateway/tools.py), structured outputs and
+every sampling check are chat's. Nothing is stored (vLLM's default, without
 VLLM_ENABLE_RESPONSES_API_STORE): `store` is accepted and has no effect, as in vLLM;
 `previous_response_id` and `background`, which need a store, are 400s naming the field.
-Fields vLLM serves beyond this subset (tools, reasoning, `include` logprobs) are ignored and
-named in X-Ignored-Fields, or refused where ignoring them would change the answer (`tools`).
+Fields vLLM serves beyond this subset (reasoning, `include` logprobs) are ignored and named in
+X-Ignored-Fields, or refused where ignoring them would change the answer (tools other than
+functions, other input item kinds).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from pydantic import (
     model_validator,
 )
 
-from pdmesh.gateway.chat_schemas import ChatCompletionRequest
-from pdmesh.gateway.errors import GatewayError, invalid_argument
+from pdmesh.gateway.chat_schemas import ChatCompletionRequest, FunctionDefinition
+from pdmesh.gateway.errors import GatewayError, invalid_argument, validation_param
 from pdmesh.gateway.schemas import RequestModel, StructuredOutputsIn, UsageInfo, wire_int
 from pdmesh.v1 import common_pb2, router_pb2
 
@@ -52,8 +57,7 @@ class InputTextPart(RequestModel):
 
 
 class InputMessage(RequestModel):
-    """One conversation item: a message (other item kinds, tool calls and their outputs,
-    reasoning, are not served)."""
+    """One conversation message (an earlier answer's message item sent back included)."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -65,6 +69,82 @@ class InputMessage(RequestModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionCallInput(RequestModel):
+    """An earlier answer's function call, sent back so the conversation can go on after it."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the answer gave it
+    id: str | None = None
+    status: str | None = None
+
+    def to_chat(self) -> dict[str, Any]:
+        """Chat's `tool_calls[]` entry for this call."""
+        return {"id": self.call_id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class FunctionCallOutputInput(RequestModel):
+    """A function call's result: the `tool` message answering `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput
+
+INPUT_ITEMS: dict[str, type[RequestModel]] = {
+    "message": InputMessage, "function_call": FunctionCallInput,
+    "function_call_output": FunctionCallOutputInput,
+}
+"""The input items served, by `type` (a message may leave it out)."""
+
+TEXT_PARTS = (None, "input_text", "output_text")
+
+
+class FunctionTool(FunctionDefinition):
+    """A function the model may call, in the Responses API's flat shape (chat nests the same
+    fields under `function`); the name is checked as chat checks it."""
+
+    type: Literal["function"]
+
+    def to_chat(self) -> dict[str, Any]:
+        return {"type": "function",
+                "function": self.model_dump(exclude={"type"}, exclude_none=True)}
+
+
+class FunctionChoice(RequestModel):
+    """`tool_choice` naming the function to call (flat; chat nests the name)."""
+
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+
+
+def _validated(model: type[RequestModel], data: Any, *where: str | int) -> RequestModel:
+    """`data` as `model`, or a ValueError naming the field inside `where` ("input[2].call_id:
+    Field required") rather than a union's branch names."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        ctx = first.get("ctx") or {}
+        why = str(ctx["error"]) if first["type"] == "value_error" and "error" in ctx \
+            else first["msg"]
+        raise ValueError(f"{validation_param((*where, *first['loc']))}: {why}") from None
 
 
 class TextFormat(RequestModel):
@@ -102,7 +182,7 @@ class TextConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str = ""
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: Annotated[int, wire_int(_SP, "max_tokens", ge=1)] | None = None
     temperature: float | None = None
@@ -114,7 +194,9 @@ class ResponsesRequest(RequestModel):
     store: bool | None = True  # accepted; nothing is stored (vLLM without a store)
     previous_response_id: str | None = None
     background: bool = False
-    tools: list[Any] = Field(default_factory=list)
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's)
+    parallel_tool_calls: bool | None = True
     # vLLM's extensions, as on chat completions.
     top_k: Annotated[int, wire_int(_SP, "top_k")] = 0
     min_p: float = 0.0
@@ -136,24 +218,55 @@ class ResponsesRequest(RequestModel):
 
     @field_validator("input", mode="before")
     @classmethod
-    def _only_text_messages(cls, value: Any) -> Any:
-        """Name what is not served (other item kinds, images, files) rather than let the
-        union's every branch fail on it."""
+    def _served_items(cls, value: Any) -> Any:
+        """Each item as its kind's model, naming what is not served (other item kinds, images,
+        files) rather than letting the union's every branch fail on it."""
         if value == []:
             raise ValueError("must hold at least 1 message")
-        for i, item in enumerate(value if isinstance(value, list) else []):
+        if not isinstance(value, list):
+            return value
+        items = []
+        for i, item in enumerate(value):
             if not isinstance(item, dict):
+                items.append(item)
                 continue
             kind = item.get("type", "message")
-            if kind != "message":
-                raise ValueError(f"input[{i}]: items of type {kind!r} are not supported "
-                                 "(only messages)")
-            parts = item.get("content")
+            if kind not in INPUT_ITEMS:
+                raise ValueError(f"input[{i}]: items of type {kind!r} are not supported (only "
+                                 f"{', '.join(INPUT_ITEMS)})")
+            key = "output" if kind == "function_call_output" else "content"
+            parts = item.get(key)
             for j, part in enumerate(parts if isinstance(parts, list) else []):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in (None, "input_text", "output_text"):
-                    raise ValueError(f"input[{i}].content[{j}]: parts of type {kind!r} are "
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                if part_kind not in TEXT_PARTS:
+                    raise ValueError(f"input[{i}].{key}[{j}]: parts of type {part_kind!r} are "
                                      "not supported (only input_text and output_text)")
+            items.append(_validated(INPUT_ITEMS[kind], item, "input", i))
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        """Only function tools: built-in ones (web search, file search, MCP, ...) need a tool
+        server, which pdmesh does not run."""
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind is not None and kind != "function":
+                raise ValueError(f"tools[{i}]: tools of type {kind!r} are not supported (only "
+                                 "function tools)")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _served_tool_choice(cls, value: Any) -> Any:
+        """One of the three modes or a named function, each refusal in this API's words."""
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or a function, got {value!r}")
+        if isinstance(value, dict):
+            if value.get("type") != "function":
+                raise ValueError(f"tool_choice of type {value.get('type')!r} is not supported "
+                                 "(only {'type': 'function', 'name': ...})")
+            return _validated(FunctionChoice, value, "tool_choice")
         return value
 
     @field_validator("previous_response_id")
@@ -172,14 +285,6 @@ class ResponsesRequest(RequestModel):
                              "pdmesh stores no responses")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools_yet(cls, value: list[Any]) -> list[Any]:
-        if value:
-            raise ValueError("not supported on /v1/responses yet (tool calling is served on "
-                             "/v1/chat/completions)")
-        return value
-
     @field_validator("structured_outputs")
     @classmethod
     def _one_constraint(cls, value: StructuredOutputsIn | None,
@@ -194,24 +299,63 @@ class ResponsesRequest(RequestModel):
         fmt = self.text.format if self.text is not None else None
         return fmt.to_response_format() if fmt is not None else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The chat messages: `instructions` as the system message, then the input."""
-        messages = [{"role": "system", "content": self.instructions}] \
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The chat messages: `instructions` as the system message, then the input's items.
+        As vLLM builds them: a function call joins the assistant message just before it (one
+        turn that said something and called), else it is an assistant message of its own; an
+        assistant message after a turn of calls only is that turn's text."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] \
             if self.instructions else []
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        return [*messages, *({"role": m.role, "content": m.text()} for m in self.input)]
+        for item in self.input:
+            last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+            if isinstance(item, FunctionCallInput):
+                if last is not None:
+                    last.setdefault("tool_calls", []).append(item.to_chat())
+                else:
+                    messages.append({"role": "assistant", "content": None,
+                                     "tool_calls": [item.to_chat()]})
+            elif isinstance(item, FunctionCallOutputInput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": item.text()})
+            elif item.role == "assistant" and last is not None and last["content"] is None:
+                last["content"] = item.text()
+            else:
+                messages.append({"role": item.role, "content": item.text()})
+        return messages
+
+    def effective_tool_choice(self) -> str | FunctionChoice:
+        """`tool_choice` as vLLM reads it: unset is "auto" with tools, and without tools
+        "auto" is "none" (what the response echoes)."""
+        choice = self.tool_choice or "auto"
+        return "none" if not self.tools and choice == "auto" else choice
+
+    def chat_tools(self) -> dict[str, Any]:
+        """Chat's `tools`, `tool_choice` and `parallel_tool_calls` for this request's."""
+        choice = self.effective_tool_choice()
+        if not self.tools:  # "required" or a function without tools: chat refuses it
+            return {} if choice == "none" else {"tool_choice": _chat_choice(choice)}
+        return {"tools": [tool.to_chat() for tool in self.tools],
+                "tool_choice": _chat_choice(choice),
+                "parallel_tool_calls": self.parallel_tool_calls is not False}
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion this request amounts to."""
         body = self.model_dump(include=PASSED_TO_CHAT, exclude_unset=True, by_alias=True)
         body.update(messages=self.chat_messages(),
                     max_completion_tokens=self.max_output_tokens,
-                    response_format=self.chat_response_format())
+                    response_format=self.chat_response_format(), **self.chat_tools())
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:  # the checks chat makes beyond ours
             raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _chat_choice(choice: str | FunctionChoice) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    return {"type": "function", "function": {"name": choice.name}}
 
 
 CHAT_TO_RESPONSES = {
@@ -249,6 +393,20 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    """A call the model made: `call_id` is what a `function_call_output` answers."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
 
 
 class IncompleteDetails(BaseModel):
@@ -294,14 +452,16 @@ class ResponsesResponse(BaseModel):
     instructions: str | None = None
     metadata: dict[str, str] | None = None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
     previous_response_id: None = None
     tool_choice: Literal["none"] = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's)
+    parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
     truncation: Literal["disabled"] = "disabled"
     background: bool = False

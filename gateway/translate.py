@@ -19,12 +19,13 @@ from pdmesh.gateway.chat_formatter import ChatFormatter
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.completion_formatter import CompletionFormatter
 from pdmesh.gateway.completion_schemas import CompletionRequest
+from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.formatter import Formatter
 from pdmesh.gateway.responses_formatter import ResponsesFormatter
 from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.router_client import RouterClient
 from pdmesh.gateway.token_id_logprobs import TokenIdLogprobs
-from pdmesh.gateway.tools import ToolSettings, plan_tools
+from pdmesh.gateway.tools import ToolPlan, ToolSettings, plan_tools
 from pdmesh.v1 import router_pb2
 
 
@@ -84,16 +85,33 @@ def _by_token_id(asked: bool | None, formatter: Formatter) -> Formatter:
     return TokenIdLogprobs(formatter) if asked else formatter
 
 
-def responses_plan(body: ResponsesRequest, request_id: str) -> GenerationPlan:
+def responses_plan(
+    body: ResponsesRequest, request_id: str, tool_settings: ToolSettings
+) -> GenerationPlan:
     """A /v1/responses request as the chat completion it amounts to (its messages as a `Chat`
-    prompt), answered by the responses formatter; a stream always ends with the usage
-    (response.completed carries it)."""
-    request = body.to_chat().to_generate(request_id)
+    prompt, its function tools planned as chat's are), answered by the responses formatter; a
+    stream always ends with the usage (response.completed carries it)."""
+    chat = body.to_chat()
+    tools = _responses_tools(chat, tool_settings)
+    request = (chat.to_generate(request_id) if tools is None else
+               chat.to_generate(request_id, tools.tools_json, tools.structured_output))
     return GenerationPlan(
         id=f"resp_{request_id}", model=body.model, n=1, stream=body.stream,
         include_usage=True, continuous_usage=False, requests=[request],
-        formatter=ResponsesFormatter(request=body, item_id=f"msg_{request_id}"),
+        formatter=ResponsesFormatter(request=body, request_id=request_id, tools=tools),
     )
+
+
+def _responses_tools(chat: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan | None:
+    """Chat's tool plan for the chat a responses request amounts to, its one refusal that
+    names chat's fields worded with this API's (`text.format`, not `response_format`)."""
+    choice = chat.tool_choice
+    if chat.tools and choice not in (None, "auto", "none") and chat.has_structured_output():
+        what = repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise GatewayError(400, f"tool_choice {what} is enforced with a structured output and "
+                           "cannot be combined with text.format or structured_outputs",
+                           param="tool_choice")
+    return plan_tools(chat, settings)
 
 
 async def count_prompt_tokens(

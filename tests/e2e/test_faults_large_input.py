@@ -28,6 +28,7 @@ import pytest
 
 from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import router_pb2, router_pb2_grpc
+from tests.metrics_text import counter
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
@@ -72,9 +73,7 @@ class Mesh:
 
     def in_flight(self, endpoint: str = "/v1/completions") -> float:
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        key = f'pdmesh:gateway_requests_in_flight{{endpoint="{endpoint}"}} '
-        return next((float(line.split()[-1]) for line in text.splitlines()
-                     if line.startswith(key)), 0.0)
+        return counter(text, "pdmesh:gateway_requests_in_flight", endpoint=endpoint)
 
     def tokenize_s(self, text: str) -> float:
         """Seconds the router takes to tokenize `text` (its Tokenize RPC, no limits)."""

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
 from pdmesh.serve import Child, pdmesh_command
+from tests.metrics_text import counter
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
@@ -46,16 +46,6 @@ class Serve:
 def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir(DEFAULT_SHM_DIR)
             if (m := SEGMENT.fullmatch(n)) and int(m.group(1)) == pid]
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
 
 
 @pytest.fixture(scope="module")

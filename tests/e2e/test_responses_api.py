@@ -1,9 +1,14 @@
 """/v1/responses on a real mesh, driven by the official `openai` client's `responses.create`.
 
 One colocated mesh (`pdmesh serve`, the cheapest shape: the Responses route differs from chat
-only in the gateway, before and after the same router Generate call). A greedy response must
-say exactly what /v1/chat/completions says for the same conversation, whole and streamed, and
-`text.format` must constrain the output as chat's `response_format` does.
+only in the gateway, before and after the same router Generate call), started for tool calling
+as tests/e2e/test_tool_calling.py starts its own (`--chat-template hermes
+--enable-auto-tool-choice --tool-call-parser hermes`). A greedy response must say exactly what
+/v1/chat/completions says for the same conversation, whole and streamed, `text.format` must
+constrain the output as chat's `response_format` does, and a named function or `"required"`
+must come back as a function_call item whose arguments follow the function's parameters (the
+structured output forces them: the model's judgement is never tested), after which the call and
+its output sent back as input items get a message.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import openai
@@ -36,13 +42,34 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [  # the Responses API's flat function tools
+    {"type": "function", "name": "get_weather", "description": "Current weather",
+     "parameters": WEATHER_PARAMS},
+    {"type": "function", "name": "get_time", "description": "Local time",
+     "parameters": TIME_PARAMS},
+]
+PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
     serve = Child("serve-responses", pdmesh_command(
         "serve", "--colocated", "--num-decode", "1", "--kv-cache-memory", KV_MEMORY,
-        "--port", "0"), env=ENV)
+        "--port", "0", "--chat-template", "hermes", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes"), env=ENV)
     try:
         serve.wait_ready(timeout_s=240)
         url = next(p for p in serve.ready_line.split() if p.startswith("gateway="))
@@ -111,3 +138,47 @@ def test_previous_response_id_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_x")
     assert "previous_response_id" in str(caught.value)
+
+
+def test_named_function_call_then_its_output(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model=MODEL, input=ASK, tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40, temperature=0.0)
+    assert first.status == "completed"
+    (call,) = first.output  # the call, and no message
+    assert call.type == "function_call" and call.status == "completed"
+    assert call.id.startswith("fc_") and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+    assert first.tool_choice.type == "function"  # type: ignore[union-attr]
+    # The conversation goes on: the call and its output sent back as input items.
+    follow = client.responses.create(
+        model=MODEL, tools=TOOLS, tool_choice="none", max_output_tokens=MAX_TOKENS,
+        temperature=0.0, input=[
+            *ASK, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id,
+             "output": "sunny, 22 C"}])
+    assert [item.type for item in follow.output] == ["message"]
+    assert follow.output_text and follow.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
+def test_required_function_call_streamed(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(
+        model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=40, temperature=0.0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = events[2].item  # type: ignore[union-attr]
+    assert added.type == "function_call" and added.arguments == ""
+    arguments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta")
+    assert events[-3].arguments == arguments  # type: ignore[union-attr]
+    (call,) = events[-1].response.output  # type: ignore[union-attr]
+    assert call.type == "function_call" and call.id == added.id
+    assert call.call_id == added.call_id and call.arguments == arguments
+    jsonschema.validate(json.loads(arguments), PARAMS[call.name])

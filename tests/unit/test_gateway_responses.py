@@ -1,7 +1,8 @@
 """/v1/responses: the request → the router's Generate call (as the chat completion it amounts
-to), router messages → the response object, and a stream's Responses events in order. The
-route runs in-process against a stand-in router client that answers Generate with scripted
-router messages, as the engines' deltas reach the gateway."""
+to, function tools and tool-call history included), router messages → the response object
+(a message, function calls), and a stream's Responses events in order. The route runs
+in-process against a stand-in router client that answers Generate with scripted router
+messages, as the engines' deltas reach the gateway."""
 
 from __future__ import annotations
 
@@ -20,14 +21,25 @@ from pdmesh.gateway.errors import error_from_rpc
 from pdmesh.gateway.formatter import Outputs, ResponseHead
 from pdmesh.gateway.openai_format import SequenceState
 from pdmesh.gateway.responses_formatter import ResponsesFormatter
-from pdmesh.gateway.responses_schemas import ResponsesRequest
+from pdmesh.gateway.responses_schemas import OutputMessage, ResponsesRequest
 from pdmesh.gateway.schemas import UsageInfo
+from pdmesh.gateway.tools import ToolPlan, ToolSettings
 from pdmesh.gateway.translate import responses_plan
 from pdmesh.v1 import common_pb2, router_pb2
 
 pytestmark = pytest.mark.fast
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}},
+                  "required": ["city"]}
+TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "Current weather",
+     "parameters": WEATHER_PARAMS},
+    {"type": "function", "name": "get_time", "strict": True},
+]
+WEATHER: Any = {"type": "function", "name": "get_weather"}
+NO_AUTO = ToolSettings()
+AUTO = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 
 def _delta(text: str, finish: int | None = None, message: str = "") -> router_pb2.GenerateResponse:
@@ -45,6 +57,11 @@ def _result(prompt: int, completion: int, cached: int = 0) -> router_pb2.Generat
 STOPPED = [_delta("Hel"), _delta("lo"), _delta("!", common_pb2.FINISH_REASON_STOP),
            _result(9, 3, cached=4)]
 CUT = [_delta("Hel"), _delta("lo", common_pb2.FINISH_REASON_LENGTH), _result(9, 2)]
+NAMED = [_delta('{"city": '), _delta('"Paris"}', common_pb2.FINISH_REASON_STOP), _result(9, 2)]
+"""What a named function's structured output makes: its arguments, streamed."""
+HERMES = [_delta("Checking.\n"), _delta('<tool_call>\n{"name": "get_time", "arguments": '),
+          _delta('{"zone": 2}}\n</tool_call>', common_pb2.FINISH_REASON_STOP), _result(9, 3)]
+"""Content, then a call in the hermes format (tool_choice "auto")."""
 
 
 class StandInCall:
@@ -93,8 +110,17 @@ def http_fixture(router: StandInRouter) -> Iterator[TestClient]:
         yield http
 
 
-def _generate(body: dict[str, Any]) -> router_pb2.GenerateRequest:
-    (request,) = responses_plan(ResponsesRequest.model_validate(body), "r1").requests
+@pytest.fixture(name="http_auto")
+def http_auto_fixture(router: StandInRouter) -> Iterator[TestClient]:
+    """The gateway as `--enable-auto-tool-choice --tool-call-parser hermes` starts it."""
+    config = GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with TestClient(create_app(config, client=router)) as http:  # type: ignore[arg-type]
+        yield http
+
+
+def _generate(body: dict[str, Any],
+              settings: ToolSettings = NO_AUTO) -> router_pb2.GenerateRequest:
+    (request,) = responses_plan(ResponsesRequest.model_validate(body), "r1", settings).requests
     return request
 
 
@@ -147,14 +173,33 @@ def test_text_format_is_a_structured_output(fmt: dict[str, Any], kind: str | Non
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no"),
     ({"input": "x", "background": True}, "background", "store"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "chat"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools",
+     "tools[0]: tools of type 'web_search' are not supported (only function tools)"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name",
+     "pattern"),
+    ({"input": "x", "tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice", "'nope', which is not in tools (get_weather, get_time)"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "mcp", "server_label": "s"}},
+     "tool_choice", "type 'mcp' is not supported"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "tool_choice",
+     "cannot be combined with text.format or structured_outputs"),
     ({"input": "x", "text": {"format": {"type": "json_object"}},
       "structured_outputs": {"regex": "a"}}, "structured_outputs", "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format",
      "schema"),
     ({"input": []}, "input", "at least 1"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input",
-     "input[0]: items of type 'function_call_output'"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input",
+     "input[0]: items of type 'reasoning' are not supported"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
+     "input[1].call_id: Field required"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_file", "file_id": "f"}]}]}, "input",
+     "input[0].output[0]: parts of type 'input_file'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input", "input[0].content[0]: parts of type 'input_image'"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
@@ -193,6 +238,70 @@ def test_fields_outside_the_subset_are_ignored_and_named(http: TestClient) -> No
     assert resp.headers["x-ignored-fields"] == "reasoning"
 
 
+# -- function tools: the request -------------------------------------------------------------------
+def _tools_json(g: router_pb2.GenerateRequest) -> list[dict[str, Any]]:
+    return json.loads(g.chat.tools_json)
+
+
+def test_flat_function_tools_reach_the_template_as_chats() -> None:
+    g = _generate({"input": "x", "tools": TOOLS, "tool_choice": "none"})
+    assert _tools_json(g) == [
+        {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                          "parameters": WEATHER_PARAMS}},
+        {"type": "function", "function": {"name": "get_time", "strict": True}}]
+    assert not g.sampling.HasField("structured_output")  # "none": plain text
+
+
+def test_a_named_function_is_forced_by_its_parameters_schema() -> None:
+    so = _generate({"input": "x", "tools": TOOLS, "tool_choice": WEATHER}).sampling
+    assert json.loads(so.structured_output.json_schema) == WEATHER_PARAMS
+
+
+def test_required_is_forced_to_an_array_of_calls() -> None:
+    g = _generate({"input": "x", "tools": TOOLS, "tool_choice": "required",
+                   "parallel_tool_calls": False})
+    schema = json.loads(g.sampling.structured_output.json_schema)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+
+
+def test_auto_is_the_default_with_tools_and_leaves_the_output_free() -> None:
+    g = _generate({"input": "x", "tools": TOOLS}, AUTO)
+    assert len(_tools_json(g)) == 2 and not g.sampling.HasField("structured_output")
+    # Without tools, "auto" (the default) is "none", as vLLM reads it.
+    assert _generate({"input": "x", "tool_choice": "auto"}).chat.tools_json == ""
+
+
+def test_calls_and_their_outputs_continue_the_conversation() -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}', "id": "fc_1", "status": "completed"}
+    g = _generate({"instructions": "Be brief.", "tools": TOOLS, "tool_choice": "none", "input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking."}]},
+        call,  # joins the message before it: one turn that spoke and called
+        {**call, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "rain"}]},
+        {**call, "call_id": "call_3"},  # a turn of calls only: an assistant message of its own
+        {"type": "function_call_output", "call_id": "call_3", "output": "still sunny"},
+    ]})
+    got = [(m.role, m.content, [(c.id, c.name, c.arguments) for c in m.tool_calls],
+            m.tool_call_id) for m in g.chat.messages]
+    assert got == [
+        ("system", "Be brief.", [], ""),
+        ("user", "Weather in Paris and Rome?", [], ""),
+        ("assistant", "Checking.", [("call_1", "get_weather", '{"city": "Paris"}'),
+                                    ("call_2", "get_weather", '{"city": "Rome"}')], ""),
+        ("tool", "sunny", [], "call_1"),
+        ("tool", "rain", [], "call_2"),
+        ("assistant", "", [("call_3", "get_weather", '{"city": "Paris"}')], ""),
+        ("tool", "still sunny", [], "call_3"),
+    ]
+
+
 # -- the response ----------------------------------------------------------------------------------
 def _outputs(script: list[router_pb2.GenerateResponse]) -> Outputs:
     seq, usage = SequenceState(), UsageInfo()
@@ -208,7 +317,7 @@ def test_whole_response() -> None:
     body = ResponsesRequest.model_validate({"input": "x", "instructions": "I",
                                             "metadata": {"k": "v"}, "temperature": 0.0})
     head = ResponseHead(id="resp_r1", created=1700, model="m")
-    out = ResponsesFormatter(body, "msg_r1").whole(head, _outputs(STOPPED)).model_dump(
+    out = ResponsesFormatter(body, "r1").whole(head, _outputs(STOPPED)).model_dump(
         mode="json")
     assert (out["id"], out["object"], out["created_at"], out["model"], out["status"]) == (
         "resp_r1", "response", 1700, "m", "completed")
@@ -226,11 +335,12 @@ def test_whole_response() -> None:
 
 def test_the_length_limit_makes_it_incomplete() -> None:
     body = ResponsesRequest.model_validate({"input": "x", "max_output_tokens": 2})
-    out = ResponsesFormatter(body, "msg_r1").whole(ResponseHead("resp_r1", 1, "m"),
-                                                   _outputs(CUT))
+    out = ResponsesFormatter(body, "r1").whole(ResponseHead("resp_r1", 1, "m"), _outputs(CUT))
     assert out.status == "incomplete" and out.incomplete_details is not None
     assert out.incomplete_details.reason == "max_output_tokens"
-    assert out.output[0].content[0].text == "Hello" and out.max_output_tokens == 2
+    (item,) = out.output
+    assert isinstance(item, OutputMessage) and item.content[0].text == "Hello"
+    assert out.max_output_tokens == 2
 
 
 def test_whole_over_http(http: TestClient, router: StandInRouter) -> None:
@@ -319,3 +429,100 @@ def test_the_openai_client_reads_both(http: TestClient) -> None:
     assert type(events[-1]).__name__ == "ResponseCompletedEvent"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         events[-1].response.output_text == "Hello!"
+
+
+# -- function tools: the response ------------------------------------------------------------------
+def _plan_formatter(body: dict[str, Any],
+                    settings: ToolSettings = NO_AUTO) -> ResponsesFormatter:
+    formatter = responses_plan(ResponsesRequest.model_validate(body), "r1", settings).formatter
+    assert isinstance(formatter, ResponsesFormatter) and isinstance(formatter.tools, ToolPlan)
+    return formatter
+
+
+def test_whole_named_call_is_a_function_call_item() -> None:
+    formatter = _plan_formatter({"input": "x", "tools": TOOLS, "tool_choice": WEATHER})
+    out = formatter.whole(ResponseHead("resp_r1", 1, "m"), _outputs(NAMED)).model_dump(
+        mode="json")
+    (item,) = out["output"]  # no message: the output is the call
+    assert item["call_id"].startswith("chatcmpl-tool-")
+    assert {k: v for k, v in item.items() if k != "call_id"} == {
+        "id": "fc_r1_0", "type": "function_call", "name": "get_weather",
+        "arguments": '{"city": "Paris"}', "status": "completed"}
+    assert out["status"] == "completed"
+    assert out["tool_choice"] == WEATHER and out["parallel_tool_calls"] is True
+    assert [t["name"] for t in out["tools"]] == ["get_weather", "get_time"]
+
+
+def test_whole_auto_is_the_message_then_the_calls() -> None:
+    formatter = _plan_formatter({"input": "x", "tools": TOOLS}, AUTO)
+    out = formatter.whole(ResponseHead("resp_r1", 1, "m"), _outputs(HERMES))
+    message, call = out.output
+    assert isinstance(message, OutputMessage) and message.id == "msg_r1"
+    assert message.content[0].text == "Checking.\n"
+    assert call.type == "function_call" and call.id == "fc_r1_0"
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {"zone": 2})
+    assert out.tool_choice == "auto"
+
+
+def test_streamed_named_call(http: TestClient, router: StandInRouter) -> None:
+    router.script = NAMED
+    events = _events(http.post("/v1/responses", json={
+        "input": "x", "stream": True, "tools": TOOLS, "tool_choice": WEATHER},
+        headers={"X-Request-Id": "abc"}))
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert [kind for kind, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * 2,
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    added = events[2][1]["item"]
+    assert (added["type"], added["id"], added["name"], added["arguments"], added["status"]) == (
+        "function_call", "fc_abc_0", "get_weather", "", "in_progress")
+    assert [d["delta"] for _, d in events[3:5]] == ['{"city": ', '"Paris"}']
+    assert {(d["item_id"], d["output_index"]) for _, d in events[3:6]} == {("fc_abc_0", 0)}
+    done = events[5][1]
+    assert (done["name"], done["arguments"]) == ("get_weather", '{"city": "Paris"}')
+    item = events[6][1]["item"]
+    assert item == {**added, "arguments": '{"city": "Paris"}', "status": "completed"}
+    final = events[-1][1]["response"]
+    assert final["output"] == [item] and final["status"] == "completed"
+
+
+def test_streamed_auto_closes_the_message_when_a_call_opens(http_auto: TestClient,
+                                                            router: StandInRouter) -> None:
+    router.script = HERMES
+    events = _events(http_auto.post("/v1/responses", json={"input": "x", "stream": True,
+                                                           "tools": TOOLS}))
+    assert [kind for kind, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    indices = [d.get("output_index") for _, d in events[2:-1]]
+    assert indices == [0] * 6 + [1] * 4
+    assert events[4][1]["delta"] == "Checking.\n"
+    message, call = events[-1][1]["response"]["output"]
+    assert message == events[7][1]["item"] and call == events[11][1]["item"]
+    assert message["content"][0]["text"] == "Checking.\n"
+    assert (call["name"], json.loads(call["arguments"])) == ("get_time", {"zone": 2})
+
+
+def test_the_openai_client_reads_function_calls(http: TestClient, router: StandInRouter) -> None:
+    """The official client's types parse function call items and events."""
+    client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http,
+                           max_retries=0)
+    router.script = NAMED
+    whole = client.responses.create(model="m", input="x", tools=TOOLS, tool_choice=WEATHER)
+    (call,) = whole.output
+    assert type(call).__name__ == "ResponseFunctionToolCall" and whole.output_text == ""
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+    events = list(client.responses.create(model="m", input="x", tools=TOOLS,
+                                          tool_choice=WEATHER, stream=True))
+    kinds = {type(e).__name__ for e in events}
+    assert {"ResponseFunctionCallArgumentsDeltaEvent",
+            "ResponseFunctionCallArgumentsDoneEvent"} <= kinds
+    final = events[-1].response
+    assert final.output[0].type == "function_call"
+    assert final.output[0].arguments == '{"city": "Paris"}'
