@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.outputs import TokenLogprobs
@@ -15,6 +14,9 @@ from pdmesh.kvstore.connector.source import KVSource
 from pdmesh.kvstore.transfer.core_pull import Pull
 from pdmesh.tracing import Span
 from pdmesh.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -18,6 +18,9 @@ A core that lives but stops answering (a stopped process, a wedged device) is to
 busy one by time: `liveness` (engine/core_liveness.py) says how long it has not answered while
 work was in flight and how long its steps take, and `probe` asks a silent core for a sign of
 life (answered between two steps); the service's watchdog reads them.
+
+A service whose core runs in its own process imports no torch: the in-process core's modules
+(`ThreadCoreLink`, the grammar compiler) are imported only where they are used.
 """
 
 from __future__ import annotations
@@ -25,14 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
-from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_calls import CoreCalls, EngineError
-from pdmesh.engine.core_client import ProcessCoreLink, ThreadCoreLink
+from pdmesh.engine.core_client import ProcessCoreLink
 from pdmesh.engine.core_liveness import CoreLiveness
 from pdmesh.engine.core_protocol import (
     Abort,
@@ -52,22 +53,26 @@ from pdmesh.engine.core_protocol import (
 )
 from pdmesh.engine.core_types import CoreInfo, EngineLoadSnapshot
 from pdmesh.engine.engine_request import EngineRequest, check_kv_capacity
-from pdmesh.engine.grammar import grammar_vocabulary
-from pdmesh.engine.kv_events import KVEvent
-from pdmesh.engine.llm_engine import (
-    LLMEngine,
-    check_given_logprobs,
-    load_tokenizer,
-    tokenize_prompt,
-)
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.request_streams import RequestStreams
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.startup import eos_token_ids
-from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.connector import ExportInfo
+from pdmesh.engine.tokenizing import (
+    check_given_logprobs,
+    eos_token_ids,
+    load_tokenizer,
+    tokenize_prompt,
+)
+from pdmesh.kvstore.connector.export_info import ExportInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.engine.kv_events import KVEvent
+    from pdmesh.engine.llm_engine import LLMEngine
+    from pdmesh.engine.sampling_params import SamplingParams
+    from pdmesh.kvstore.connector.config import KVConnectorConfig
 
 __all__ = ["AsyncEngine", "EngineError", "EngineLoadSnapshot"]
 
@@ -104,6 +109,8 @@ class AsyncEngine:
         self.processor = self.streams.processor
         self.kv_events_ready = self.streams.kv_events_ready
         if engine is not None:
+            from pdmesh.engine.core_client import ThreadCoreLink
+
             _link = ThreadCoreLink(engine.core, self._on_reply, self._on_dead, name=name)
             self._load = engine.core.load()
         else:
@@ -341,7 +348,7 @@ class AsyncEngine:
             if self._grammar_sent:
                 return
             vocabulary = await asyncio.to_thread(
-                grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
+                _grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
             # The core imports xgrammar meanwhile: seconds without an answer.
             self.liveness.setting_up = True
             try:
@@ -401,3 +408,10 @@ class AsyncEngine:
     def _fail_everything(self, error: EngineError) -> None:
         self.streams.end_all(error)
         self.calls.fail_all(error)
+
+
+def _grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> str:
+    """engine/grammar.py's vocabulary, imported here (off the event loop) on first use only."""
+    from pdmesh.engine.grammar import grammar_vocabulary
+
+    return grammar_vocabulary(tokenizer, vocab_size, eos_token_ids)

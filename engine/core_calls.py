@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdmesh.engine.core_liveness import CoreLiveness
 from pdmesh.engine.core_protocol import Call, Command, Result, events_from_wire
 from pdmesh.engine.engine_request import KVCacheFullError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineError(RuntimeError):

@@ -6,7 +6,8 @@ of its own (`engine/core_process.py`) and talks to it over two ZeroMQ `ipc://` s
 model's forward passes never hold the serving process's GIL.
 
 Either way the link delivers every reply to `on_reply` on the event loop, in order, and calls
-`on_dead` once if the core goes away without being asked to.
+`on_dead` once if the core goes away without being asked to. Only the thread link loads the
+core's modules (and torch): a serving process with its core in a process of its own does not.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 import zmq
 import zmq.asyncio
 
-from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core import EngineCore
-from pdmesh.engine.core_loop import CommandQueue, CoreLoop, take_queued
 from pdmesh.engine.core_protocol import (
     ENCODER,
     REPLY_DECODER,
@@ -47,6 +45,13 @@ from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.cpu_threads import core_environment
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.leftovers import CORE_DIR_PREFIX, pid_namespace, sweep_core_dirs
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdmesh.engine.config import EngineConfig
+    from pdmesh.engine.core import EngineCore
+    from pdmesh.engine.core_loop import CommandQueue
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class _LoopTransport:
         self._on_reply = on_reply
 
     def receive(self, block: bool) -> list[tuple[Call, torch.Tensor | None]]:
+        from pdmesh.engine.core_loop import take_queued
+
         return take_queued(self.commands, block)
 
     def send(self, reply: Reply, tensor: torch.Tensor | None = None) -> None:
@@ -86,6 +93,8 @@ class ThreadCoreLink:
         self._thread.start()
 
     def _run(self, core: EngineCore) -> None:
+        from pdmesh.engine.core_loop import CoreLoop
+
         try:
             CoreLoop(core, self._transport).run()
         except BaseException as exc:  # the loop itself broke: nothing will answer any more

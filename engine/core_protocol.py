@@ -3,20 +3,24 @@
 Both ways of running a core use these structs: in a thread they are handed over as objects;
 across the process boundary they travel as msgpack (`msgspec`, tagged unions, never pickle),
 with a tensor (KV going in or out) as a separate raw frame described by a `TensorHeader`.
+torch is imported only where a frame carries a tensor: a serving process whose core moves KV
+itself never loads it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.source import KVSource
+
+if TYPE_CHECKING:
+    import torch
 
 # -- commands (serving process -> core) ------------------------------------------------------
 
@@ -170,13 +174,16 @@ def events_from_wire(wire: list[WireKVEvent]) -> list[KVEvent]:
     return events
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The dtypes a tensor frame may carry, by name, and their sizes in bytes."""
 
 
 def tensor_to_frame(tensor: torch.Tensor) -> tuple[TensorHeader, memoryview]:
     """A tensor's bytes as one frame (a host copy when it lives on a device)."""
+    import torch
+
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
+    if dtype not in _ITEMSIZES:
         raise ValueError(f"tensor dtype {dtype} cannot cross the core boundary")
     host = tensor.detach().to("cpu").contiguous()
     return TensorHeader(list(host.shape), dtype), memoryview(host.view(torch.uint8).numpy())
@@ -184,17 +191,20 @@ def tensor_to_frame(tensor: torch.Tensor) -> tuple[TensorHeader, memoryview]:
 
 def tensor_from_frame(header: TensorHeader, data: bytes | memoryview) -> torch.Tensor:
     """Validated: the dtype is one of ours and the byte count matches the shape."""
-    dtype = _DTYPES.get(header.dtype)
-    if dtype is None:
-        raise ValueError(f"tensor dtype {header.dtype!r} is not one of {sorted(_DTYPES)}")
+    itemsize = _ITEMSIZES.get(header.dtype)
+    if itemsize is None:
+        raise ValueError(f"tensor dtype {header.dtype!r} is not one of {sorted(_ITEMSIZES)}")
     if any(d < 0 for d in header.shape):
         raise ValueError(f"tensor shape {header.shape} has a negative dimension")
     count = 1
     for d in header.shape:
         count *= d
-    if len(data) != count * dtype.itemsize:
+    if len(data) != count * itemsize:
         raise ValueError(f"tensor frame holds {len(data)} bytes, shape {header.shape} "
-                         f"{header.dtype} needs {count * dtype.itemsize}")
+                         f"{header.dtype} needs {count * itemsize}")
+    import torch
+
+    dtype = getattr(torch, header.dtype)
     if count == 0:
         return torch.empty(header.shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)

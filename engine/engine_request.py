@@ -21,13 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.request_rules import kv_capacity_shortfall
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.source import KVSource
+
+if TYPE_CHECKING:
+    import torch  # the type of imported KV only: serving processes never load torch for it
 
 
 class KVCacheFullError(RuntimeError):

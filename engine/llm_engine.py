@@ -17,33 +17,23 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core import EngineCore
 from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError
 from pdmesh.engine.grammar import grammar_vocabulary
-from pdmesh.engine.model_store import model_dir_for, tokenizer_dir_for
+from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.request_state import CoreRequest
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.startup import eos_token_ids
+from pdmesh.engine.tokenizing import (
+    check_given_logprobs,
+    eos_token_ids,
+    load_tokenizer,
+    tokenize_prompt,
+)
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 
-__all__ = ["EngineRequest", "KVCacheFullError", "LLMEngine", "load_tokenizer", "tokenize_prompt"]
-
-
-def load_tokenizer(config: EngineConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir_for(config))
-
-
-def tokenize_prompt(tokenizer: Any, prompt: str | dict) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt: a string, or a dict with `prompt_token_ids`."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt:
-            raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
-        ids = [int(t) for t in prompt["prompt_token_ids"]]
-        return prompt.get("prompt"), ids
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
-    return prompt, tokenizer(prompt, add_special_tokens=True)["input_ids"]
+__all__ = [
+    "EngineRequest", "KVCacheFullError", "LLMEngine", "check_given_logprobs", "load_tokenizer",
+    "tokenize_prompt",
+]
 
 
 class LLMEngine:
@@ -184,13 +174,3 @@ class LLMEngine:
 
     def take_kv_events(self) -> list:
         return self.core.take_kv_events()
-
-
-def check_given_logprobs(given: list[list[int]], logprobs: list[list[Any]], n: int) -> None:
-    """Logprobs given with resumed tokens: one list per sample, one entry per token."""
-    if len(logprobs) != n:
-        raise ValueError(f"output_logprobs: expected {n} lists, got {len(logprobs)}")
-    for i, (tokens, lps) in enumerate(zip(given, logprobs, strict=False)):
-        if len(lps) != len(tokens):
-            raise ValueError(f"output_logprobs: sample {i} has {len(lps)} entries for "
-                             f"{len(tokens)} tokens")

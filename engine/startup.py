@@ -10,7 +10,6 @@ whose host pages are committed only as blocks are first used (engine/memory.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from pdmesh.engine.memory import lazy_zeros
 from pdmesh.engine.model_loader import load_hf_config, load_model
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.engine.tokenizing import eos_token_ids  # noqa: F401 - its old home
 from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 
@@ -163,13 +163,3 @@ def core_info(setup: EngineSetup, block_size: int) -> CoreInfo:
     )
 
 
-def eos_token_ids(tokenizer: Any, model_dir: Path) -> set[int]:
-    """The ids that end a sequence: the tokenizer's EOS plus generation_config.json's."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return ids

@@ -14,6 +14,10 @@ drain, which owns health from then on.
 The role packages (`prefill_svc/`, `decode_svc/`) each contribute a `RolePart` (their servicer
 and their end of the KV transfer) through a `RolePartFactory`; this module never imports them,
 so neither role package depends on the other. `pdmesh.engines` composes the processes.
+
+With its engine core in a process of its own (the default) and the core moving KV itself, this
+process imports no torch (tests/unit/test_engine_service_without_torch.py): the in-process
+core and the staged KV transports load it where they are used.
 """
 
 from __future__ import annotations
@@ -26,11 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2
 
 from pdmesh.engine.async_engine import AsyncEngine
-from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME, ClusterPresence, PresenceChangeFn
 from pdmesh.engine_svc.service import EngineService, Role
@@ -45,7 +47,7 @@ from pdmesh.kvstore.instance_registry import (
     sign_registration,
 )
 from pdmesh.kvstore.redis_conn import RedisConnection
-from pdmesh.kvstore.transfer.backends import available_backends
+from pdmesh.kvstore.transfer.backends import limit_torch_threads, unavailable_reason
 from pdmesh.metrics import (
     EngineCollector,
     EngineMetrics,
@@ -126,11 +128,11 @@ async def _drain(
 
 
 def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
-    """The usable KV data planes this instance offers (prefill) or accepts (decode)."""
+    """The usable KV data planes this instance offers (prefill) or accepts (decode); asked
+    without importing the planes' modules (torch)."""
     sends_only = role == "prefill"
     preferred = SENDER_BACKENDS if sends_only else RECEIVER_BACKENDS
-    usable = set(available_backends())
-    return tuple(b for b in config.kv_backends(preferred) if b in usable)
+    return tuple(b for b in config.kv_backends(preferred) if unavailable_reason(b) is None)
 
 
 def connector_config(config: EngineServiceConfig,
@@ -152,11 +154,14 @@ async def start_engine(config: EngineServiceConfig, role: Role,
     """The engine core in its own process (the default), or on a thread of this one."""
     engine_config = config.engine
     if engine_config.engine_core_process:
-        # This process only moves bytes now (gRPC, tokens, KV frames); its torch must not
-        # start a spinning thread per core beside the core's (engine/cpu_threads.py).
-        torch.set_num_threads(1)
+        # This process only moves bytes now (gRPC, tokens, KV frames); torch, which it loads
+        # only for a staged KV plane, must not start a spinning thread per core beside the
+        # core's (engine/cpu_threads.py).
+        limit_torch_threads(1)
         return await AsyncEngine.spawn(engine_config, name=f"{role}-engine",
                                        log_level=config.log_level, connector=connector)
+    from pdmesh.engine.llm_engine import LLMEngine  # the in-process core: torch and all
+
     llm_engine = await asyncio.to_thread(LLMEngine, engine_config, connector)
     return AsyncEngine(llm_engine, name=f"{role}-engine")
 

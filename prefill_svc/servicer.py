@@ -23,7 +23,7 @@ import grpc
 
 from pdmesh.engine.async_engine import EngineError
 from pdmesh.engine.core_types import CoreInfo
-from pdmesh.engine.llm_engine import KVCacheFullError
+from pdmesh.engine.engine_request import KVCacheFullError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.stopping import first_token_finish
@@ -32,7 +32,7 @@ from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.transfer.checksum import parse_algo
 from pdmesh.kvstore.transfer.errors import KVTransferError
 from pdmesh.kvstore.transfer.handle import log_id
-from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME, KVLayout
+from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.sender import KVSender
 from pdmesh.kvstore.transfer.state import ReleaseReason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
@@ -284,4 +284,4 @@ def export_layout(info: CoreInfo, num_blocks: int, num_tokens: int) -> KVLayout:
     """The layout of an export of `num_blocks` from a core with these fixed facts."""
     layers, block_size, heads, head_dim = info.kv_shape
     return KVLayout(layers, num_blocks, block_size, heads, head_dim,
-                    DTYPES_BY_NAME[info.kv_dtype], num_tokens)
+                    info.kv_dtype, num_tokens)

@@ -33,6 +33,7 @@ from pdmesh.engine.chat_template import (
 )
 from pdmesh.engine.model_store import resolve_tokenizer
 from pdmesh.engine.request_rules import RuleViolation, truncate_prompt
+from pdmesh.engine.tokenizing import load_tokenizer_from
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_bound import NoBound, PromptBound
 
@@ -42,26 +43,6 @@ LARGE_PROMPT_BYTES = 32 * 1024
 """Above this a prompt takes a large-prompt lane (tens of milliseconds of tokenizing and up)."""
 
 
-GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-"""`tokenizer_class` values that name the generic fast tokenizer: nothing model-specific to
-construct, so the router loads it without transformers' auto classes, which import torch (the
-router would carry ~300 MB of it for nothing)."""
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    """The checkpoint's tokenizer, as the engines load it (`AutoTokenizer`), but without torch
-    where the checkpoint names the generic fast class."""
-    config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class PromptTokenizer:
     """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
 
@@ -69,7 +50,7 @@ class PromptTokenizer:
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         model_dir = resolve_tokenizer(model)
-        copies = [load_tokenizer(model_dir) for _ in range(pool_size)]
+        copies = [load_tokenizer_from(model_dir) for _ in range(pool_size)]
         template = load_chat_template(chat_template)
         if template is not None:
             for copy in copies:

@@ -5,9 +5,11 @@ tensor; the serving process keeps the control plane (`kvstore/transfer/`: leases
 gRPC, metrics, traces) and never touches KV bytes. Modules: `blocks.py` (block runs, copies,
 per-block checksums), `config.py`, `source.py` (what a load is told), `cache_file.py` (a CPU
 cache a peer core on the host can map) and `cuda_ipc.py` (its GPU form), `exports.py` (what
-the core lends), `grant_mac.py` (the serving process's word that a pull was granted), one
-module per transport (`shm_peer.py`, `tcp_blocks.py`, `dist_blocks.py`), and `connector.py`,
-the core's façade.
+the core lends; `export_info.py`, what the serving process publishes of it), `grant_mac.py`
+(the serving process's word that a pull was granted), one module per transport
+(`shm_peer.py`, `tcp_blocks.py`, `dist_blocks.py`), and `connector.py`, the core's façade.
+The serving process imports only the torch-free ones (`config.py`, `source.py`,
+`export_info.py`, `grant_mac.py`).
 
 The package imports nothing itself: import from its modules.
 """

@@ -25,13 +25,13 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import msgspec
 import torch
 
 from pdmesh.kvstore.connector.blocks import block_checksums, default_block_algo, on_device_of
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
+from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource, check_params
@@ -43,13 +43,6 @@ from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
 logger = logging.getLogger(__name__)
 
 LOAD_THREADS = 2  # concurrent pulls per core (each may use several TCP connections)
-
-
-class ExportInfo(msgspec.Struct):
-    """What the serving process publishes about an export beside the core's fixed facts."""
-
-    block_checksums: list[int]
-    checksum_algo: str
 
 
 class KVConnector:

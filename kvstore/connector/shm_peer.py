@@ -14,25 +14,16 @@ import torch
 from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks
 from pdmesh.kvstore.connector.cache_file import PeerCaches
 from pdmesh.kvstore.connector.cuda_ipc import PeerDeviceCaches
-from pdmesh.kvstore.connector.source import KVSource, check_params
+from pdmesh.kvstore.connector.source import (  # noqa: F401 - encode_blocks: its old home
+    KVSource,
+    check_params,
+    decode_blocks,
+    encode_blocks,
+)
 from pdmesh.kvstore.transfer.errors import KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
 
 PARAMS = ("cache", "num_blocks", "blocks")
-
-
-def encode_blocks(block_ids: tuple[int, ...] | list[int]) -> str:
-    return ",".join(str(b) for b in block_ids)
-
-
-def decode_blocks(text: str, num_cache_blocks: int) -> list[int]:
-    try:
-        ids = [int(b) for b in text.split(",")] if text else []
-    except ValueError:
-        raise KVWireError("shm source: block ids are not integers") from None
-    if any(not 0 <= b < num_cache_blocks for b in ids):
-        raise KVWireError(f"shm source: a block id outside the peer's {num_cache_blocks} blocks")
-    return ids
 
 
 class ShmPeerTransport:

@@ -44,3 +44,19 @@ def check_params(params: dict[str, str], names: tuple[str, ...]) -> None:
     missing = [n for n in names if not params.get(n)]
     if missing:
         raise KVWireError(f"KV source parameters missing: {', '.join(missing)}")
+
+
+def encode_blocks(block_ids: tuple[int, ...] | list[int]) -> str:
+    """An shm source's block ids as its `blocks` parameter."""
+    return ",".join(str(b) for b in block_ids)
+
+
+def decode_blocks(text: str, num_cache_blocks: int) -> list[int]:
+    """An shm source's `blocks` parameter, each id checked against the peer's cache."""
+    try:
+        ids = [int(b) for b in text.split(",")] if text else []
+    except ValueError:
+        raise KVWireError("shm source: block ids are not integers") from None
+    if any(not 0 <= b < num_cache_blocks for b in ids):
+        raise KVWireError(f"shm source: a block id outside the peer's {num_cache_blocks} blocks")
+    return ids

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import enum
 import zlib
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.kvstore.transfer.errors import KVHandleError
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import xxhash
@@ -68,6 +70,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         raise ValueError("byte views need a CPU tensor")
     if not tensor.is_contiguous():
         raise ValueError("byte views need a contiguous tensor")
+    import torch  # loaded already: the caller holds a tensor
+
     flat = tensor.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 

@@ -16,9 +16,8 @@ from pdmesh.kvstore.transfer.backend_names import BACKEND_NAMES
 from pdmesh.kvstore.transfer.checksum import PAYLOAD_ALGOS, ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.errors import KVHandleError
 from pdmesh.kvstore.transfer.layout import (
-    DTYPE_CODES,
-    DTYPES_BY_CODE,
-    DTYPES_BY_NAME,
+    DTYPE_CODES_BY_NAME,
+    DTYPE_NAMES_BY_CODE,
     KVLayout,
 )
 from pdmesh.v1 import kv_transfer_pb2 as pb
@@ -99,7 +98,7 @@ class KVHandle:
                 block_size=lay.block_size,
                 num_kv_heads=lay.num_kv_heads,
                 head_dim=lay.head_dim,
-                dtype=DTYPE_CODES[lay.dtype],
+                dtype=lay.dtype_code,
                 num_tokens=lay.num_tokens,
             ),
             checksum_algo=str(self.checksum_algo),
@@ -110,7 +109,7 @@ class KVHandle:
     @classmethod
     def from_proto(cls, msg: pb.KVHandle) -> KVHandle:
         lay = msg.layout
-        if lay.dtype not in DTYPES_BY_CODE:
+        if lay.dtype not in DTYPE_NAMES_BY_CODE:
             raise KVHandleError(f"unsupported dtype code {lay.dtype}")
         layout = KVLayout(
             num_layers=lay.num_layers,
@@ -118,7 +117,7 @@ class KVHandle:
             block_size=lay.block_size,
             num_kv_heads=lay.num_kv_heads,
             head_dim=lay.head_dim,
-            dtype=DTYPES_BY_CODE[lay.dtype],
+            dtype=DTYPE_NAMES_BY_CODE[lay.dtype],
             num_tokens=lay.num_tokens,
         )
         return cls(
@@ -165,7 +164,7 @@ class KVHandle:
         try:
             lay = data["layout"]
             dtype_name = lay["dtype"]
-            if dtype_name not in DTYPES_BY_NAME:
+            if dtype_name not in DTYPE_CODES_BY_NAME:
                 raise KVHandleError(f"unsupported dtype {dtype_name!r}")
             layout = KVLayout(
                 num_layers=_int(lay["num_layers"]),
@@ -173,7 +172,7 @@ class KVHandle:
                 block_size=_int(lay["block_size"]),
                 num_kv_heads=_int(lay["num_kv_heads"]),
                 head_dim=_int(lay["head_dim"]),
-                dtype=DTYPES_BY_NAME[dtype_name],
+                dtype=dtype_name,
                 num_tokens=_int(lay["num_tokens"]),
             )
             backends = data["backends"]

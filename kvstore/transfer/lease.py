@@ -21,8 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.kvstore.transfer.errors import (
     KVTransferCancelled,
@@ -34,6 +33,9 @@ from pdmesh.kvstore.transfer.errors import (
 )
 from pdmesh.kvstore.transfer.handle import KVHandle, log_id
 from pdmesh.kvstore.transfer.state import TERMINAL_STATE_FOR, ReleaseReason, TransferState
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -29,10 +29,9 @@ import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from pdmesh.auth import ClusterToken, client_interceptors
 from pdmesh.grpc_common import TLSConfig
@@ -70,6 +69,9 @@ from pdmesh.tracing import (
     mark_error,
     span_traceparent,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from pdmesh import grpc_common
 from pdmesh.auth import ClusterToken, server_interceptors
@@ -44,9 +44,8 @@ from pdmesh.kvstore.transfer.backends import (
     DataPlaneServer,
     make_server,
 )
-from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
+from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR, format_host
 from pdmesh.kvstore.transfer.backends.hostid import host_key
-from pdmesh.kvstore.transfer.backends.tcp import format_host
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, tensor_checksum
 from pdmesh.kvstore.transfer.control import KVTransferService, channel_options
 from pdmesh.kvstore.transfer.errors import KVTransferError
@@ -66,6 +65,9 @@ from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
 from pdmesh.tracing import Span, SpanKind, context_from_traceparent, get_tracer, mark_error
 from pdmesh.v1 import kv_transfer_pb2 as pb
 from pdmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

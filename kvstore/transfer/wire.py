@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.kvstore.transfer.checksum import (
     ALGO_CODES,
@@ -34,7 +33,10 @@ from pdmesh.kvstore.transfer.checksum import (
 )
 from pdmesh.kvstore.transfer.errors import KVChecksumError, KVHandleError, KVWireError
 from pdmesh.kvstore.transfer.handle import MAX_ID_BYTES, KVHandle
-from pdmesh.kvstore.transfer.layout import DTYPES_BY_CODE, KVLayout
+from pdmesh.kvstore.transfer.layout import DTYPE_NAMES_BY_CODE, KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -101,7 +103,7 @@ def decode_header(data: bytes | memoryview) -> WireHeader:
     ) = _FIXED.unpack_from(data)
     if flags != 0:
         raise KVWireError(f"unknown header flags {flags:#x}")
-    if dtype_code not in DTYPES_BY_CODE:
+    if dtype_code not in DTYPE_NAMES_BY_CODE:
         raise KVWireError(f"dtype code {dtype_code} not in the whitelist")
     if algo_code not in ALGOS_BY_CODE:
         raise KVWireError(f"unknown checksum algorithm code {algo_code}")
@@ -109,7 +111,7 @@ def decode_header(data: bytes | memoryview) -> WireHeader:
         raise KVWireError("id lengths disagree with the header length")
     try:
         layout = KVLayout(layers, blocks, block_size, heads, head_dim,
-                          DTYPES_BY_CODE[dtype_code], num_tokens)
+                          DTYPE_NAMES_BY_CODE[dtype_code], num_tokens)
     except KVHandleError as exc:
         raise KVWireError(f"invalid layout in header: {exc}") from None
     if payload_len != layout.nbytes:

@@ -11,6 +11,8 @@ no KV byte themselves:
   process shares with its core (`connector/grant_mac.py`), bound to the one-time grant;
 * `torch_dist` (NCCL between GPUs, gloo on CPU): the same, the bytes then going over a
   process group the two cores form for the pull (`connector/dist_blocks.py`).
+
+Torch-free: the serving process imports this module, and its core moves the bytes.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import os
 import threading
 from dataclasses import dataclass
 
-from pdmesh.kvstore.connector import dist_blocks, grant_mac
-from pdmesh.kvstore.connector.shm_peer import encode_blocks
+from pdmesh.kvstore.connector import grant_mac
+from pdmesh.kvstore.connector.source import encode_blocks
+from pdmesh.kvstore.transfer.backends.availability import dist_available
 from pdmesh.kvstore.transfer.backends.base import DataPlaneServer
 from pdmesh.kvstore.transfer.backends.hostid import HostChallenge
-from pdmesh.kvstore.transfer.backends.shm import sweep_stale
 from pdmesh.kvstore.transfer.errors import KVTransferError, KVTransferNotFound
 from pdmesh.kvstore.transfer.lease import Grant
+from pdmesh.leftovers import sweep_kv_segments
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ def core_backends(cache_file: str, block_server: str, cache_ipc: str = "") -> tu
     names = ["shm"] if cache_file or cache_ipc else []
     if block_server:
         names.append("tcp")
-        if dist_blocks.available():
+        if dist_available():
             names.append("torch_dist")
     return tuple(names)
 
@@ -84,7 +87,7 @@ class CacheFilePlane(DataPlaneServer):
         directory = os.path.realpath(shm_dir)
         if not os.path.isdir(directory):
             raise KVTransferError(f"shm directory {directory} does not exist")
-        sweep_stale(directory)  # cache files and segments of dead services
+        sweep_kv_segments(directory)  # cache files and segments of dead services
         self.challenge = HostChallenge(directory)
 
     def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:

@@ -36,7 +36,7 @@ def test_the_router_runs_without_torch() -> None:
 def test_its_tokenizer_encodes_as_the_engines_do(model_dir) -> None:
     from transformers import AutoTokenizer
 
-    from pdmesh.router.prompt_tokenizer import load_tokenizer
+    from pdmesh.engine.tokenizing import load_tokenizer_from as load_tokenizer
 
     ours, engines = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
     for text in ("The capital of France is", " leading space", "emoji 🎉 and CJK 漢字",

@@ -1,14 +1,18 @@
 """Data-plane backends, imported lazily so optional libraries (ucxx) stay optional.
 
-Each module defines `Server`, `Client` and `unavailable_reason() -> str | None`.
+Each module defines `Server`, `Client` and `unavailable_reason() -> str | None`. Which ones
+can be used is answered without importing them (`availability.py`: they import torch, which
+an engine service whose core moves KV itself never loads).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from concurrent.futures import Executor
 from types import ModuleType
 
+from pdmesh.kvstore.transfer.backends.availability import REASONS
 from pdmesh.kvstore.transfer.backends.base import (
     DataPlaneClient,
     DataPlaneConfig,
@@ -29,10 +33,30 @@ _MODULES = {
 }
 
 
+_torch_threads: int | None = None
+
+
+def limit_torch_threads(count: int) -> None:
+    """This process's torch runs `count` threads: now if loaded, else once a plane loads it.
+
+    A serving process whose core moves KV loads torch only with a staged plane; its torch
+    must not start a spinning thread per CPU beside the core's (engine/cpu_threads.py)."""
+    global _torch_threads
+    _torch_threads = count
+    _apply_torch_threads()
+
+
+def _apply_torch_threads() -> None:
+    torch = sys.modules.get("torch")
+    if _torch_threads is not None and torch is not None:
+        torch.set_num_threads(_torch_threads)
+
+
 def _module(name: str) -> ModuleType:
     if name not in _MODULES:
         raise KVBackendUnavailable(f"unknown KV transfer backend {name!r}")
     module = importlib.import_module(_MODULES[name])
+    _apply_torch_threads()
     reason = module.unavailable_reason()
     if reason is not None:
         raise KVBackendUnavailable(f"backend {name!r} unavailable: {reason}")
@@ -40,12 +64,11 @@ def _module(name: str) -> ModuleType:
 
 
 def unavailable_reason(name: str) -> str | None:
-    """None if `name` can be used in this process, else why not."""
-    try:
-        _module(name)
-    except KVBackendUnavailable as exc:
-        return str(exc)
-    return None
+    """None if `name` can be used in this process, else why not (without importing it)."""
+    if name not in _MODULES:
+        return f"unknown KV transfer backend {name!r}"
+    reason = REASONS[name]()
+    return None if reason is None else f"backend {name!r} unavailable: {reason}"
 
 
 def available_backends() -> tuple[str, ...]:
@@ -68,6 +91,7 @@ __all__ = [
     "DataPlaneConfig",
     "DataPlaneServer",
     "available_backends",
+    "limit_torch_threads",
     "make_client",
     "make_server",
     "unavailable_reason",

@@ -26,15 +26,16 @@ import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVTransferTimeout
 from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.lease import Grant, LeaseTable
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +139,8 @@ async def run_blocking(
         if isinstance(exc, asyncio.CancelledError):
             raise
         raise KVTransferTimeout(f"{what}: deadline exceeded") from None
+
+
+def format_host(host: str) -> str:
+    """`host` as the host part of `host:port` (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

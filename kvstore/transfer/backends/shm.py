@@ -28,6 +28,7 @@ from collections.abc import Collection, Mapping
 import numpy as np
 import torch
 
+from pdmesh.kvstore.transfer.backends.availability import shm_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import (
     DEFAULT_SHM_DIR,
     DataPlaneClient,
@@ -62,8 +63,7 @@ _CHUNK = 64 << 20  # copy in slices so an abort or a deadline is noticed between
 _ROUND = 1 << 20  # segment capacities are whole MiB, so similar sizes can share a segment
 
 
-def unavailable_reason() -> str | None:
-    return None if hasattr(mmap, "MAP_POPULATE") else "needs Linux mmap (MAP_POPULATE)"
+unavailable_reason = shm_unavailable_reason
 
 
 class _Segment:

@@ -26,10 +26,12 @@ from concurrent.futures import Executor
 
 import torch
 
+from pdmesh.kvstore.transfer.backends.availability import tcp_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import (
     DataPlaneClient,
     DataPlaneConfig,
     DataPlaneServer,
+    format_host,  # noqa: F401 - its old home
     run_blocking,
 )
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
@@ -58,12 +60,7 @@ _REQUEST_MAGIC = b"PDKQ"
 _MAX_ID = 64
 
 
-def unavailable_reason() -> str | None:
-    return None
-
-
-def format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+unavailable_reason = tcp_unavailable_reason
 
 
 class Server(DataPlaneServer):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from pdmesh.kvstore.connector.dist_blocks import process_group
+from pdmesh.kvstore.transfer.backends.availability import torch_dist_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer, run_blocking
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -37,12 +38,7 @@ _TAG = 0
 _STORE_TIMEOUT_S = 3.0
 
 
-def unavailable_reason() -> str | None:
-    if not torch.distributed.is_available():
-        return "torch.distributed is not built in"
-    if not torch.distributed.is_gloo_available():
-        return "torch.distributed has no gloo backend"
-    return None
+unavailable_reason = torch_dist_unavailable_reason
 
 
 def _timeout(seconds: float) -> datetime.timedelta:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import logging
 import os
 import struct
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdmesh.kvstore.transfer.backends.availability import ucxx_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -47,15 +47,7 @@ _REQUEST_MAGIC = b"PDKU"
 _LENGTH = struct.Struct("<Q")
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    if importlib.util.find_spec("ucxx") is None:
-        return "the 'ucxx' package (ucxx-cu12/ucxx-cu13) is not installed"
-    try:
-        import ucxx  # noqa: F401 - only checks that the native libraries load
-    except Exception as exc:  # a broken native install should disable, not crash
-        return f"importing ucxx failed: {exc}"
-    return None
+unavailable_reason = ucxx_unavailable_reason
 
 
 @functools.cache
