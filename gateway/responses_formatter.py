@@ -17,6 +17,16 @@ whole response, its items as streamed, and its usage (status "incomplete" when
 max_output_tokens cut it, as vLLM reports it). A failure after the stream started is an
 `error` event. No `[DONE]` (neither OpenAI nor vLLM sends one here).
 
+With `include: ["message.output_text.logprobs"]` the output text part's `logprobs` lists each
+output token (token, logprob, UTF-8 bytes and its `top_logprobs` alternatives; a logprob is
+at least -9999, as vLLM clamps it). Whole, the message lists every output token, as vLLM's
+does; streamed, each response.output_text.delta carries the tokens that brought its text (in
+the delta shape: no bytes), a token whose text was held back riding with the next delta, and
+the closed part lists them all (those of tokens with no text of their own last, so a stream
+without tools ends with the whole answer's list); function calls carry none, as in vLLM.
+response.output_text.done's `logprobs` stays [] (vLLM's). Not asked for, `logprobs` is null
+on the part and [] on the events, as before.
+
 The generation flow (gateway/streaming.py) frames what a formatter streams as chat-style
 chunks with `data:` lines only; `ResponsesFormatter.events` re-frames them: the formatter's
 events come back out of their chunks with their `event:` line and number, the markers for the
@@ -47,8 +57,10 @@ from pdmesh.gateway.responses_schemas import (
     IncompleteDetails,
     OutputFunctionCall,
     OutputItem,
+    OutputLogprob,
     OutputMessage,
     OutputText,
+    OutputTopLogprob,
     ResponsesRequest,
     ResponsesResponse,
     ResponseStatus,
@@ -63,6 +75,23 @@ from pdmesh.v1 import common_pb2
 
 _SNAPSHOTS = ("response.created", "response.in_progress")
 """Events that carry the response so far, filled in from the head when re-framed."""
+
+MIN_LOGPROB = -9999.0
+"""vLLM's floor for a Responses logprob (-inf is no JSON number)."""
+
+
+def output_logprobs(entries: list[common_pb2.TokenLogprob], k: int) -> list[OutputLogprob]:
+    """The router's per-token logprobs as the output text part lists them, `k` alternatives
+    each (the same tokens and values chat's `logprobs.content` gives)."""
+    return [OutputLogprob(
+        token=lp.text, logprob=max(lp.logprob, MIN_LOGPROB), bytes=_utf8(lp.text),
+        top_logprobs=[OutputTopLogprob(token=c.text, logprob=max(c.logprob, MIN_LOGPROB),
+                                       bytes=_utf8(c.text)) for c in lp.top[:k]],
+    ) for lp in entries]
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
 
 
 def status_of(finish: common_pb2.Finish | None) -> ResponseStatus:
@@ -89,6 +118,8 @@ class ResponsesFormatter:
     _text: str = ""  # ... its text or arguments so far
     _done: list[OutputItem] = field(default_factory=list)  # ... the items closed, in order
     _messages: int = 0  # ... message items opened
+    _logprobs: list[OutputLogprob] = field(default_factory=list)  # ... the open message's
+    _pending: list[common_pb2.TokenLogprob] = field(default_factory=list)  # ... not yet sent
     _status: ResponseStatus = "in_progress"
 
     def __post_init__(self) -> None:
@@ -103,18 +134,21 @@ class ResponsesFormatter:
 
     def whole(self, head: ResponseHead, outputs: Outputs) -> ResponsesResponse:
         seq = outputs.sequences.get(0, SequenceState())
-        return self.response(head, status_of(seq.finish), self._items(seq.text),
+        k = self.request.output_logprobs()
+        logprobs = (output_logprobs(seq.logprobs, k) or None) if k is not None else None
+        return self.response(head, status_of(seq.finish), self._items(seq.text, logprobs),
                              ResponseUsage.of(outputs.usage))
 
-    def _items(self, text: str) -> list[OutputItem]:
-        """The output items of a whole text: the message, then the calls read out of it; with
-        a tool reader the message only when there is content besides the calls (vLLM's)."""
+    def _items(self, text: str, logprobs: list[OutputLogprob] | None) -> list[OutputItem]:
+        """The output items of a whole text: the message (with every token's `logprobs`, as
+        vLLM's), then the calls read out of it; with a tool reader the message only when
+        there is content besides the calls (vLLM's)."""
         reader = self.tools.stream() if self.tools is not None else None
         if reader is None:
-            return [_message(self.message_id(), text, "completed")]
+            return [_message(self.message_id(), text, "completed", logprobs)]
         content, calls = collect(reader, [text])
-        items: list[OutputItem] = [_message(self.message_id(), content, "completed")] \
-            if content else []
+        items: list[OutputItem] = [_message(self.message_id(), content, "completed",
+                                            logprobs)] if content else []
         return [*items, *(OutputFunctionCall(id=self.call_item_id(n), call_id=c.id,
                                              name=c.name, arguments=c.arguments,
                                              status="completed")
@@ -135,6 +169,7 @@ class ResponsesFormatter:
             instructions=req.instructions, metadata=req.metadata, user=req.user,
             temperature=req.temperature, top_p=req.top_p,
             max_output_tokens=req.max_output_tokens, text=fmt, usage=usage,
+            top_logprobs=req.output_logprobs(),
             tools=[t.model_dump(mode="json") for t in req.tools],
             tool_choice=choice if isinstance(choice, str) else choice.model_dump(mode="json"),
             parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -155,6 +190,8 @@ class ResponsesFormatter:
     def delta(self, index: int, delta: common_pb2.SequenceDelta) -> StreamedDelta:
         failed = sequence_failed(delta)
         ends = delta.HasField("finish") and not failed
+        if self.request.output_logprobs() is not None:
+            self._pending += delta.logprobs
         if self._reader is None:
             reads = [StreamEvents(content=delta.text)]
         else:
@@ -179,6 +216,7 @@ class ResponsesFormatter:
         self._item = _message(self.message_id(self._messages), "", "in_progress")
         self._messages += 1
         self._text = ""
+        self._logprobs = []
         part = OutputText(text="", logprobs=[]).model_dump(mode="json")
         return [
             {"type": "response.output_item.added", "output_index": self._output_index(),
@@ -193,14 +231,31 @@ class ResponsesFormatter:
             [*self._close(), *self._open_message()]
         assert self._item is not None
         self._text += text
+        logprobs = self._take_logprobs()
         return [*events, {"type": "response.output_text.delta", "item_id": self._item.id,
                           "output_index": self._output_index(), "content_index": 0,
-                          "delta": text, "logprobs": []}]
+                          "delta": text, "logprobs": [lp.streamed() for lp in logprobs]}]
+
+    def _take_logprobs(self) -> list[OutputLogprob]:
+        """The tokens not yet sent, now part of the open message's list (none when not
+        asked for)."""
+        k = self.request.output_logprobs()
+        if k is None or not self._pending:
+            return []
+        taken = output_logprobs(self._pending, k)
+        self._pending = []
+        self._logprobs += taken
+        return taken
+
+    def _part_logprobs(self) -> list[OutputLogprob] | None:
+        """The open message's list for its part: null when not asked for or empty (vLLM's)."""
+        return self._logprobs or None
 
     def _call(self, call: ToolCallDelta) -> list[Choice]:
         """A tool-call delta: a new call (its id and name) closes the item before and opens
         its own; later ones are pieces of its arguments."""
         events: list[Choice] = []
+        self._pending = []  # a call's tokens: no logprobs (vLLM's)
         if call.id is not None:
             events += self._close()
             self._item = OutputFunctionCall(
@@ -230,14 +285,16 @@ class ResponsesFormatter:
                 {"type": "response.function_call_arguments.done", "item_id": item.id,
                  "output_index": index, "name": item.name, "arguments": self._text}]
         else:
-            done = _message(item.id, self._text, "completed")
+            self._take_logprobs()  # tokens without text of their own (the last, say)
+            done = _message(item.id, self._text, "completed", self._part_logprobs())
+            part = OutputText(text=self._text, logprobs=self._part_logprobs())
             events = [
                 {"type": "response.output_text.done", "item_id": item.id,
                  "output_index": index, "content_index": 0, "text": self._text,
                  "logprobs": []},
                 {"type": "response.content_part.done", "item_id": item.id,
                  "output_index": index, "content_index": 0,
-                 "part": OutputText(text=self._text).model_dump(mode="json")}]
+                 "part": part.model_dump(mode="json")}]
         self._done.append(done)
         return [*events, {"type": "response.output_item.done", "output_index": index,
                           "item": done.model_dump(mode="json")}]
@@ -248,7 +305,7 @@ class ResponsesFormatter:
         if isinstance(item, OutputFunctionCall):
             item = item.model_copy(update={"arguments": self._text})
         elif item is not None:
-            item = _message(item.id, self._text, "in_progress")
+            item = _message(item.id, self._text, "in_progress", self._part_logprobs())
         return [*self._done, *([item] if item is not None else [])]
 
     async def events(self, chunks: AsyncIterable[str | bytes]) -> AsyncIterator[str]:
@@ -288,9 +345,10 @@ class ResponsesFormatter:
         return events
 
 
-def _message(item_id: str, text: str, status: ResponseStatus) -> OutputMessage:
+def _message(item_id: str, text: str, status: ResponseStatus,
+             logprobs: list[OutputLogprob] | None = None) -> OutputMessage:
     return OutputMessage(id=item_id, status=status,
-                         content=[OutputText(text=text)] if text else [])
+                         content=[OutputText(text=text, logprobs=logprobs)] if text else [])
 
 
 def sse_typed_event(event: dict[str, Any]) -> str:

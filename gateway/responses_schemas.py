@@ -9,10 +9,13 @@ tool call (merged into the assistant message before it, as vLLM does), a
 `function_call_output` item is a `tool` message, the flat function tools are chat's nested
 ones, `text.format` is chat's `response_format`, and vLLM's sampling extensions pass through
 under the same names, so templates, tool calling (gateway/tools.py), structured outputs and
-every sampling check are chat's. Nothing is stored (vLLM's default, without
-VLLM_ENABLE_RESPONSES_API_STORE): `store` is accepted and has no effect, as in vLLM;
-`previous_response_id` and `background`, which need a store, are 400s naming the field.
-Fields vLLM serves beyond this subset (reasoning, `include` logprobs) are ignored and named in
+every sampling check are chat's. `include: ["message.output_text.logprobs"]` with
+`top_logprobs` is chat's `logprobs: true, top_logprobs: N` (so N is checked as chat's is),
+answered in the output text part's `logprobs`; the other `include` values vLLM lists are
+accepted and have no effect here, as in vLLM without its built-in tools. Nothing is stored
+(vLLM's default, without VLLM_ENABLE_RESPONSES_API_STORE): `store` is accepted and has no
+effect, as in vLLM; `previous_response_id` and `background`, which need a store, are 400s
+naming the field. Fields vLLM serves beyond this subset (reasoning) are ignored and named in
 X-Ignored-Fields, or refused where ignoring them would change the answer (tools other than
 functions, other input item kinds).
 """
@@ -112,6 +115,17 @@ INPUT_ITEMS: dict[str, type[RequestModel]] = {
 
 TEXT_PARTS = (None, "input_text", "output_text")
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+"""The `include` value that asks for the output text's logprobs."""
+
+Include = Literal[
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+]
+"""The `include` values vLLM accepts (any other is a 400, as there); only OUTPUT_LOGPROBS
+changes an answer pdmesh gives (the others name outputs of tools or inputs it does not serve)."""
+
 
 class FunctionTool(FunctionDefinition):
     """A function the model may call, in the Responses API's flat shape (chat nests the same
@@ -197,6 +211,10 @@ class ResponsesRequest(RequestModel):
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's)
     parallel_tool_calls: bool | None = True
+    include: list[Include] | None = None
+    # Alternatives per output token with OUTPUT_LOGPROBS (null: 0, as vLLM reads it); checked
+    # as chat's `top_logprobs` only then, since vLLM ignores it otherwise.
+    top_logprobs: int | None = None
     # vLLM's extensions, as on chat completions.
     top_k: Annotated[int, wire_int(_SP, "top_k")] = 0
     min_p: float = 0.0
@@ -295,6 +313,18 @@ class ResponsesRequest(RequestModel):
             raise ValueError("cannot be set together with text.format")
         return value
 
+    def output_logprobs(self) -> int | None:
+        """How many alternatives per output token to answer with (0: the token's own logprob
+        only); None when the output's logprobs are not asked for (`include`)."""
+        if self.include is None or OUTPUT_LOGPROBS not in self.include:
+            return None
+        return self.top_logprobs or 0
+
+    def chat_logprobs(self) -> dict[str, Any]:
+        """Chat's `logprobs` and `top_logprobs` for this request's `include`."""
+        k = self.output_logprobs()
+        return {} if k is None else {"logprobs": True, "top_logprobs": k}
+
     def chat_response_format(self) -> dict[str, Any] | None:
         fmt = self.text.format if self.text is not None else None
         return fmt.to_response_format() if fmt is not None else None
@@ -345,7 +375,8 @@ class ResponsesRequest(RequestModel):
         body = self.model_dump(include=PASSED_TO_CHAT, exclude_unset=True, by_alias=True)
         body.update(messages=self.chat_messages(),
                     max_completion_tokens=self.max_output_tokens,
-                    response_format=self.chat_response_format(), **self.chat_tools())
+                    response_format=self.chat_response_format(), **self.chat_tools(),
+                    **self.chat_logprobs())
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:  # the checks chat makes beyond ours
@@ -380,11 +411,34 @@ def in_responses_terms(error: GatewayError, request: ResponsesRequest) -> Gatewa
 
 
 # -- responses -------------------------------------------------------------------------------------
+class OutputTopLogprob(BaseModel):
+    """One of the most likely tokens at an output position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's UTF-8
+
+
+class OutputLogprob(BaseModel):
+    """One output token's logprob and, with `top_logprobs`, the most likely tokens there."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[OutputTopLogprob] = Field(default_factory=list)
+
+    def streamed(self) -> dict[str, Any]:
+        """As a delta event carries it: without the bytes (the API's delta logprob shape)."""
+        return {"token": self.token, "logprob": self.logprob,
+                "top_logprobs": [{"token": t.token, "logprob": t.logprob}
+                                 for t in self.top_logprobs]}
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] | None = None
+    logprobs: list[OutputLogprob] | None = None  # None: not asked for (`include`)
 
 
 class OutputMessage(BaseModel):
@@ -463,6 +517,7 @@ class ResponsesResponse(BaseModel):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's)
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
+    top_logprobs: int | None = None  # what was answered with (`include`); None: no logprobs
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
     service_tier: Literal["auto"] = "auto"

@@ -89,8 +89,9 @@ def responses_plan(
     body: ResponsesRequest, request_id: str, tool_settings: ToolSettings
 ) -> GenerationPlan:
     """A /v1/responses request as the chat completion it amounts to (its messages as a `Chat`
-    prompt, its function tools planned as chat's are), answered by the responses formatter; a
-    stream always ends with the usage (response.completed carries it)."""
+    prompt, its function tools planned as chat's are, its `include`d output logprobs as chat's
+    `logprobs`), answered by the responses formatter; a stream always ends with the usage
+    (response.completed carries it)."""
     chat = body.to_chat()
     tools = _responses_tools(chat, tool_settings)
     request = (chat.to_generate(request_id) if tools is None else

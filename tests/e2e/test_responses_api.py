@@ -8,7 +8,8 @@ as tests/e2e/test_tool_calling.py starts its own (`--chat-template hermes
 constrain the output as chat's `response_format` does, and a named function or `"required"`
 must come back as a function_call item whose arguments follow the function's parameters (the
 structured output forces them: the model's judgement is never tested), after which the call and
-its output sent back as input items get a message.
+its output sent back as input items get a message. Output logprobs (`include`) list one entry
+per output token, the tokens chat's `logprobs.content` lists, whole and streamed.
 """
 
 from __future__ import annotations
@@ -182,3 +183,40 @@ def test_required_function_call_streamed(client: openai.OpenAI) -> None:
     assert call.type == "function_call" and call.id == added.id
     assert call.call_id == added.call_id and call.arguments == arguments
     jsonschema.validate(json.loads(arguments), PARAMS[call.name])
+
+
+def test_output_logprobs_are_chats_tokens(client: openai.OpenAI) -> None:
+    """One entry per output token with `top_logprobs` alternatives each, spelling the output
+    text, the same tokens and logprobs chat's `logprobs.content` gives; streamed, the deltas
+    carry them in order."""
+    tokens = 5  # the length limit ends it: every token has text
+    asked: dict[str, Any] = {"model": MODEL, "instructions": INSTRUCTIONS, "input": QUESTION,
+                             "max_output_tokens": tokens, "temperature": 0,
+                             "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = client.responses.create(**asked)
+    (message,) = response.output
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    assert response.usage is not None and len(part.logprobs) == response.usage.output_tokens
+    assert len(part.logprobs) == tokens and response.top_logprobs == 2
+    assert all(len(lp.top_logprobs) == 2 and lp.bytes == list(lp.token.encode())
+               for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == response.output_text
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=tokens, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "system", "content": INSTRUCTIONS},
+                  {"role": "user", "content": QUESTION}])
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None
+    assert [t.token for t in content] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx(
+        [t.logprob for t in content], abs=1e-3)
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert all(len(lp.top_logprobs or []) == 2 for lp in streamed)
+    final = events[-1].response  # type: ignore[union-attr]
+    final_logprobs = final.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert [lp.token for lp in final_logprobs] == [lp.token for lp in part.logprobs]

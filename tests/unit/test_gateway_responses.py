@@ -219,11 +219,14 @@ def test_what_is_not_served_is_a_400_naming_it(http: TestClient, router: StandIn
      "text.format.schema"),
     ("sampling.max_tokens: max_tokens must be at most 100", "max_output_tokens"),
     ("sampling.top_k: top_k must be -1, 0 or positive", "top_k"),
+    ("sampling.logprobs: logprobs must be in [0, 20], got 19", "top_logprobs"),
 ])
 def test_router_refusals_name_this_bodys_fields(http: TestClient, router: StandInRouter,
                                                 refusal: str, param: str) -> None:
     router.script = refusal
     body = {"input": "x", "max_output_tokens": 500, "top_k": -5,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 19,  # the router's
+            # word (a scripted refusal): over --max-logprobs the gateway refuses it first
             "text": {"format": {"type": "json_schema", "name": "n", "schema": PERSON}}}
     for stream in (False, True):  # refused before a stream starts: a status, not an event
         resp = http.post("/v1/responses", json={**body, "stream": stream})
@@ -526,3 +529,183 @@ def test_the_openai_client_reads_function_calls(http: TestClient, router: StandI
     final = events[-1].response
     assert final.output[0].type == "function_call"
     assert final.output[0].arguments == '{"city": "Paris"}'
+
+
+# -- output logprobs -------------------------------------------------------------------------------
+LOGPROBS: list[Any] = ["message.output_text.logprobs"]
+
+
+def _lp(text: str, logprob: float, *top: tuple[str, float]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=7, logprob=logprob, rank=1, text=text, top=[
+        common_pb2.TokenLogprob.Candidate(token_id=8, logprob=lp, text=t) for t, lp in top])
+
+
+def _delta_lp(text: str, *logprobs: common_pb2.TokenLogprob,
+              finish: int | None = None) -> router_pb2.GenerateResponse:
+    message = _delta(text, finish)
+    del message.delta.token_ids[:]
+    message.delta.token_ids.extend([7] * len(logprobs))
+    message.delta.logprobs.extend(logprobs)
+    return message
+
+
+HEL = _lp("Hel", -0.5, ("Hel", -0.5), ("He", -1.0))
+LO = _lp("lo", -0.25, ("lo", -0.25), ("l", -2.0))
+HALF = _lp("\ufffd", -1.5, ("\ufffd", -1.5), ("x", -3.0))  # a character's first bytes: no text yet
+EURO = _lp("\u20ac", -0.125, ("\u20ac", -0.125), ("e", -float("inf")))
+END = _lp("", -0.0625, ("", -0.0625), ("!", -4.0))  # the end token: no text of its own
+WITH_LOGPROBS = [_delta_lp("Hel", HEL), _delta_lp("lo", LO), _delta_lp("", HALF),
+                 _delta_lp("\u20ac", EURO),
+                 _delta_lp("", END, finish=common_pb2.FINISH_REASON_STOP), _result(9, 5)]
+"""Five tokens: one held back (a partial character) until the next brings its text, and the
+last with no text at all."""
+
+
+def _entry(lp: common_pb2.TokenLogprob, k: int = 2) -> dict[str, Any]:
+    """The output text part's entry for `lp` (vLLM's shape; -inf floored at -9999)."""
+    return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode()),
+            "top_logprobs": [{"token": c.text, "logprob": max(c.logprob, -9999.0),
+                              "bytes": list(c.text.encode())} for c in lp.top[:k]]}
+
+
+def _streamed(lp: common_pb2.TokenLogprob) -> dict[str, Any]:
+    """The delta event's entry for `lp`: no bytes."""
+    entry = _entry(lp)
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                             for t in entry["top_logprobs"]]}
+
+
+@pytest.mark.parametrize(("asked", "k"), [
+    ({"include": LOGPROBS, "top_logprobs": 2}, 2),
+    ({"include": LOGPROBS}, 0),  # the sampled token's own logprob only
+    ({"include": LOGPROBS, "top_logprobs": None}, 0),  # null is 0 (vLLM's)
+    ({"include": ["reasoning.encrypted_content", *LOGPROBS], "top_logprobs": 20}, 20),
+    ({"top_logprobs": 5}, None),  # without the include: ignored (vLLM's)
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, None),
+    ({"include": []}, None),
+])
+def test_include_logprobs_asks_chats_logprobs(asked: dict[str, Any], k: int | None) -> None:
+    body = ResponsesRequest.model_validate({"input": "x", **asked})
+    chat = body.to_chat()
+    assert (chat.logprobs, chat.top_logprobs) == ((False, None) if k is None else (True, k))
+    g = _generate({"input": "x", **asked})
+    assert (g.sampling.logprobs if g.sampling.HasField("logprobs") else None) == k
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"include": ["message.output_text.tokens"]}, "include"),  # not a value vLLM lists
+    ({"include": "message.output_text.logprobs"}, "include"),
+    ({"include": LOGPROBS, "top_logprobs": -1}, "top_logprobs"),
+])
+def test_bad_include_or_top_logprobs_is_a_400(http: TestClient, router: StandInRouter,
+                                              body: dict[str, Any], param: str) -> None:
+    resp = http.post("/v1/responses", json={"input": "x", **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith(param), resp.json()
+    assert router.requests == []
+
+
+def test_include_and_top_logprobs_are_not_ignored(http: TestClient) -> None:
+    resp = http.post("/v1/responses", json={"input": "x", "include": LOGPROBS,
+                                            "top_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    assert "x-ignored-fields" not in resp.headers
+
+
+def test_whole_output_logprobs() -> None:
+    body = ResponsesRequest.model_validate({"input": "x", "include": LOGPROBS,
+                                            "top_logprobs": 2})
+    out = ResponsesFormatter(body, "r1").whole(
+        ResponseHead("resp_r1", 1, "m"), _outputs(WITH_LOGPROBS)).model_dump(mode="json")
+    (part,) = out["output"][0]["content"]
+    assert part["text"] == "Hello\u20ac"
+    assert part["logprobs"] == [_entry(lp) for lp in (HEL, LO, HALF, EURO, END)]
+    assert part["logprobs"][3]["top_logprobs"][1]["logprob"] == -9999.0
+    assert out["top_logprobs"] == 2
+
+
+def test_whole_without_the_include_has_no_logprobs() -> None:
+    body = ResponsesRequest.model_validate({"input": "x", "top_logprobs": 2})
+    out = ResponsesFormatter(body, "r1").whole(
+        ResponseHead("resp_r1", 1, "m"), _outputs(WITH_LOGPROBS)).model_dump(mode="json")
+    assert out["output"][0]["content"][0]["logprobs"] is None and out["top_logprobs"] is None
+
+
+def test_top_logprobs_zero_lists_no_alternatives() -> None:
+    body = ResponsesRequest.model_validate({"input": "x", "include": LOGPROBS})
+    out = ResponsesFormatter(body, "r1").whole(
+        ResponseHead("resp_r1", 1, "m"), _outputs(WITH_LOGPROBS))
+    logprobs = out.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and [lp.token for lp in logprobs] == [
+        "Hel", "lo", "\ufffd", "\u20ac", ""]
+    assert all(lp.top_logprobs == [] for lp in logprobs) and out.top_logprobs == 0
+
+
+def test_streamed_output_logprobs(http: TestClient, router: StandInRouter) -> None:
+    router.script = WITH_LOGPROBS
+    events = _events(http.post("/v1/responses", json={
+        "input": "x", "stream": True, "include": LOGPROBS, "top_logprobs": 2}))
+    by_kind = {kind: data for kind, data in events}
+    assert by_kind["response.content_part.added"]["part"]["logprobs"] == []
+    deltas = [d for k, d in events if k == "response.output_text.delta"]
+    # The held-back token rides with the delta that brings its text.
+    assert [(d["delta"], d["logprobs"]) for d in deltas] == [
+        ("Hel", [_streamed(HEL)]), ("lo", [_streamed(LO)]),
+        ("\u20ac", [_streamed(HALF), _streamed(EURO)])]
+    assert by_kind["response.output_text.done"]["logprobs"] == []  # vLLM's
+    whole = [_entry(lp) for lp in (HEL, LO, HALF, EURO, END)]  # the end token's too
+    assert by_kind["response.content_part.done"]["part"]["logprobs"] == whole
+    assert by_kind["response.output_item.done"]["item"]["content"][0]["logprobs"] == whole
+    final = by_kind["response.completed"]["response"]
+    assert final["output"][0]["content"][0]["logprobs"] == whole
+    assert final["top_logprobs"] == by_kind["response.created"]["response"]["top_logprobs"] == 2
+
+
+def test_streamed_without_the_include_has_no_logprobs(http: TestClient,
+                                                      router: StandInRouter) -> None:
+    router.script = WITH_LOGPROBS
+    events = _events(http.post("/v1/responses", json={"input": "x", "stream": True,
+                                                      "top_logprobs": 2}))
+    by_kind = {kind: data for kind, data in events}
+    assert all(d["logprobs"] == [] for k, d in events if k == "response.output_text.delta")
+    assert by_kind["response.content_part.done"]["part"]["logprobs"] is None
+    assert by_kind["response.completed"]["response"]["output"][0]["content"][0][
+        "logprobs"] is None
+
+
+def test_streamed_calls_carry_no_logprobs(http_auto: TestClient, router: StandInRouter) -> None:
+    """The message's tokens are listed; the call's are not (vLLM's)."""
+    check, call, rest = (_lp("Checking.\n", -0.5, ("Checking.\n", -0.5)),
+                         _lp("<tool_call>", -0.1), _lp("}", -0.2))
+    router.script = [
+        _delta_lp("Checking.\n", check),
+        _delta_lp('<tool_call>\n{"name": "get_time", "arguments": ', call),
+        _delta_lp('{"zone": 2}}\n</tool_call>', rest, finish=common_pb2.FINISH_REASON_STOP),
+        _result(9, 3)]
+    events = _events(http_auto.post("/v1/responses", json={
+        "input": "x", "stream": True, "tools": TOOLS, "include": LOGPROBS, "top_logprobs": 1}))
+    (delta,) = [d for k, d in events if k == "response.output_text.delta"]
+    assert [lp["token"] for lp in delta["logprobs"]] == ["Checking.\n"]
+    message, called = events[-1][1]["response"]["output"]
+    assert [lp["token"] for lp in message["content"][0]["logprobs"]] == ["Checking.\n"]
+    assert "logprobs" not in called
+
+
+def test_the_openai_client_reads_output_logprobs(http: TestClient, router: StandInRouter) -> None:
+    """The official client's types parse the logprobs, whole and streamed."""
+    client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http,
+                           max_retries=0)
+    router.script = WITH_LOGPROBS
+    whole = client.responses.create(model="m", input="x", include=LOGPROBS, top_logprobs=2)
+    logprobs = whole.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and len(logprobs) == 5
+    assert "".join(lp.token for lp in logprobs) == whole.output_text.replace(
+        "\u20ac", "\ufffd\u20ac")
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    events = list(client.responses.create(model="m", input="x", include=LOGPROBS,
+                                          top_logprobs=2, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs[:4]]
+    assert all(len(lp.top_logprobs or []) == 2 for lp in streamed)

@@ -71,6 +71,8 @@ def test_model_entries_carry_vllms_fields(http: TestClient) -> None:
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 9}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ("/v1/responses", {"input": "x", "include": ["message.output_text.logprobs"],
+                       "top_logprobs": 6}, "top_logprobs"),
 ])
 def test_more_logprobs_than_max_logprobs_is_a_400(
     http: TestClient, path: str, body: dict[str, Any], param: str,
