@@ -26,6 +26,7 @@ from openai.types.chat import ChatCompletion
 
 from pdmesh.auth import TOKEN_ENV
 from pdmesh.serve import Child, pdmesh_command
+from tests.e2e.test_tool_calling import TIME_PARAMS, WEATHER_PARAMS  # the same two tools
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
@@ -41,18 +42,6 @@ SCHEMA = {
     "properties": {"name": {"type": "string", "maxLength": 16},
                    "age": {"type": "integer", "minimum": 0, "maximum": 150}},
     "required": ["name", "age"],
-    "additionalProperties": False,
-}
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-TIME_PARAMS = {
-    "type": "object",
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["zone"],
     "additionalProperties": False,
 }
 TOOLS: list[Any] = [  # the Responses API's flat function tools
