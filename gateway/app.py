@@ -138,8 +138,8 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request) -> Response:
-        check_max_logprobs(body.to_chat(), config.max_logprobs)
-        plan = responses_plan(body, request_id_of(request), config.tool_settings)
+        plan = responses_plan(body, request_id_of(request), config.tool_settings,
+                              config.max_logprobs)
         return await responses_answer(serve(context(), plan, request), plan.formatter)
 
     return app

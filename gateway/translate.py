@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdmesh.engine.request_rules import truncate_prompt
+from pdmesh.engine.sampling_params import MAX_LOGPROBS
 from pdmesh.gateway.chat_formatter import ChatFormatter
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.completion_formatter import CompletionFormatter
 from pdmesh.gateway.completion_schemas import CompletionRequest
 from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.formatter import Formatter
+from pdmesh.gateway.logprobs_limit import check_max_logprobs
 from pdmesh.gateway.responses_formatter import ResponsesFormatter
 from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.router_client import RouterClient
@@ -86,13 +88,15 @@ def _by_token_id(asked: bool | None, formatter: Formatter) -> Formatter:
 
 
 def responses_plan(
-    body: ResponsesRequest, request_id: str, tool_settings: ToolSettings
+    body: ResponsesRequest, request_id: str, tool_settings: ToolSettings,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> GenerationPlan:
     """A /v1/responses request as the chat completion it amounts to (its messages as a `Chat`
     prompt, its function tools planned as chat's are, its `include`d output logprobs as chat's
     `logprobs`), answered by the responses formatter; a stream always ends with the usage
     (response.completed carries it)."""
     chat = body.to_chat()
+    check_max_logprobs(chat, max_logprobs)
     tools = _responses_tools(chat, tool_settings)
     request = (chat.to_generate(request_id) if tools is None else
                chat.to_generate(request_id, tools.tools_json, tools.structured_output))

@@ -242,16 +242,17 @@ class Stats:
                    float(np.percentile(a, 99)))
 
 
+def latency_of(r: RequestResult) -> slo.RequestLatency:
+    return slo.RequestLatency(r.ttft_s, r.latency_s, r.output_len, max(r.itl_s, default=0.0))
+
+
 def tpot_s(r: RequestResult) -> float | None:
     """Time per output token after the first; None with fewer than two output tokens."""
-    if r.output_len < 2:
-        return None
-    return (r.latency_s - r.ttft_s) / (r.output_len - 1)
+    return latency_of(r).tpot_s if r.output_len >= 2 else None
 
 
 def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
-    return slo.meets_slos(slo.RequestLatency(r.ttft_s, r.latency_s, r.output_len,
-                                             max(r.itl_s, default=0.0)), slos)
+    return slo.meets_slos(latency_of(r), slos)
 
 
 @dataclass
