@@ -7,7 +7,7 @@ Two halves, both torch-free so the router (which tokenizes, and imports no torch
   in its middle tokenize differently), the spaced form kept only when it is a different
   sequence of the same length. At most `MAX_BAD_WORDS` sequences.
 * `banned_next_tokens`: what one sample may not pick next (the engine core masks those
-  logits, engine/step_sampling.py): a one-token word always; a longer word's last token when
+  logits, engine/worker/step_sampling.py): a one-token word always; a longer word's last token when
   the sample's output ends with the rest of it. Only output tokens count, as in vLLM.
 """
 

@@ -64,7 +64,7 @@ class EngineConfig:
     itl_target_ms: float | None = field(default=None, metadata=about(
         "inter-token latency the scheduler keeps: a step with running streams takes only the "
         "prefill tokens that fit this many ms beside its decodes, by step costs learned while "
-        "serving (engine/step_budget.py); unset = auto (a step's prefill may delay the "
+        "serving (engine/scheduling/step_budget.py); unset = auto (a step's prefill may delay the "
         "running streams by 2.4 stream-seconds in all, or half their own step time when "
         "more); 0 = off (only --max-num-batched-tokens bounds a step)"))
     max_model_len: int | None = field(default=None, metadata=about(
@@ -100,7 +100,7 @@ class EngineConfig:
         "never capture CUDA graphs for decode steps (vLLM's flag; no effect on CPU)"))
     async_scheduling: bool | None = field(default=None, metadata=about(
         "launch each step before the previous one's sampled tokens reach the host "
-        "(engine/in_flight.py; vLLM's flag); unset: on for CUDA, off on CPU"))
+        "(engine/worker/in_flight.py; vLLM's flag); unset: on for CUDA, off on CPU"))
     # The offline LLM keeps the core in-process whatever this says.
     engine_core_process: bool = field(default=True, metadata=about(
         "run the engine core (scheduler, KV cache, model) in its own process, away from "
@@ -108,7 +108,7 @@ class EngineConfig:
     # An in-process engine (the offline LLM) leaves torch's default when unset.
     cpu_threads: int | None = field(default=None, metadata=about(
         "torch threads of the engine core; default: every usable CPU on a CPU device, 1 on "
-        "CUDA (or OMP_NUM_THREADS when set; engine/cpu_threads.py)"))
+        "CUDA (or OMP_NUM_THREADS when set; engine/worker/cpu_threads.py)"))
     stream_interval: int = field(default=1, metadata=about(
         "stream a request's output once this many new tokens are pending (the first and the "
         "last at once; vLLM's flag): fewer, larger messages on every hop for a little "
@@ -116,8 +116,8 @@ class EngineConfig:
     structured_output_compile_timeout_s: float = field(
         default=DEFAULT_COMPILE_TIMEOUT_S, metadata=about(
             "a structured-output spec must compile within this many seconds (tried in a "
-            "process that is killed when it passes, engine/grammar_sandbox.py); a slower one "
-            "is refused with a 400"))
+            "process that is killed when it passes, engine/structured/grammar_sandbox.py); a "
+            "slower one is refused with a 400"))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -78,7 +78,8 @@ class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
     step_seconds: float = 0.0
     scheduled_tokens: int = 0
     num_preemptions: int = 0
-    # The step-cost model (engine/step_cost.py): the steps it predicted, its predictions' sum
+    # The step-cost model (engine/scheduling/step_cost.py): the steps it predicted, its
+    # predictions' sum
     # and those steps' actual time; the ITL target of the last step it bounded (0: none yet).
     num_predicted_steps: int = 0
     predicted_step_seconds: float = 0.0
@@ -107,7 +108,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
     hash_description: str
     capacity_summary: str
     torch_threads: int
-    """The core's intra-op threads (engine/cpu_threads.py)."""
+    """The core's intra-op threads (engine/worker/cpu_threads.py)."""
     kv_cache_file: str = ""
     """The shm file holding a CPU cache that peer cores on this host copy blocks out of
     (its name in the connector's shm directory); empty when the cache is not shared."""

@@ -82,7 +82,8 @@ class SamplingParams:
     last at once). Raises the engine's `stream_interval`, never lowers it (vLLM's)."""
     bad_words: list[str] | None = None
     """Words the output must never contain (vLLM's). Whoever holds the tokenizer (the router,
-    engine/bad_words.py) turns them into `bad_words_token_ids`, which is all the core reads."""
+    engine/bad_words.py) turns them into `bad_words_token_ids`, which is all the core
+    reads."""
     bad_words_token_ids: list[list[int]] | None = None
     """Token sequences never to generate (the tokenized `bad_words`)."""
 

@@ -6,8 +6,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from pdmesh.engine.async_engine import AsyncEngine
-from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.frontend.async_engine import AsyncEngine
+from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 

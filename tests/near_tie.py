@@ -25,8 +25,7 @@ from typing import Protocol
 
 import torch
 
-from pdmesh.engine.request_state import child_seed
-from pdmesh.engine.sampler import make_generator, race_noise, skip_one_draw
+from pdmesh.engine.worker.sampler import child_seed, make_generator, race_noise, skip_one_draw
 
 TOLERANCE = 1e-3  # in score units; batch effects are ~1e-5
 

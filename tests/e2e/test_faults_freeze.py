@@ -34,7 +34,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.frontend.stall import StallBound
 from pdmesh.serve import Child, LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size

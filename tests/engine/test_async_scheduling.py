@@ -1,4 +1,4 @@
-"""Async scheduling (engine/in_flight.py) against the same engine without it.
+"""Async scheduling (engine/worker/in_flight.py) against the same engine without it.
 
 It is on by default only on CUDA; here it is forced on, on CPU, where the same code runs (the
 host copy is the tensor itself). Greedy parity with transformers is in test_parity_hf.py;

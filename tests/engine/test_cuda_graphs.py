@@ -18,19 +18,19 @@ import pytest
 import torch
 
 from pdmesh.engine.block_hash import HashScheme
-from pdmesh.engine.cuda_graphs import (
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
+from pdmesh.engine.scheduling.scheduler import ScheduledSeq
+from pdmesh.engine.scheduling.sequence import Sequence
+from pdmesh.engine.worker.cuda_graphs import (
     DecodeGraphs,
     _Graph,
     capture_sizes,
     graphs_unavailable_reason,
     padded_size,
 )
-from pdmesh.engine.kv_cache_manager import KVCacheManager
-from pdmesh.engine.model_runner import ModelRunner
-from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.scheduler import ScheduledSeq
-from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.worker.model_runner import ModelRunner
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
 from tests.triton_interpreter import outcomes_of, run_cases
 
@@ -235,7 +235,7 @@ def _cuda_runner(
 @pytest.mark.slow
 @needs_cuda
 def test_cuda_graph_greedy_matches_eager(model_dir) -> None:  # type: ignore[no-untyped-def]
-    from pdmesh.engine.model_loader import load_model
+    from pdmesh.engine.worker.model_loader import load_model
 
     model, _, _ = load_model(model_dir, torch.float32, torch.device("cuda"), 1024)
     eager, eager_kv = _cuda_runner(model, enforce_eager=True)

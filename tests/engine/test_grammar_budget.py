@@ -12,8 +12,8 @@ from concurrent.futures import wait
 import psutil
 import pytest
 
-from pdmesh.engine.grammar import GrammarCompiler, grammar_vocabulary
-from pdmesh.engine.grammar_sandbox import GrammarSandbox, SandboxVocabulary
+from pdmesh.engine.structured.grammar import GrammarCompiler, grammar_vocabulary
+from pdmesh.engine.structured.grammar_sandbox import GrammarSandbox, SandboxVocabulary
 from pdmesh.engine.structured_output import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutput
 
 BUDGET_S = 1.0
@@ -25,7 +25,7 @@ SLOW_SCHEMA = json.dumps({"type": "object",
 
 def sandbox_workers() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "pdmesh.engine.grammar_sandbox" in " ".join(p.cmdline())]
+            if "pdmesh.engine.structured.grammar_sandbox" in " ".join(p.cmdline())]
 
 
 @pytest.mark.fast

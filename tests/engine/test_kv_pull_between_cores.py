@@ -16,7 +16,7 @@ import pytest
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_request import EngineRequest
-from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.grant_mac import new_key, sign

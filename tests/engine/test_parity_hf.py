@@ -145,8 +145,8 @@ def test_prefill_logits_match_transformers(llm, hf_model, hf_tokenizer):
 
 def test_raw_logits_match_transformers(llm, hf_model, hf_tokenizer):
     """Every row of logits from our model runner, prompt in two chunks, vs one HF forward."""
-    from pdmesh.engine.scheduler import ScheduledSeq
-    from pdmesh.engine.sequence import Sequence
+    from pdmesh.engine.scheduling.scheduler import ScheduledSeq
+    from pdmesh.engine.scheduling.sequence import Sequence
 
     engine = llm.engine
     ids = hf_tokenizer(PROMPTS[6])["input_ids"]

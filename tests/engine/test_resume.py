@@ -16,7 +16,7 @@ import pytest
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.engine_request import EngineRequest
-from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.outputs import CompletionOutput
 from tests.engine_steps import run_to_finish as run
 

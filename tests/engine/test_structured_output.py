@@ -134,8 +134,8 @@ def test_the_core_compiles_grammars_only_from_a_vocabulary_it_was_sent(llm: LLM,
     """The engine core has no tokenizer: without the vocabulary a structured request is a
     clear error, and a vocabulary that is not one, or of another model, is refused."""
     from pdmesh.engine.config import EngineConfig
-    from pdmesh.engine.core import EngineCore
-    from pdmesh.engine.grammar import grammar_vocabulary
+    from pdmesh.engine.core.engine_core import EngineCore
+    from pdmesh.engine.structured.grammar import grammar_vocabulary
 
     eos = llm.engine.eos_token_ids
     core = EngineCore(EngineConfig(model="smollm2", kv_cache_memory="16MiB"), eos)

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdmesh.decode_svc.servicer import DecodeServicer
-from pdmesh.engine.async_engine import AsyncEngine, EngineError
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core_client import core_dir_prefix
+from pdmesh.engine.frontend.async_engine import AsyncEngine, EngineError
+from pdmesh.engine.frontend.core_client import core_dir_prefix
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.service import EngineService

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from pdmesh.engine.async_engine import AsyncEngine, EngineError
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.frontend.async_engine import AsyncEngine, EngineError
+from pdmesh.engine.frontend.llm_engine import LLMEngine
+from pdmesh.engine.frontend.request_streams import RequestStream
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored
-from pdmesh.engine.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
-from pdmesh.engine.request_streams import RequestStream
 from pdmesh.engine.sampling_params import SamplingParams
 from tests.engine_steps import collect, reference, wait_all_free
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
-from pdmesh.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdmesh.engine.scheduling.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 pytestmark = pytest.mark.fast
 

@@ -18,14 +18,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from pdmesh.engine.model_loader import (
+from pdmesh.engine.worker.model_loader import (
     _plain_config,
     drop_file_pages,
     load_hf_config,
     load_model,
     release_free_heap,
 )
-from pdmesh.engine.models.llama import ModelConfig, can_pack_linears, pack_linears, rope_inv_freq
+from pdmesh.engine.worker.models.llama import (
+    ModelConfig,
+    can_pack_linears,
+    pack_linears,
+    rope_inv_freq,
+)
 from tests.unit.test_dummy_load import write_config
 
 pytestmark = pytest.mark.fast

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.engine.core_client import core_dir_prefix, sweep_core_dirs
+from pdmesh.engine.frontend.core_client import core_dir_prefix, sweep_core_dirs
 
 pytestmark = pytest.mark.processes
 

@@ -1,4 +1,5 @@
-"""The stall bound and step-time estimate (engine/stall.py), and the engine service's watchdog
+"""The stall bound and step-time estimate (engine/frontend/stall.py), and the engine service's
+watchdog
 over a real core process: stopped (SIGSTOP) with a request in flight it is judged stalled
 after the bound, and serving again as soon as it is continued; a core that is merely idle, or
 answering probes, never is."""
@@ -13,10 +14,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.frontend.async_engine import AsyncEngine
+from pdmesh.engine.frontend.stall import StallBound, StepTimes
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.stall import StallBound, StepTimes
 from pdmesh.engine_svc.watchdog import CoreWatchdog
 
 CONFIG = EngineConfig(model="smollm2", kv_cache_memory="64MiB", max_model_len=512,

@@ -7,7 +7,7 @@ import pytest
 
 from pdmesh.config import parse_config
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.cpu_threads import SHORT_SPIN, core_environment, core_threads, usable_cpus
+from pdmesh.engine.worker.cpu_threads import SHORT_SPIN, core_environment, core_threads, usable_cpus
 from pdmesh.serve import LocalMesh, MeshConfig
 
 pytestmark = pytest.mark.fast

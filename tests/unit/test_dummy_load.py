@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.engine.model_loader import hf_state_dict, load_model
+from pdmesh.engine.worker.model_loader import hf_state_dict, load_model
 
 pytestmark = pytest.mark.fast
 

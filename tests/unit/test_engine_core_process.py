@@ -13,7 +13,6 @@ import msgspec
 import pytest
 import torch
 
-from pdmesh.engine.async_engine import AsyncEngine, EngineError
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_protocol import (
     CALL_DECODER,
@@ -24,11 +23,12 @@ from pdmesh.engine.core_protocol import (
     tensor_from_frame,
     tensor_to_frame,
 )
-from pdmesh.engine.cpu_threads import SHORT_SPIN, core_threads, usable_cpus
 from pdmesh.engine.engine_request import EngineRequest
-from pdmesh.engine.llm_engine import LLMEngine
+from pdmesh.engine.frontend.async_engine import AsyncEngine, EngineError
+from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
+from pdmesh.engine.worker.cpu_threads import SHORT_SPIN, core_threads, usable_cpus
 from tests.engine_steps import collect, reference, wait_all_free
 
 PROMPT = "The three primary colors are"

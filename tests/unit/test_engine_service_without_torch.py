@@ -58,7 +58,7 @@ TOKENIZER = """
 import sys
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.model_store import model_dir_for
-from pdmesh.engine.output_processor import OutputProcessor
+from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.tokenizing import eos_token_ids, load_tokenizer, tokenize_prompt
 
 config = EngineConfig(model="smollm2")

@@ -1,4 +1,4 @@
-"""engine/host_allocator.py: the user's own malloc settings win, and once the thresholds are
+"""engine/core/host_allocator.py: the user's own malloc settings win, and once the thresholds are
 fixed a megabyte-sized temporary allocated and freed every step stops faulting its pages in
 anew (each case in a fresh interpreter: the thresholds are process-wide)."""
 
@@ -11,12 +11,12 @@ from statistics import median
 
 import pytest
 
-from pdmesh.engine.host_allocator import wants_tuning
+from pdmesh.engine.core.host_allocator import wants_tuning
 
 CHURN = """
 import resource, sys
 import torch
-from pdmesh.engine.host_allocator import keep_temporaries_on_heap
+from pdmesh.engine.core.host_allocator import keep_temporaries_on_heap
 if sys.argv[1] == "tuned":
     assert keep_temporaries_on_heap()
 def step():  # what a step does to its logits-sized temporaries: make, use, free

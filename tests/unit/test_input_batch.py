@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from pdmesh.engine.block_hash import HashScheme
-from pdmesh.engine.input_batch import InputBatch
-from pdmesh.engine.kv_cache_manager import KVCacheManager
-from pdmesh.engine.model_runner import ModelRunner, StepInputs
-from pdmesh.engine.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.scheduler import ScheduledSeq
-from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
+from pdmesh.engine.scheduling.scheduler import ScheduledSeq
+from pdmesh.engine.scheduling.sequence import Sequence
+from pdmesh.engine.worker.input_batch import InputBatch
+from pdmesh.engine.worker.model_runner import ModelRunner, StepInputs
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
 
 pytestmark = pytest.mark.fast

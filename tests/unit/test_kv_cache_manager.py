@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdmesh.engine.block_hash import HashScheme, hash_token_blocks
-from pdmesh.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pdmesh.engine.kv_events import BlockRemoved, BlockStored
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.sequence import Sequence
+from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pdmesh.engine.scheduling.sequence import Sequence
 
 pytestmark = pytest.mark.fast
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.engine.model_loader import load_model
+from pdmesh.engine.worker.model_loader import load_model
 from tests.unit.test_dummy_load import write_config
 
 PROBE = """
 import sys
 from pathlib import Path
 import torch
-from pdmesh.engine.model_loader import load_model
+from pdmesh.engine.worker.model_loader import load_model
 load_model(Path(sys.argv[1]), torch.float32, torch.device("cpu"), 128, load_format="dummy")
 print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
 """

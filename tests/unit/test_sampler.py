@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pdmesh.engine.sampler import (
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.worker.sampler import (
     Sampler,
     SamplingMetadata,
     apply_presence_frequency_penalties,
@@ -16,7 +17,6 @@ from pdmesh.engine.sampler import (
     make_generator,
     sampling_probs,
 )
-from pdmesh.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
 

@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from pdmesh.engine.sampler import Sampler, SamplingMetadata, make_generator
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 
 pytestmark = pytest.mark.fast
 

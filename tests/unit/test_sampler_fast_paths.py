@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-import pdmesh.engine.sampler as sampler_module
-from pdmesh.engine.sampler import (
+import pdmesh.engine.worker.sampler as sampler_module
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.worker.sampler import (
     Sampler,
     SamplingMetadata,
     inverse_transform,
@@ -18,7 +19,6 @@ from pdmesh.engine.sampler import (
     race_noise,
     sampling_probs,
 )
-from pdmesh.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
 

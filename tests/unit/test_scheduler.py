@@ -15,16 +15,16 @@ from collections.abc import Callable
 import pytest
 
 from pdmesh.engine.block_hash import HashScheme
-from pdmesh.engine.kv_cache_manager import KVCacheManager
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.scheduler import (
+from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
+from pdmesh.engine.scheduling.scheduler import (
     Policy,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
     WaitingQueue,
 )
-from pdmesh.engine.sequence import Sequence, SequenceStatus
+from pdmesh.engine.scheduling.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.fast
 

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from pdmesh.engine.step_budget import (
+from pdmesh.engine.scheduling.step_budget import (
     AUTO_PREFILL_SHARE,
     AUTO_STALL_STREAM_S,
     ItlTarget,
     StepBudget,
     min_prefill_tokens,
 )
-from pdmesh.engine.step_cost import (
+from pdmesh.engine.scheduling.step_cost import (
     MIN_STEPS,
     StepCost,
     StepCostModel,

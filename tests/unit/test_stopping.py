@@ -1,12 +1,12 @@
-"""The one stop rule (engine/stopping.py): the engine's per-token check and the prefill
+"""The one stop rule (engine/core/stopping.py): the engine's per-token check and the prefill
 instance's first-token check are the same function, so they cannot disagree."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdmesh.engine.core.stopping import check_stop, first_token_finish
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.stopping import check_stop, first_token_finish
 
 pytestmark = pytest.mark.fast
 

@@ -1,4 +1,4 @@
-"""engine/output_processor.py's stream interval (vLLM's `--stream-interval`): a running
+"""engine/frontend/output_processor.py's stream interval (vLLM's `--stream-interval`): a running
 request's output goes out once a sample has N tokens not handed out yet; the first output, a
 sample's finish and the request's end go at once; nothing is lost in between. Driven with the
 core's own output structs and the real SmolLM2 tokenizer."""
@@ -13,7 +13,7 @@ from pdmesh.config import parse_config
 from pdmesh.decode_svc.config import DecodeConfig
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_types import CoreOutput, SampleDelta
-from pdmesh.engine.output_processor import OutputProcessor
+from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import SamplingError, sampling_from_proto

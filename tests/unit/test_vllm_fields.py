@@ -25,12 +25,12 @@ from pdmesh.engine.chat_template import (
     apply_chat_template,
     check_template_kwargs,
 )
-from pdmesh.engine.in_flight import may_overlap
 from pdmesh.engine.request_rules import RuleViolation, truncate_prompt
-from pdmesh.engine.sampler import Sampler
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.sequence import Sequence
-from pdmesh.engine.step_sampling import StepSampler, mask_bad_words
+from pdmesh.engine.scheduling.sequence import Sequence
+from pdmesh.engine.worker.in_flight import may_overlap
+from pdmesh.engine.worker.sampler import Sampler
+from pdmesh.engine.worker.step_sampling import StepSampler, mask_bad_words
 from pdmesh.engine_svc import codec
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.chat_formatter import ChatFormatter

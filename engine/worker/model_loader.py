@@ -1,0 +1,319 @@
+"""Build our Llama-family model from a Hugging Face checkpoint directory.
+
+The checkpoint is read through a private, read-only-in-practice mapping of each safetensors
+file: the tensors the model keeps as they are (the embedding, the norms) stay views of the
+file, so their pages are the page cache's, shared by every engine core on the host and resident
+only where touched (a token's embedding row), and the projections that the CPU GEMMs repack
+(engine/worker/models/llama.py, `pack_linears`) are never copied before packing. `drop_file_pages`
+then returns the pages that loading and packing touched, and `release_free_heap` the heap that
+the load's temporaries (the fused q/k/v and gate/up copies) left free. An idle SmolLM2 engine
+core went from 1,140 to 802 MiB of RSS (bench/README.md, "RSS").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import mmap
+import struct
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+
+from pdmesh.engine.worker.models.llama import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaForCausalLM,
+    ModelConfig,
+    RotaryEmbedding,
+    rope_inv_freq,
+)
+
+logger = logging.getLogger(__name__)
+
+# HF tensor names of a layer, grouped by the fused parameter they feed (in concat order).
+_FUSED = {
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "self_attn.qkv_proj.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+}
+
+# config.json keys the model needs that transformers would otherwise default.
+_REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
+                  "max_position_embeddings")
+
+
+def load_hf_config(model_dir: Path) -> object:
+    """The model's config: config.json read as it is when it states everything the model reads
+    with default RoPE (transformers' AutoConfig, ~80 MiB of every engine core's RSS, would only
+    fill in what it states), else transformers' AutoConfig."""
+    light = _plain_config(model_dir / "config.json")
+    if light is not None:
+        return light
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _plain_config(path: Path) -> SimpleNamespace | None:
+    """config.json as attributes, or None where transformers must interpret it (a model type
+    we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return None
+    if any(raw.get(key) is None for key in _REQUIRED_KEYS):
+        return None
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
+            return None
+        if params.get("rope_theta") is None:
+            return None
+    elif raw.get("rope_scaling") is not None or raw.get("rope_theta") is None:
+        return None
+    return SimpleNamespace(**raw)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
+    """Every tensor of the checkpoint, as a view of a private mapping of its file (never
+    written: copy-on-write only so torch may view it), and the mappings."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    maps: list[mmap.mmap] = []
+    for f in files:
+        mapped = _map_safetensors(f)
+        if mapped is None:  # a dtype or layout we do not view: copies, as safetensors makes
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                    tensors[name] = fh.get_tensor(name).clone()
+            continue
+        views, buffer = mapped
+        tensors.update(views)
+        maps.append(buffer)
+    return tensors, maps
+
+
+def _map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap] | None:
+    """The file's tensors as views of one private mapping; None where one cannot be a view
+    (a dtype not in `_DTYPES`, a misaligned offset, a big-endian host)."""
+    if sys.byteorder != "little":
+        return None
+    with open(path, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+        size = fh.seek(0, 2)
+        if size == 0:
+            return None
+        buffer = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    views: dict[str, torch.Tensor] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(meta["dtype"])
+        begin, end = meta["data_offsets"]
+        if dtype is None or (start + begin) % dtype.itemsize or start + end > size:
+            return None
+        shape = tuple(meta["shape"])
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            views[name] = torch.empty(shape, dtype=dtype)
+            continue
+        views[name] = torch.frombuffer(buffer, dtype=dtype, count=count,
+                                       offset=start + begin).view(shape)
+    return views, buffer
+
+
+def drop_file_pages(model: torch.nn.Module) -> None:
+    """Take the checkpoint pages that loading (and packing) read out of this process's RSS:
+    they stay in the page cache, and a view still in use faults its pages back on access."""
+    for buffer in getattr(model, "checkpoint_maps", ()):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            buffer.madvise(mmap.MADV_DONTNEED)
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): the load's
+    temporaries are freed by then, but a CPU engine keeps up to 256 MiB of free heap
+    (engine/core/host_allocator.py) and the holes between the packed weights besides."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@contextmanager
+def _meta_without_init() -> Iterator[None]:
+    """Modules built on the meta device, their `normal_` initializer skipped: meta tensors hold
+    no values to initialize, and `normal_` on one imports torch._dynamo (1.7 s of every core's
+    start) and, through it, triton, whose nanobind leak report then fills the console at every
+    exit even on a CPU-only host where triton cannot run."""
+    normal = torch.nn.init.normal_
+    torch.nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.nn.init.normal_ = normal
+
+
+DUMMY_INIT_STD = 0.02
+"""Standard deviation of dummy weights: the usual Llama initializer range, small enough that
+activations stay finite through 32 bf16 layers."""
+
+
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[LlamaForCausalLM, ModelConfig, object]:
+    """Our model of the config in `model_dir`, on `device` in `dtype`.
+
+    `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
+    random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
+    hf = load_hf_config(model_dir)
+    cfg = ModelConfig.from_hf(hf)
+    inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
+    rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+    with _meta_without_init():
+        model = LlamaForCausalLM(cfg, None)
+    model.rope = rope
+    if load_format == "dummy":
+        state = dummy_state(model, dtype, device, seed)
+    else:
+        state, maps = checkpoint_state(model_dir, model, cfg)
+        state = {k: v.to(dtype) for k, v in state.items()}
+        # Kept while a parameter may still view them (a CPU model in the checkpoint's dtype).
+        model.checkpoint_maps = maps
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype).eval()
+    if device.type != "cpu":
+        model.checkpoint_maps = []  # every parameter was copied to the device
+    drop_file_pages(model)
+    return model, cfg, hf
+
+
+def dummy_state(
+    model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of the (meta) `model`, made on `device` in `dtype`.
+
+    Each tensor is drawn where it will live, so an 8B shape costs its 16 GB of bf16 on the GPU
+    and nothing on the host (no float32 staging copy). Norm weights are 1 and biases 0, as at
+    the start of training; the same seed on the same device gives the same weights.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in model.named_parameters():  # tied lm_head is yielded once, as embeddings
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+        state[name] = tensor
+    return state
+
+
+def checkpoint_state(
+    model_dir: Path, model: LlamaForCausalLM, cfg: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
+    """The checkpoint's tensors renamed and fused into our parameter names, checked complete
+    (views of the file's mapping but for the fused ones), and the mappings."""
+    raw, maps = read_safetensors(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        state[name.removeprefix("model.")] = tensor
+    for i in range(cfg.num_layers):
+        prefix = f"layers.{i}."
+        for fused, parts in _FUSED.items():
+            names = [prefix + p for p in parts]
+            if all(n in state for n in names):
+                state[prefix + fused] = torch.cat([state.pop(n) for n in names], dim=0)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {
+        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"model: checkpoint in {model_dir} does not match the {cfg.model_type} architecture "
+            f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+        )
+    return state, maps
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under transformers' names (q/k/v and gate/up split again), as views.
+
+    The inverse of the checkpoint load, for handing the same weights to transformers'
+    LlamaForCausalLM (bench/gpu_throughput.py) without a second copy of an 8B model.
+    A tied LM head is left out, as in a tied checkpoint.
+    """
+    cfg = model.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("lm_head."):
+            if not cfg.tie_word_embeddings:
+                state[name] = tensor
+            continue
+        if not name.startswith("layers."):
+            state[f"model.{name}"] = tensor
+            continue
+        _, index, local = name.split(".", 2)  # layers.<i>.<module>.<param>
+        prefix = f"model.layers.{index}."
+        if local not in _FUSED:
+            state[prefix + local] = tensor
+            continue
+        pieces = tensor.split(split_sizes[local.split(".")[1]], dim=0)
+        for part, piece in zip(_FUSED[local], pieces, strict=True):
+            state[prefix + part] = piece
+    return state

@@ -1,0 +1,487 @@
+"""Batched next-token sampling over a [B, V] logits tensor.
+
+Order of operations for one step (one row per sequence):
+
+1. Logprobs, when any row asks for them, come from the *raw* model logits (log_softmax before
+   any bias, penalty or temperature). This is vLLM v1's default: the numbers describe the model,
+   not the sampling recipe, so they are comparable across requests and across P/D placement.
+2. Logit processing: logit_bias, the min_tokens ban on EOS/stop tokens, the repetition penalty
+   (HF semantics over prompt + output tokens), presence and frequency penalties (OpenAI
+   semantics over output tokens).
+3. Greedy rows take the argmax of the processed logits. Other rows divide by their temperature,
+   apply top-k, top-p and min-p masks (one sort shared by the batch), and sample.
+
+Two exact ways to draw from a row's `probs`:
+
+- Rows without a generator (the common case) use the inverse transform: one uniform u per row
+  from the sampler's global generator, and the first token whose cumulative probability
+  exceeds u times the row's mass. A cumulative sum over the row is the whole cost (~1 ms for
+  16 rows of a 49k vocabulary on CPU, against ~20 ms for torch's per-token exponentials).
+- A seeded row races: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token, the V
+  exponentials drawn from the row's own generator (as -log(1 - U), ~5x cheaper than
+  `exponential_` on CPU). Its tokens then do not depend on which rows share the batch or
+  where it sits, and a pick depends only on two tokens' scores: that is what lets a resumed
+  or migrated sequence skip exactly one draw per token (`skip_one_draw`), and tests tell a
+  float near-tie from a divergence (tests/near_tie.py).
+
+Everything per row stays on the logits' device: row indices and per-row parameters cross to
+it with asynchronous copies, never by indexing with Python lists (which on CUDA copies and
+synchronises each time), and ids that need deduplication are deduplicated on the host. The
+sampled ids come back in one device-to-host copy per step; logprob tensors follow only when a
+row asked for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from pdmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs about the rows of one step, in row order."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    """Per-row generator; None means "use the sampler's global generator"."""
+    prompt_token_ids: list[list[int]]
+    """Used by the repetition penalty together with output_token_ids (HF semantics)."""
+    output_token_ids: list[list[int]]
+    """Used by presence/frequency penalties and to decide whether min_tokens is still active."""
+    eos_token_ids: set[int]
+    """Banned, with each row's stop_token_ids, while the row has fewer than min_tokens outputs."""
+
+    def __post_init__(self) -> None:
+        rows = len(self.params)
+        for name in ("generators", "prompt_token_ids", "output_token_ids"):
+            if len(getattr(self, name)) != rows:
+                raise ValueError(f"{name} has {len(getattr(self, name))} rows, params has {rows}")
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    """Raw logprob of token_id; None unless params.logprobs is set."""
+    rank: int | None = None
+    """1-based rank of token_id under the raw logprobs; None unless params.logprobs is set."""
+    top_logprobs: dict[int, float] | None = None
+    """The params.logprobs most likely tokens and their raw logprobs, nothing else."""
+
+
+def _device_tensor(
+    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (an async copy on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return _device_tensor(rows, torch.long, device)
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: the request's own for sample 0, a hash of it for the others."""
+    if seed is None or index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little")
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A per-sequence generator for a seeded request (None for unseeded ones).
+
+    Give each of a request's n sequences a distinct seed (e.g. seed + index) so they differ.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (1 << 64))
+    return generator
+
+
+class Sampler:
+    """Turns one step's logits into one token (plus optional logprobs) per row."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        # The global generator must live on the logits' device for torch.rand to accept it.
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
+        """One token per row on the host, with logprobs for the rows that asked."""
+        token_ids = self.sample_ids(logits, meta)
+        sampled = [SampledToken(token_id=t) for t in token_ids.tolist()]
+        logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
+        if logprob_rows:  # from the raw logits: sample_ids processed a copy of them
+            picked = logits.index_select(0, _index(logprob_rows, logits.device))
+            raw_logprobs = torch.log_softmax(picked.float(), dim=-1)
+            _attach_logprobs(sampled, raw_logprobs, logprob_rows, token_ids, meta)
+        return sampled
+
+    def sample_ids(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sampled ids `[B]` on the logits' device. Nothing here waits for the device
+        (save the nucleus check of a top-p row, `_nucleus_candidates`), so async scheduling
+        can launch the next step before these ids reach the host."""
+        if logits.dim() != 2 or logits.shape[0] != len(meta.params):
+            raise ValueError(
+                f"logits must be [B, V] with B={len(meta.params)} rows, got {tuple(logits.shape)}"
+            )
+        if _is_plain_greedy_batch(meta):
+            return logits.argmax(dim=-1)
+        processed = logits.to(torch.float32, copy=True)
+        _apply_logit_processing(processed, meta)
+        return self._pick(processed, meta)
+
+    def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; the rest sample from their masked distribution."""
+        random_rows = [i for i, p in enumerate(meta.params) if not p.is_greedy]
+        if not random_rows:
+            return logits.argmax(dim=-1)
+        row_params = [meta.params[i] for i in random_rows]
+        generators = [meta.generators[i] for i in random_rows]
+        every_row = len(random_rows) == len(meta.params)
+        index = None if every_row else _index(random_rows, logits.device)
+        rows = logits if index is None else logits.index_select(0, index)
+        if all(g is None for g in generators) and _candidates_hold_support(row_params):
+            chosen = self._draw_on_candidates(rows, row_params)
+        else:
+            chosen = self._draw(sampling_probs(rows, row_params), generators)
+        if index is None:
+            return chosen
+        # Every row's argmax (greedy rows keep theirs); random rows are then overwritten.
+        return logits.argmax(dim=-1).index_copy_(0, index, chosen)
+
+    def _draw_on_candidates(self, logits: torch.Tensor, params: list[SamplingParams]
+                            ) -> torch.Tensor:
+        """Unseeded rows whose top-k / top-p masks keep only candidates: temperature, masks,
+        softmax and the draw all run on the [rows, candidates] slice, never on the full
+        vocabulary again. The same distribution as `sampling_probs` (masked tokens have
+        probability 0 in both), without its scatter back, full softmax and second top-k."""
+        temperatures = _device_tensor([p.temperature for p in params], logits.dtype,
+                                      logits.device)
+        candidates, order, drop = _masked_candidates(logits / temperatures.unsqueeze(1), params)
+        probs = torch.softmax(candidates.masked_fill_(drop, -torch.inf), dim=-1)
+        winner = inverse_transform(probs, self._uniforms(probs.shape[0], probs.device))
+        return order.gather(1, winner.unsqueeze(1)).squeeze(1)
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]
+              ) -> torch.Tensor:
+        """One token per row of `probs`: seeded rows race against their own generator's
+        noise, the others take the inverse transform of one global uniform each."""
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if not seeded:
+            return inverse_transform(probs, self._uniforms(probs.shape[0], probs.device))
+        chosen = torch.stack([
+            probs[i].div(race_noise(probs.shape[1], generators[i], probs.device)).argmax()
+            if generators[i] is not None else probs.new_zeros((), dtype=torch.long)
+            for i in range(probs.shape[0])
+        ])
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            index = _index(unseeded, probs.device)
+            drawn = inverse_transform(probs.index_select(0, index),
+                                      self._uniforms(len(unseeded), probs.device))
+            chosen.index_copy_(0, index, drawn)
+        return chosen
+
+    def _uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
+        """`[rows, 1]` uniforms in [0, 1) from the global generator (float32, as the running
+        sums they are compared with: a token's chance is its probability to ~1e-7)."""
+        return torch.rand(rows, 1, dtype=torch.float32, device=device,
+                          generator=self.generator)
+
+
+def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` `[R, W]` (non-negative, each with some mass, need not sum to 1), the
+    first column whose cumulative mass exceeds `uniforms` `[R, 1]` (in [0, 1)) times the
+    row's total: an exact draw. The target is held below the total, and a column of
+    probability 0 adds nothing to a sequentially computed running sum, so the column found
+    has mass. A parallel scan (CUDA) need not be monotone to the last bit: a pick of
+    probability 0 is then replaced by the row's first column with mass (where the running sum
+    first leaves 0, which no rounding can move), so a masked token is never returned."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    below_total = torch.minimum(uniforms.to(cdf.dtype) * total,
+                                torch.nextafter(total, torch.zeros_like(total)))
+    targets = torch.cat([below_total, torch.zeros_like(below_total)], dim=1)
+    found = torch.searchsorted(cdf, targets, right=True).clamp_max_(probs.shape[1] - 1)
+    picked, first = found[:, :1], found[:, 1:]
+    return torch.where(probs.gather(1, picked) > 0, picked, first).squeeze(1)
+
+
+def race_noise(vocab_size: int, generator: torch.Generator,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """A seeded row's race noise for one token: `vocab_size` Exponential(1) draws from its
+    generator, as -log(1 - U) for U uniform in [0, 1) (never infinite), floored at the
+    smallest normal float so that every token of positive probability scores above 0 and a
+    masked one (probability exactly 0) can never win."""
+    noise = torch.rand(vocab_size, dtype=torch.float32, device=device or generator.device,
+                       generator=generator)
+    return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance a sequence's generator exactly as sampling one random token does.
+
+    Used when that token was sampled on another instance (prefill in P/D), so the decode side
+    continues the same random stream and seeded output matches colocated serving.
+    """
+    race_noise(vocab_size, generator)
+
+
+def _min_tokens_active(params: SamplingParams, output_ids: list[int]) -> bool:
+    return len(output_ids) < params.min_tokens
+
+
+def _is_plain_greedy_batch(meta: SamplingMetadata) -> bool:
+    """The hot path: every row is greedy with nothing to adjust and no logprobs to return."""
+    for params, output_ids in zip(meta.params, meta.output_token_ids, strict=True):
+        if (
+            not params.is_greedy
+            or params.logprobs is not None
+            or params.needs_logit_processing
+            or _min_tokens_active(params, output_ids)
+        ):
+            return False
+    return True
+
+
+def _apply_logit_processing(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place, row by row: only rows that need it pay, and the ids touched are sparse."""
+    device = logits.device
+    for row, params in enumerate(meta.params):
+        output_ids = meta.output_token_ids[row]
+        if params.logit_bias:
+            ids = _index(list(params.logit_bias.keys()), device)
+            bias = _device_tensor(list(params.logit_bias.values()), logits.dtype, device)
+            logits[row].index_add_(0, ids, bias)
+        if _min_tokens_active(params, output_ids):
+            banned = set(params.all_stop_token_ids)
+            if not params.ignore_eos:
+                banned |= meta.eos_token_ids
+            if banned:
+                logits[row].index_fill_(0, _index(sorted(banned), device), -torch.inf)
+        if params.repetition_penalty != 1.0:
+            apply_repetition_penalty(
+                logits[row], meta.prompt_token_ids[row] + output_ids, params.repetition_penalty
+            )
+        if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+            apply_presence_frequency_penalties(
+                logits[row], output_ids, params.presence_penalty, params.frequency_penalty
+            )
+
+
+def apply_repetition_penalty(row: torch.Tensor, seen_ids: list[int], penalty: float) -> None:
+    """HF semantics: for every token seen in prompt or output, shrink its logit toward "less
+    likely" — positive logits are divided by the penalty, negative ones multiplied."""
+    if not seen_ids:
+        return
+    ids = _index(sorted(set(seen_ids)), row.device)  # deduplicated on the host: no sync
+    values = row.index_select(0, ids)
+    row.index_copy_(0, ids, torch.where(values > 0, values / penalty, values * penalty))
+
+
+def apply_presence_frequency_penalties(
+    row: torch.Tensor, output_ids: list[int], presence: float, frequency: float
+) -> None:
+    """OpenAI semantics: logit -= frequency * count + presence * (count > 0), output tokens only."""
+    counted = Counter(output_ids)  # on the host: a device unique() would synchronise
+    ids = _index(sorted(counted), row.device)
+    counts = _device_tensor([counted[i] for i in sorted(counted)], row.dtype, row.device)
+    row.index_copy_(0, ids, row.index_select(0, ids) - (frequency * counts + presence))
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, then softmax; one row per params entry.
+
+    top-k keeps the k largest logits. top-p keeps the smallest prefix of the sorted,
+    top-k-renormalized distribution whose mass reaches top_p (a token stays if the mass strictly
+    before it is < top_p). min-p drops tokens whose probability is below min_p times the most
+    likely token's. Masked tokens get probability exactly 0.
+    """
+    temperatures = _device_tensor([p.temperature for p in params], logits.dtype, logits.device)
+    scaled = logits / temperatures.unsqueeze(1)
+    if any(p.uses_top_k or p.uses_top_p for p in params):
+        scaled = _apply_top_k_top_p(scaled, params)
+    if any(p.uses_min_p for p in params):
+        scaled = _apply_min_p(scaled, params)
+    return torch.softmax(scaled, dim=-1)
+
+
+TOP_P_CANDIDATES = 256
+"""Top-p rows without top-k first look at this many best tokens only; when they hold the
+row's nucleus (their mass reaches top_p) nothing past them can survive, and a partial top-k
+replaces the full sort of the vocabulary (~10x cheaper on CPU at vocab 49k)."""
+
+
+def _candidates_hold_support(params: list[SamplingParams]) -> bool:
+    """Whether every row's top-k / top-p masks decide its support (min-p needs the full row's
+    probabilities, and a row with neither mask keeps the whole vocabulary)."""
+    return all((p.uses_top_k or p.uses_top_p) and not p.uses_min_p for p in params)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    candidates, order, drop = _masked_candidates(logits, params)
+    masked = torch.full_like(logits, -torch.inf)
+    return masked.scatter_(1, order, candidates.masked_fill_(drop, -torch.inf))
+
+
+def _masked_candidates(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(candidates, their vocabulary ids, the top-k / top-p drop mask), candidates sorted
+    descending: every token the masks can keep is among them."""
+    vocab = logits.shape[1]
+    device = logits.device
+    k_max = max((p.top_k for p in params if p.uses_top_k), default=vocab)
+    if k_max < vocab and all(p.uses_top_k for p in params):
+        # Every row keeps at most k_max tokens, and top-p works on the top-k renormalized
+        # distribution, so ordering the k_max best suffices: far cheaper than a full sort.
+        candidates, order = logits.topk(k_max, dim=-1)
+        coverage = None
+    else:
+        candidates, order, coverage = _nucleus_candidates(logits, params)
+    width = candidates.shape[1]
+
+    positions = torch.arange(width, device=device).unsqueeze(0)
+    top_k = _index([p.top_k if p.uses_top_k else width for p in params], device).unsqueeze(1)
+    drop = positions >= top_k
+
+    if any(p.uses_top_p for p in params):
+        probs = torch.softmax(candidates.masked_fill(drop, -torch.inf), dim=-1)
+        if coverage is not None:  # a top-p-only row's mass is its share of the whole row
+            probs = probs * coverage.unsqueeze(1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # A row with top_p == 1 must keep everything, even where rounding pushes the running
+        # mass to 1.0 before the tail.
+        top_p = _device_tensor(
+            [p.top_p if p.uses_top_p else torch.inf for p in params], logits.dtype, device
+        ).unsqueeze(1)
+        drop |= mass_before >= top_p
+        drop[:, 0] = False  # the most likely token always survives
+    return candidates, order, drop
+
+
+EXP_FLOOR = -87.0
+"""Where a sum of exp(logit - max) may floor its terms: e^-87 is just above float32's smallest
+normal, and a term that small cannot move a sum holding exp(0) = 1, so the sum is unchanged.
+Flooring matters for speed: x86 computes exp into the denormal range ~30x slower, and a
+low-temperature row (logits / 0.2) puts most of a 49k vocabulary there (1.9 -> 0.5 ms per
+batch-16 row sum on the dev machine). Flooring only ever raises the sum: conservative below."""
+
+
+def _nucleus_candidates(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sorted candidates every row's masks can keep: the TOP_P_CANDIDATES best when that
+    provably loses nothing, else the whole vocabulary sorted; and, for the former, each row's
+    coverage: the candidates' share of the row's whole probability mass for a top-p-only row
+    (top-p measures mass against the whole distribution, not against the candidates), 1 for
+    a row whose top-k renormalizes anyway. None when the candidates are the whole row.
+
+    It loses nothing when every row either uses top-k with k <= the candidate count, or uses
+    top-p only and the candidates' probability under the full row already reaches top_p: every
+    token past them then has at least that much mass before it and is dropped anyway. Rows
+    using neither need the whole row.
+    """
+    vocab = logits.shape[1]
+    width = min(TOP_P_CANDIDATES, vocab)
+    if width == vocab or any(
+            (not p.uses_top_p and not p.uses_top_k) or (p.uses_top_k and p.top_k > width)
+            for p in params):
+        candidates, order = logits.sort(dim=-1, descending=True)
+        return candidates, order, None
+    candidates, order = logits.topk(width, dim=-1)
+    top_p_only = [i for i, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
+    if not top_p_only:
+        return candidates, order, None
+    if len(top_p_only) == len(params):
+        full, kept = logits, candidates
+    else:
+        rows = _index(top_p_only, logits.device)
+        full, kept = logits.index_select(0, rows), candidates.index_select(0, rows)
+    peak = kept[:, :1]
+    mass = (kept - peak).exp().sum(dim=-1) / (
+        (full - peak).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1))
+    need = _device_tensor([params[i].top_p for i in top_p_only], logits.dtype, logits.device)
+    if not bool((mass >= need).all()):  # one host sync, cheaper than the sort it saves
+        candidates, order = logits.sort(dim=-1, descending=True)
+        return candidates, order, None
+    if len(top_p_only) == len(params):
+        return candidates, order, mass
+    coverage = torch.ones(len(params), dtype=logits.dtype, device=logits.device)
+    return candidates, order, coverage.index_copy_(0, rows, mass)
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    min_p = _device_tensor([p.min_p for p in params], logits.dtype, logits.device)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, -torch.inf)
+
+
+def _attach_logprobs(
+    sampled: list[SampledToken],
+    raw_logprobs: torch.Tensor,
+    rows: list[int],
+    token_ids: torch.Tensor,
+    meta: SamplingMetadata,
+) -> None:
+    """Fill in logprobs from one host copy of each tensor, never one per row."""
+    chosen = token_ids.index_select(0, _index(rows, token_ids.device)).unsqueeze(1)
+    chosen_logprobs = raw_logprobs.gather(1, chosen)
+    ranks = ((raw_logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    chosen_values = chosen_logprobs.squeeze(1).tolist()
+    max_top = max(meta.params[row].logprobs or 0 for row in rows)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_values: list[list[float]] = [[] for _ in rows]
+    if max_top > 0:
+        values, ids = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for k, row in enumerate(rows):
+        count = meta.params[row].logprobs or 0
+        token = sampled[row]
+        token.logprob = chosen_values[k]
+        token.rank = ranks[k]
+        token.top_logprobs = dict(zip(top_ids[k][:count], top_values[k][:count], strict=True))
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: list[int], k: int
+) -> list[tuple[float, int, dict[int, float]]]:
+    """Raw logprobs of each prompt token given its prefix.
+
+    `logits[t]` is the model's output at position t and `target_ids[t]` the token that actually
+    follows it (so for a prompt p, pass logits of p[:-1] and targets p[1:]). Returns, per
+    position, the target's logprob, its 1-based rank, and the top-k tokens with their logprobs.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(
+            f"logits must be [T, V] with T={len(target_ids)} rows, got {tuple(logits.shape)}"
+        )
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if not target_ids:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = _index(target_ids, logits.device).unsqueeze(1)
+    target_logprobs = logprobs.gather(1, targets)
+    ranks = ((logprobs > target_logprobs).sum(dim=-1) + 1).tolist()
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        tops = [
+            dict(zip(ids, values, strict=True))
+            for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        ]
+    else:
+        tops = [{} for _ in target_ids]
+    return list(zip(target_logprobs.squeeze(1).tolist(), ranks, tops, strict=True))
