@@ -4,7 +4,7 @@ A serving process detokenizes every output token of every request (a stop string
 as soon as it appears), so this cost scales with the tokens a core produces: ~13k a second on a
 GPU at batch 128. This times `IncrementalDetokenizer` as the output processor drives it at
 `--stream-interval 1` (update, then the cumulative `output_text`, one token at a time, after a
-256-token prompt) with the two token decoders of engine/token_decoder.py: the Rust
+256-token prompt) with the two token decoders of engine/frontend/token_decoder.py: the Rust
 `DecodeStream` (fast tokenizers, the default) and the Python window (slow tokenizers, and the
 fallback), on text in several scripts, with and without stop strings. The table is microseconds
 per token, the median of --repeats.
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdmesh.engine.detokenizer import IncrementalDetokenizer
+from pdmesh.engine.frontend.detokenizer import IncrementalDetokenizer
+from pdmesh.engine.frontend.token_decoder import StreamDecoder, WindowDecoder, make_token_decoder
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.token_decoder import StreamDecoder, WindowDecoder, make_token_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ burst until the last structured request's first token), and what compiling those
 costs on its own, measured in this process against the same vocabulary.
 
 With the compile on the core's loop every new schema adds its compile time to one step of
-every running stream; with it beside the loop (engine/core_loop.py) the gaps during the burst
+every running stream; with it beside the loop (engine/core/core_loop.py) the gaps during the burst
 should look like the ones before it, give or take the CPU the compile thread takes.
 
     .venv/bin/python bench/grammar_stall.py [--streams 8] [--schemas 8] [--fields 24]
@@ -22,10 +22,10 @@ import itertools
 import statistics
 import time
 
-from pdmesh.engine.async_engine import AsyncEngine
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.grammar import GrammarCompiler, grammar_vocabulary
+from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.structured.grammar import GrammarCompiler, grammar_vocabulary
 from pdmesh.engine.structured_output import StructuredOutput
 
 TYPES = ({"type": "string", "maxLength": 24}, {"type": "integer"}, {"type": "boolean"},

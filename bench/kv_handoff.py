@@ -20,7 +20,7 @@ moved (the decode's GetLoad `kv_bytes_received` delta), the whole prompt's KV fo
 on CPU: 737,280 bytes per block for SmolLM2-135M), the prefill's `kv_bytes_sent` delta (the
 export it published), the router's TTFT and KV-transfer time, and the user+system CPU seconds
 in the window of the prefill and decode serving processes and, separately, of their engine-core
-processes (`pdmesh.engine.core_process`, the only code that touches KV bytes).
+processes (`pdmesh.engine.core.core_process`, the only code that touches KV bytes).
 
 Provenance rule: run it on a quiet machine (nothing else running: the CPU columns are small
 numbers); the numbers go to bench/README.md with the date, the commit and the machine, which
@@ -112,7 +112,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     core, found = 0.0, False
     for child in proc.children():
         try:
-            if "pdmesh.engine.core_process" in " ".join(child.cmdline()):
+            if "pdmesh.engine.core.core_process" in " ".join(child.cmdline()):
                 times = child.cpu_times()
                 core, found = core + times.user + times.system, True
         except psutil.NoSuchProcess:  # a short-lived helper (grammar sandbox) that just ended

@@ -89,7 +89,7 @@ def name_of(pid: int, parent_names: dict[int, str]) -> str | None:
             ppid = int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
-    if "pdmesh.engine.core_process" in argv:
+    if "pdmesh.engine.core.core_process" in argv:
         return f"engine core of {parent_names.get(ppid, 'a service')}"
     if "pdmesh.cli" in argv:
         role = argv[argv.index("pdmesh.cli") + 1]
@@ -139,7 +139,7 @@ async def load(base_url: str, requests: int, concurrency: int, vocab: int,
 
 
 def frame_name(frame: str) -> str:
-    """'step (pdmesh/engine/core.py:120)' -> 'step (engine/core.py)'."""
+    """'step (pdmesh/engine/core.py:120)' -> 'step (engine/core/engine_core.py)'."""
     func, _, where = frame.partition(" (")
     path = where.rsplit(":", 1)[0].rstrip(")")
     for marker in ("site-packages/", "/main/", "/lib/python3"):

@@ -88,7 +88,7 @@ def role_of(pid: int, root: int) -> str:
     text = " ".join(argv)
     if "redis-server" in text:
         return "redis"
-    if "pdmesh.engine.core_process" in argv:
+    if "pdmesh.engine.core.core_process" in argv:
         parent = role_of(_parent(pid), root)
         return parent.replace("service", "core") if "service" in parent else "other"
     if "pdmesh.cli" in argv:

@@ -9,7 +9,7 @@ is timed over repeated steps after a warm-up; the table is ms per step (median o
     python bench/sampler.py --batch 64 --threads 4
     python bench/sampler.py --default-allocator # glibc's thresholds left as they start
 
-An engine on a CPU device fixes glibc's mmap / trim thresholds (engine/host_allocator.py), so
+An engine on a CPU device fixes glibc's mmap / trim thresholds (engine/core/host_allocator.py), so
 this does too unless told otherwise: a megabyte-sized temporary then costs no page faults.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from pdmesh.engine.host_allocator import keep_temporaries_on_heap
-from pdmesh.engine.sampler import Sampler, SamplingMetadata, make_generator
+from pdmesh.engine.core.host_allocator import keep_temporaries_on_heap
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 
 SETTINGS: dict[str, Callable[[int], SamplingParams]] = {
     "greedy": lambda i: SamplingParams(temperature=0.0),

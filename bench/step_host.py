@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_throughput import SHAPES, default_tokenizer_dir, write_model_dir
 
-import pdmesh.engine.llm
+import pdmesh.engine.frontend.llm
 from pdmesh import LLM, SamplingParams
 
 
@@ -58,7 +58,7 @@ def main() -> None:
                     help="do not freeze the heap during generate (the behaviour before)")
     args = ap.parse_args()
     if args.unfrozen:
-        pdmesh.engine.llm.frozen_heap = contextlib.nullcontext  # type: ignore[attr-defined]
+        pdmesh.engine.frontend.llm.frozen_heap = contextlib.nullcontext  # type: ignore[attr-defined]
 
     SHAPES["tiny-vocab"] = {**SHAPES["tiny"], "vocab_size": 512}
     with tempfile.TemporaryDirectory() as tmp:

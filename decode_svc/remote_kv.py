@@ -22,7 +22,7 @@ import time
 import grpc
 
 from pdmesh.decode_svc.call import Admit, Observed, engine_request
-from pdmesh.engine.async_engine import AsyncEngine
+from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine.outputs import TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import DeltaBuilder, logprob_from_proto

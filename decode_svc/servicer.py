@@ -34,8 +34,8 @@ import grpc
 
 from pdmesh.decode_svc.call import Admit, Observed, engine_request
 from pdmesh.decode_svc.remote_kv import RemoteKV
-from pdmesh.engine.async_engine import EngineError
 from pdmesh.engine.engine_request import KVCacheFullError
+from pdmesh.engine.frontend.async_engine import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import (

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from pdmesh.engine.detokenizer import stop_prefix_length
+from pdmesh.engine.frontend.detokenizer import stop_prefix_length
+from pdmesh.engine.frontend.token_decoder import REPLACEMENT_CHAR
 from pdmesh.engine.outputs import CompletionOutput, Logprob, TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
-from pdmesh.engine.token_decoder import REPLACEMENT_CHAR
 from pdmesh.v1 import common_pb2
 
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.stall import StallConfig
+from pdmesh.engine.frontend.stall import StallConfig
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.kvstore.transfer.backend_names import BACKEND_NAMES
 

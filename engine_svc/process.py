@@ -32,7 +32,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdmesh.engine.async_engine import AsyncEngine
+from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME, ClusterPresence, PresenceChangeFn
 from pdmesh.engine_svc.service import EngineService, Role
@@ -156,11 +156,11 @@ async def start_engine(config: EngineServiceConfig, role: Role,
     if engine_config.engine_core_process:
         # This process only moves bytes now (gRPC, tokens, KV frames); torch, which it loads
         # only for a staged KV plane, must not start a spinning thread per core beside the
-        # core's (engine/cpu_threads.py).
+        # core's (engine/worker/cpu_threads.py).
         limit_torch_threads(1)
         return await AsyncEngine.spawn(engine_config, name=f"{role}-engine",
                                        log_level=config.log_level, connector=connector)
-    from pdmesh.engine.llm_engine import LLMEngine  # the in-process core: torch and all
+    from pdmesh.engine.frontend.llm_engine import LLMEngine  # the in-process core: torch and all
 
     llm_engine = await asyncio.to_thread(LLMEngine, engine_config, connector)
     return AsyncEngine(llm_engine, name=f"{role}-engine")

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdmesh.engine.async_engine import AsyncEngine
+from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.watchdog import CoreWatchdog
 from pdmesh.kvstore.connector.config import KVConnectorConfig

@@ -6,7 +6,8 @@ without this its service would go on passing health checks and load polls, and r
 keep sending it requests that wait for as long as the hang lasts. The service sees every reply
 the core sends; while work waits on the core (`CoreLiveness.busy`) and the core has been silent
 for a moment, it sends a probe, which a live core answers between two steps. A core that has
-owed an answer for longer than the stall bound (`engine/stall.py`: a multiple of its longest
+owed an answer for longer than the stall bound (`engine/frontend/stall.py`: a multiple of its
+longest
 expected step, clamped to `--stall-timeout-min-s` .. `--stall-timeout-s`) is *stalled*: health
 turns NOT_SERVING and GetLoad says `core_stalled`, so routers stop routing here and move the
 calls waiting on it. The verdict holds, and probes go on, until the core answers again — even
@@ -22,8 +23,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from pdmesh.engine.async_engine import AsyncEngine
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.frontend.async_engine import AsyncEngine
+from pdmesh.engine.frontend.stall import StallBound
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from pdmesh.engine.llm import LLM
+    from pdmesh.engine.frontend.llm import LLM
     from pdmesh.engine.outputs import CompletionOutput, RequestOutput
     from pdmesh.engine.sampling_params import SamplingParams
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     # Lazy so that `import pdmesh.v1...` in a thin gRPC client does not import torch.
     if name == "LLM":
-        from pdmesh.engine.llm import LLM
+        from pdmesh.engine.frontend.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):

@@ -309,15 +309,15 @@ class EngineCollector:
         yield counter("num_preemptions", "Sequences preempted (their KV freed, recomputed "
                       "later) for lack of KV blocks", s.num_preemptions)
         yield counter("engine_predicted_steps", "Steps the step-cost model predicted "
-                      "(engine/step_cost.py)", s.num_predicted_steps)
+                      "(engine/scheduling/step_cost.py)", s.num_predicted_steps)
         yield counter("engine_step_predicted_seconds", "The step-cost model's predicted time "
                       "of the steps it predicted; against engine_step_predicted_actual_seconds "
                       "it says how far off the model is", s.predicted_step_seconds)
         yield counter("engine_step_predicted_actual_seconds", "Actual wall time of the steps "
                       "the step-cost model predicted", s.predicted_steps_actual_seconds)
         yield gauge("engine_itl_target_seconds", "The step time the scheduler kept the last "
-                    "step with running streams to (--itl-target-ms, engine/step_budget.py); 0 "
-                    "before any", s.itl_target_seconds)
+                    "step with running streams to (--itl-target-ms, "
+                    "engine/scheduling/step_budget.py); 0 before any", s.itl_target_seconds)
         if s.index_up is not None:
             yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
                         "answers, 0 while unregistered or Redis is unreachable",

@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from pdmesh.engine.async_engine import EngineError
+from pdmesh.engine.core.stopping import first_token_finish
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.engine_request import KVCacheFullError
+from pdmesh.engine.frontend.async_engine import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.stopping import first_token_finish
 from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.transfer.checksum import parse_algo

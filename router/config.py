@@ -13,8 +13,8 @@ from functools import cached_property
 
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about, parse_config, split_address
+from pdmesh.engine.frontend.stall import StallConfig
 from pdmesh.engine.generation_config import check_source
-from pdmesh.engine.stall import StallConfig
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits

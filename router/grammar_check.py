@@ -17,7 +17,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from pdmesh.engine.grammar_sandbox import GrammarSandbox, GrammarSandboxError, SandboxVocabulary
+from pdmesh.engine.structured.grammar_sandbox import (
+    GrammarSandbox,
+    GrammarSandboxError,
+    SandboxVocabulary,
+)
 from pdmesh.engine.structured_output import GRAMMAR_CACHE_SIZE, StructuredOutput
 from pdmesh.router.admission import InvalidRequest
 

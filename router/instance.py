@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.frontend.stall import StallBound
 from pdmesh.router.routing.base import Candidate, LoadSnapshot
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
 
@@ -52,7 +52,7 @@ class Instance:
 
     def stall_bound_s(self, bound: StallBound) -> float:
         """How long this instance may show no progress before it counts as hung: scaled by
-        the longest step it reported to expect (engine/stall.py)."""
+        the longest step it reported to expect (engine/frontend/stall.py)."""
         return bound.seconds(self.load.max_step_s)
 
     def request_started(self, blocks: int) -> float:

@@ -52,7 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdmesh.auth import ClusterToken, auth_metrics
 from pdmesh.engine.block_hash import HashScheme
-from pdmesh.engine.stall import StallBound
+from pdmesh.engine.frontend.stall import StallBound
 from pdmesh.grpc_common import TLSConfig, open_channel
 from pdmesh.kvstore.instance_registry import (
     InstanceInfo,

@@ -7,7 +7,8 @@ or Decode stream and cancels it once it has *fired*, and the request's run moves
 the way it moves one whose instance died (router/recovery.py: another prefill instance or
 local prefill; decode migration, token-exact).
 
-The rule: the call fires when, for the instance's stall bound B (`engine/stall.py`: a multiple
+The rule: the call fires when, for the instance's stall bound B (`engine/frontend/stall.py`: a
+multiple
 of the longest step the instance says it expects, clamped to `--stall-timeout-min-s` ..
 `--stall-timeout-s`),
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from functools import partial
 from types import TracebackType
 
-from pdmesh.engine.cpu_threads import usable_cpus
+from pdmesh.engine.worker.cpu_threads import usable_cpus
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.grpc_common import TEARDOWN_BOUND_S
 from pdmesh.kvstore.redis_server import RedisServer
@@ -126,7 +126,7 @@ class LocalMesh:
 
     def _cpu_share(self) -> int | None:
         """On a CPU-only host with several engines: each core's share of the CPUs, so their
-        threads together do not outnumber them (engine/cpu_threads.py says why). None leaves
+        threads together do not outnumber them (engine/worker/cpu_threads.py says why). None leaves
         each core its own choice (one engine, CUDA, or OMP_NUM_THREADS set)."""
         c = self.config
         engines = c.num_prefill + c.num_decode

@@ -5,7 +5,7 @@ like every KV segment `pdmesh-kv-<pidns>-<pid>-<hex>`, the pid being the serving
 so the sweeps after a dead service (`pdmesh serve`, the next start) remove it; a core that dies
 alone has its file removed by its serving process) and mapped shared. tmpfs pages are zero-filled
 and committed on first write, so an idle cache costs no memory, as the anonymous mapping of
-`engine/memory.py` did. The file is unlinked when the core closes it.
+`engine/core/memory.py` did. The file is unlinked when the core closes it.
 
 A peer maps it read-only (`PeerCaches`) after checking it is a regular file of ours, private,
 of exactly the size the layout implies, and copies the blocks it needs straight into its own
@@ -79,7 +79,7 @@ def room_for(shm_dir: str, nbytes: int) -> int:
     """Bytes the shm filesystem can still give a new cache of `nbytes`: its free space less
     what the KV files already there may still claim (they are sparse and grow as blocks are
     written). A tmpfs that runs out under a mapped file kills the writer with SIGBUS, so a
-    cache that does not fit is not put there (`engine/startup.py` falls back to private
+    cache that does not fit is not put there (`engine/core/startup.py` falls back to private
     memory; peers then pull over tcp)."""
     try:
         st = os.statvfs(os.path.realpath(shm_dir))

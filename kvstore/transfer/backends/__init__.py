@@ -40,7 +40,7 @@ def limit_torch_threads(count: int) -> None:
     """This process's torch runs `count` threads: now if loaded, else once a plane loads it.
 
     A serving process whose core moves KV loads torch only with a staged plane; its torch
-    must not start a spinning thread per CPU beside the core's (engine/cpu_threads.py)."""
+    must not start a spinning thread per CPU beside the core's (engine/worker/cpu_threads.py)."""
     global _torch_threads
     _torch_threads = count
     _apply_torch_threads()
