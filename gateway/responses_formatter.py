@@ -53,7 +53,7 @@ from pdmesh.gateway.formatter import (
     sequence_failed,
 )
 from pdmesh.gateway.openai_format import SequenceState
-from pdmesh.gateway.responses_schemas import (
+from pdmesh.gateway.responses_output import (
     IncompleteDetails,
     OutputFunctionCall,
     OutputItem,
@@ -61,12 +61,11 @@ from pdmesh.gateway.responses_schemas import (
     OutputMessage,
     OutputText,
     OutputTopLogprob,
-    ResponsesRequest,
     ResponsesResponse,
     ResponseStatus,
     ResponseUsage,
-    in_responses_terms,
 )
+from pdmesh.gateway.responses_schemas import ResponsesRequest, in_responses_terms
 from pdmesh.gateway.schemas import UsageInfo
 from pdmesh.gateway.streaming import DONE, sse_response
 from pdmesh.gateway.tool_parsers import StreamEvents, ToolCallDelta, collect

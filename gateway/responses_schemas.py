@@ -1,7 +1,6 @@
-"""/v1/responses' bodies, in the subset vLLM serves without a response store: the request
-(`input` as text or items: messages, function calls and their outputs; `instructions`,
-`text.format`, function `tools` and `tool_choice`, sampling) and the response object with its
-output items (a message, function calls) and usage.
+"""/v1/responses' request, in the subset vLLM serves without a response store: `input` as
+text or items (messages, function calls and their outputs), `instructions`, `text.format`,
+function `tools` and `tool_choice`, sampling. The response object is `responses_output.py`.
 
 A request is served as the chat completion it amounts to (`to_chat`): `instructions` is a
 system message before the input's messages, a `function_call` item is an assistant message's
@@ -27,7 +26,6 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -38,7 +36,7 @@ from pydantic import (
 
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest, FunctionDefinition
 from pdmesh.gateway.errors import GatewayError, invalid_argument, validation_param
-from pdmesh.gateway.schemas import RequestModel, StructuredOutputsIn, UsageInfo, wire_int
+from pdmesh.gateway.schemas import RequestModel, StructuredOutputsIn, wire_int
 from pdmesh.v1 import common_pb2, router_pb2
 
 _SP = common_pb2.SamplingParams
@@ -408,118 +406,3 @@ def in_responses_terms(error: GatewayError, request: ResponsesRequest) -> Gatewa
     if named.param and param and message.startswith(named.param):
         message = param + message[len(named.param):]
     return replace(error, message=message, param=param, router_message=None)
-
-
-# -- responses -------------------------------------------------------------------------------------
-class OutputTopLogprob(BaseModel):
-    """One of the most likely tokens at an output position."""
-
-    token: str
-    logprob: float
-    bytes: list[int]  # the token's UTF-8
-
-
-class OutputLogprob(BaseModel):
-    """One output token's logprob and, with `top_logprobs`, the most likely tokens there."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[OutputTopLogprob] = Field(default_factory=list)
-
-    def streamed(self) -> dict[str, Any]:
-        """As a delta event carries it: without the bytes (the API's delta logprob shape)."""
-        return {"token": self.token, "logprob": self.logprob,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob}
-                                 for t in self.top_logprobs]}
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[OutputLogprob] | None = None  # None: not asked for (`include`)
-
-
-class OutputMessage(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    status: Literal["in_progress", "completed", "incomplete"]
-    content: list[OutputText]
-
-
-class OutputFunctionCall(BaseModel):
-    """A call the model made: `call_id` is what a `function_call_output` answers."""
-
-    id: str
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str  # JSON text
-    status: Literal["in_progress", "completed", "incomplete"]
-
-
-OutputItem = OutputMessage | OutputFunctionCall
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens", "content_filter"]
-
-
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-    cache_write_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
-    total_tokens: int
-
-    @classmethod
-    def of(cls, usage: UsageInfo) -> ResponseUsage:
-        return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                   total_tokens=usage.total_tokens, input_tokens_details=InputTokensDetails(
-                       cached_tokens=usage.prompt_tokens_details.cached_tokens))
-
-
-ResponseStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-class ResponsesResponse(BaseModel):
-    """The response object. Sampling fields echo the request (null: the server's default,
-    which the router applies and does not report)."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: ResponseStatus
-    incomplete_details: IncompleteDetails | None = None
-    error: None = None
-    instructions: str | None = None
-    metadata: dict[str, str] | None = None
-    model: str
-    output: list[OutputItem]
-    parallel_tool_calls: bool = True
-    temperature: float | None = None
-    top_p: float | None = None
-    max_output_tokens: int | None = None
-    previous_response_id: None = None
-    tool_choice: Literal["none"] = "none"
-    tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (vLLM's)
-    parallel_tool_calls: bool | None = True
-    text: dict[str, Any] | None = None
-    top_logprobs: int | None = None  # what was answered with (`include`); None: no logprobs
-    truncation: Literal["disabled"] = "disabled"
-    background: bool = False
-    service_tier: Literal["auto"] = "auto"
-    usage: ResponseUsage | None = None
-    user: str | None = None

@@ -21,7 +21,8 @@ from pdmesh.gateway.errors import error_from_rpc
 from pdmesh.gateway.formatter import Outputs, ResponseHead
 from pdmesh.gateway.openai_format import SequenceState
 from pdmesh.gateway.responses_formatter import ResponsesFormatter
-from pdmesh.gateway.responses_schemas import OutputMessage, ResponsesRequest
+from pdmesh.gateway.responses_output import OutputMessage
+from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.schemas import UsageInfo
 from pdmesh.gateway.tools import ToolPlan, ToolSettings
 from pdmesh.gateway.translate import responses_plan

@@ -207,9 +207,12 @@ def test_values_schema_is_valid_and_accepts_every_variant(schema: dict[str, Any]
         (("prefil",), {"replicas": 2}),  # a typo'd section
         (("decode", "replicas"), -1),
         (("router", "routingPolicy"), "fastest"),
-        (("engine", "kvBackend"), "rdma"),
-        (("engine", "blockSize"), 24),  # the engine accepts 8/16/32/64/128 only
-        (("prefill", "kvCacheMemory"), "lots"),
+        (("engine", "settings", "kvBackend"), "rdma"),
+        (("engine", "settings", "blockSize"), 24),  # the engine accepts 8/16/32/64/128 only
+        (("engine", "settings", "maxNumSeqs"), 0),
+        (("engine", "settings", "maxNumSeq"), 8),  # a typo'd setting
+        (("prefill", "engine", "kvCacheMemory"), "lots"),
+        (("decode", "engine", "blockSize"), 32),  # hashing must agree across pools
         (("redis", "external", "url"), "http://redis:6379"),
         (("otel", "protocol"), "thrift"),
         (("decode", "metricsPort"), 0),  # a free port: Prometheus could not find it
@@ -227,6 +230,17 @@ def test_values_schema_rejects_bad_values(
     node[path[-1]] = value
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(values, schema)
+
+
+@pytest.mark.fast
+def test_every_engine_setting_of_the_chart_is_an_engine_flag(schema: dict[str, Any]) -> None:
+    """engine.settings' keys render as PDMESH_<SNAKE_CASE> (templates/_engine.tpl): each must be
+    the env var of a setting of the engine service, or the engine would never read it."""
+    known = {s.env for s in settings(EngineServiceConfig).values()}
+    keys = schema["definitions"]["engineSettings"]["properties"]
+    rendered = {"PDMESH_" + re.sub(r"(?<!^)(?=[A-Z])", "_", key).upper(): key for key in keys}
+    assert not set(rendered) - known, [rendered[env] for env in set(rendered) - known]
+    assert set(load_values("default")["engine"]["settings"]) <= set(keys)
 
 
 @pytest.mark.fast
@@ -669,6 +683,23 @@ def test_replica_counts(render) -> None:
 
 @pytest.mark.processes
 @pytest.mark.slow
+def test_engine_settings_reach_every_pool_and_a_pool_overrides_its_own(render) -> None:
+    """engine.settings is declared once and reaches both pools; a pool's `engine:` map changes
+    that pool only; a null setting is left to the engine's default."""
+    manifests = render("default", "--set", "engine.settings.maxNumBatchedTokens=1024",
+                       "--set", "decode.engine.maxNumSeqs=8",
+                       "--set", "engine.settings.itlTargetMs=80")
+    env = {c: resolved_env(containers(workload(manifests, c))[c]) for c in ("prefill", "decode")}
+    assert env["prefill"]["PDMESH_MAX_NUM_BATCHED_TOKENS"] == "1024"
+    assert env["decode"]["PDMESH_MAX_NUM_BATCHED_TOKENS"] == "1024"
+    assert (env["prefill"]["PDMESH_MAX_NUM_SEQS"], env["decode"]["PDMESH_MAX_NUM_SEQS"]) == (
+        "256", "8")
+    assert env["decode"]["PDMESH_ITL_TARGET_MS"] == "80"
+    assert "PDMESH_MAX_MODEL_LEN" not in env["prefill"]  # null: the model's own limit
+
+
+@pytest.mark.processes
+@pytest.mark.slow
 def test_gpu_limits_only_when_asked(render) -> None:
     for variant, gpus in (("default", None), ("gpu", 1)):
         manifests = render(variant)
@@ -840,7 +871,8 @@ def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
           "--set", "model.volume.hostPath=/srv/models"], "needs model.path"),
         (["--set", "prefil.replicas=2"], "prefil"),
         (["--set", "router.routingPolicy=fastest"], "routingPolicy"),
-        (["--set", "engine.blockSize=0"], "blockSize"),
+        (["--set", "engine.settings.blockSize=0"], "blockSize"),
+        (["--set", "prefill.engine.hashRootSeed=other"], "hashRootSeed"),
         (["--set", "router.metricsPort=8000"], "router.gateway.port and router.metricsPort"),
         (["--set", "decode.role=colocated", "--set", "decode.metricsPort=50052"],
          "decode.kvPort and decode.metricsPort"),

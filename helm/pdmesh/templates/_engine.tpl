@@ -96,8 +96,6 @@ spec:
             {{- include "pdmesh.securityEnv" (dict "root" $root "gateway" false) | nindent 12 }}
             - name: PDMESH_HEARTBEAT_TTL_S
               value: {{ $root.Values.engine.heartbeatTtlSeconds | quote }}
-            - name: PDMESH_KV_BACKEND
-              value: {{ $root.Values.engine.kvBackend | quote }}
             {{- if $servesKV }}
             - name: PDMESH_KV_PORT
               value: {{ $v.kvPort | quote }}
@@ -106,30 +104,7 @@ spec:
             - name: PDMESH_ROLE
               value: {{ $v.role | quote }}
             {{- end }}
-            - name: PDMESH_KV_CACHE_MEMORY
-              value: {{ $v.kvCacheMemory | quote }}
-            - name: PDMESH_BLOCK_SIZE
-              value: {{ $root.Values.engine.blockSize | quote }}
-            - name: PDMESH_HASH_ALGORITHM
-              value: {{ $root.Values.engine.hashAlgorithm | quote }}
-            - name: PDMESH_HASH_ROOT_SEED
-              value: {{ $root.Values.engine.hashRootSeed | quote }}
-            - name: PDMESH_MAX_NUM_SEQS
-              value: {{ $v.maxNumSeqs | quote }}
-            - name: PDMESH_MAX_NUM_BATCHED_TOKENS
-              value: {{ $v.maxNumBatchedTokens | quote }}
-            {{- if $v.maxModelLen }}
-            - name: PDMESH_MAX_MODEL_LEN
-              value: {{ $v.maxModelLen | quote }}
-            {{- end }}
-            - name: PDMESH_DEVICE
-              value: {{ ternary "cuda" $v.device (gt $gpu 0) | quote }}
-            - name: PDMESH_DTYPE
-              value: {{ $root.Values.engine.dtype | quote }}
-            - name: PDMESH_ENABLE_PREFIX_CACHING
-              value: {{ $root.Values.engine.enablePrefixCaching | quote }}
-            - name: PDMESH_SEED
-              value: {{ $root.Values.engine.seed | quote }}
+            {{- include "pdmesh.engineSettingsEnv" . | nindent 12 }}
             {{- include "pdmesh.metricsEnv" (dict "root" $root "port" $v.metricsPort) | nindent 12 }}
             {{- include "pdmesh.drainEnv" $v | nindent 12 }}
             {{- include "pdmesh.otelEnv" (dict "root" $root "service" .component) | trim | nindent 12 }}
@@ -190,4 +165,25 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+{{- end }}
+
+{{/*
+The engine's settings as env vars, one per key of engine.settings merged with the pool's
+`engine:` overrides: a camelCase key becomes PDMESH_<SNAKE_CASE> (kvCacheMemory ->
+PDMESH_KV_CACHE_MEMORY), the env var of the engine flag of that name (pdmesh/config.py). Null
+values are left out (the engine's default); a pool with GPUs runs on cuda. Takes the same dict
+as pdmesh.engineDeployment.
+*/}}
+{{- define "pdmesh.engineSettingsEnv" -}}
+{{- $settings := merge (deepCopy (.values.engine | default dict)) (deepCopy .root.Values.engine.settings) }}
+{{- if gt (int .values.gpu) 0 }}
+{{- $_ := set $settings "device" "cuda" }}
+{{- end }}
+{{- range $key := keys $settings | sortAlpha }}
+{{- $value := get $settings $key }}
+{{- if not (kindIs "invalid" $value) }}
+- name: PDMESH_{{ $key | snakecase | upper }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
