@@ -47,7 +47,6 @@ from pdmesh.engine.core_protocol import (
     ReleaseKV,
     Reply,
     Result,
-    SetGrammarVocabulary,
     Shutdown,
     StopSequences,
 )
@@ -56,6 +55,7 @@ from pdmesh.engine.engine_request import EngineRequest, check_kv_capacity
 from pdmesh.engine.frontend.core_calls import CoreCalls, EngineError
 from pdmesh.engine.frontend.core_client import ProcessCoreLink
 from pdmesh.engine.frontend.core_liveness import CoreLiveness
+from pdmesh.engine.frontend.grammar_vocabulary import GrammarVocabularyOnce
 from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.frontend.request_streams import RequestStreams
 from pdmesh.engine.model_store import model_dir_for
@@ -104,8 +104,6 @@ class AsyncEngine:
         self.dead_event = asyncio.Event()
         self._shut_down = False
         self._core_gone = False
-        self._grammar_lock = asyncio.Lock()
-        self._grammar_sent = False
         self.liveness = CoreLiveness(lambda: len(self.streams) + len(self.calls))
         self.streams = RequestStreams(OutputProcessor(_tokenizer, _eos, _stream_interval),
                                       self.liveness)
@@ -121,6 +119,8 @@ class AsyncEngine:
                                             num_free_blocks=_link.info.num_total_blocks)
         self.calls = CoreCalls(_link, self.liveness)
         self.info: CoreInfo = _link.info
+        self._grammar_vocabulary = GrammarVocabularyOnce(_tokenizer, self.info.vocab_size,
+                                                         self.eos_token_ids)
 
     @property
     def dead_reason(self) -> str | None:
@@ -310,7 +310,7 @@ class AsyncEngine:
         if request_id in self.streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if params.structured_output is not None:
-            await self._send_grammar_vocabulary()
+            await self._grammar_vocabulary.ensure_sent(self.calls, self.liveness)
         self.liveness.owe()
         stream = self.streams.open(request_id, request.num_prefill_tokens)
         # Tracked before the core sees it: its first outputs may arrive right behind the reply.
@@ -342,23 +342,6 @@ class AsyncEngine:
             if not finished and self.streams.is_open(request_id, stream):
                 # The consumer left early (client cancel, error): free the request's blocks.
                 self.abort_nowait(request_id)
-
-    async def _send_grammar_vocabulary(self) -> None:
-        """Before the first structured request: the core compiles grammars against our
-        tokenizer's vocabulary, built here off the event loop (importing xgrammar and reading
-        the vocabulary take seconds) and sent once; the commands behind it find it there."""
-        async with self._grammar_lock:
-            if self._grammar_sent:
-                return
-            vocabulary = await asyncio.to_thread(
-                _grammar_vocabulary, self.tokenizer, self.info.vocab_size, self.eos_token_ids)
-            # The core imports xgrammar meanwhile: seconds without an answer.
-            self.liveness.setting_up = True
-            try:
-                await self.calls.call(SetGrammarVocabulary(vocabulary))
-            finally:
-                self.liveness.setting_up = False
-            self._grammar_sent = True
 
     # -- replies (on the event loop, in the order the core sent them) ------------------------------
     def _on_reply(self, reply: Reply, tensor: torch.Tensor | None) -> None:
@@ -412,10 +395,3 @@ class AsyncEngine:
         self.streams.end_all(error)
         self.calls.fail_all(error)
 
-
-def _grammar_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> str:
-    """engine/structured/grammar.py's vocabulary, imported here (off the event loop) on first use
-    only."""
-    from pdmesh.engine.structured.grammar import grammar_vocabulary
-
-    return grammar_vocabulary(tokenizer, vocab_size, eos_token_ids)
