@@ -8,6 +8,8 @@
 #
 # torch is installed first, pinned, from the PyTorch index (CPU by default), so that installing
 # pdmesh afterwards finds `torch==2.13.0` satisfied and never pulls a CUDA build from PyPI.
+# Both builds prebuild the native CPU kernels; a CUDA build's runtime stage also keeps a C
+# compiler, which Triton needs at the first kernel launch (see there).
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -47,6 +49,21 @@ RUN groupadd --system --gid 10001 pdmesh \
         --shell /usr/sbin/nologin pdmesh \
     && install -d -o pdmesh -g pdmesh /models
 COPY --from=build /opt/pdmesh /opt/pdmesh
+# Triton compiles its CUDA launcher with gcc against Python's headers (the python image has
+# them) at the first kernel launch, and links it to the driver's libcuda.so.1, which only a GPU
+# node mounts: it cannot be built here, so a CUDA image keeps gcc (the engine otherwise dies in
+# graph warm-up: "Failed to find C compiler"). Built once per node into HOME's ~/.triton (the
+# chart points HOME at a writable /tmp). A CPU image runs no Triton and stays without one.
+RUN cuda="$(python -c 'import torch; print(torch.version.cuda or "")')" \
+    && if [ -n "$cuda" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/* \
+        && include="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+        && printf '#include <Python.h>\nint main(void) { return 0; }\n' \
+            | gcc -x c -I"$include" -o /tmp/triton-cc-check - \
+        && rm /tmp/triton-cc-check; \
+    fi
 USER 10001:10001
 WORKDIR /home/pdmesh
 # Router/engine gRPC, prefill KV transfer, gateway HTTP (the chart's defaults).

@@ -22,6 +22,10 @@ for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run)
 * `... tcp+tls`: tcp under mutual TLS (control channel, staged data plane, the core's block
   server; certificates made for the run). `--tls off|on|both` (on: no plaintext tcp rows).
 
+The core rows check blocks with the sender core's default algorithm (`default_block_algo`: xxh64
+where the native CPU kernels load, hashed in one call per export and, on `shm`, while the
+receiver copies; else xxh3 from Python); `--checksum xxh3_64` measures the old choice.
+
 A staged or core round is timed here from the request to the child (a Pipe round trip) until
 the destination cache holds the verified blocks and the ack is answered. ms: median of up to
 --reps rounds within --budget-s per cell, after a warm-up round. `of copy_`: local copy_ ms /
@@ -29,7 +33,7 @@ this ms. `vs staged`: staged ms / this ms, same transport (above 1: faster than 
 
     .venv/bin/python bench/transfer.py [--blocks 64,512] [--budget-s 3] [--reps 10]
         [--tls off|on|both] [--backends shm,tcp] [--ids shuffled|consecutive] [--threads N]
-        [--json rows.json]
+        [--checksum default|xxh64|xxh3_64|crc32|lin64] [--json rows.json]
 """
 
 from __future__ import annotations
@@ -52,12 +56,13 @@ from pathlib import Path
 import torch
 
 from pdmesh.grpc_common import TLSConfig
+from pdmesh.kvstore.connector.blocks import default_block_algo
 from pdmesh.kvstore.connector.cache_file import shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
 from pdmesh.kvstore.connector.grant_mac import new_key
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
-from pdmesh.kvstore.transfer.checksum import parse_algo
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.core_pull import CorePulls
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.handle import KVHandle
@@ -93,6 +98,7 @@ class Setup:
     shm_dir: str
     tls: TLSConfig | None
     threads: int
+    checksum: ChecksumAlgo  # what the sender core's export checks blocks with
 
     def connector_config(self, *, tcp: bool = True, grant_secret: str = "") -> KVConnectorConfig:
         t = self.tls or TLSConfig()
@@ -105,7 +111,8 @@ def sender_main(conn: Connection, setup: Setup) -> None:
     sender over it, and the core's connector and control-plane sender; publishes on request."""
     torch.set_num_threads(setup.threads)
     cache = shared_zeros(kv_shape(setup.cache_blocks), torch.float32, setup.shm_dir)
-    connector = KVConnector(setup.connector_config(grant_secret=new_key()), cache.tensor, cache)
+    connector = KVConnector(setup.connector_config(grant_secret=new_key()), cache.tensor, cache,
+                            algo=setup.checksum)
     try:
         cache.tensor.normal_(generator=torch.Generator().manual_seed(0))
         connector.start()
@@ -302,11 +309,12 @@ def bench_certificates(directory: str) -> TLSConfig:
     return make_test_certs(Path(directory)).tls
 
 
-def print_table(rows: list[dict[str, object]], shuffled: bool, cache_blocks: int) -> None:
+def print_table(rows: list[dict[str, object]], shuffled: bool, cache_blocks: int,
+                algo: ChecksumAlgo) -> None:
     print(f"KV handoff, SmolLM2-135M layout ({LAYERS} layers x 2 x {BLOCK} tokens x {HEADS} "
           f"heads x {HEAD_DIM} dims, float32), caches of {cache_blocks} blocks, "
-          f"{'shuffled' if shuffled else 'consecutive'} block ids, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{'shuffled' if shuffled else 'consecutive'} block ids, core block checksums "
+          f"{algo}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"| {'path':<24} | {'blocks':>6} | {'MB':>7} | {'ms':>8} | {'GB/s':>6} | "
           f"{'of copy_':>8} | {'vs staged':>9} |")
     print(f"|{'-' * 26}|{'-' * 7}:|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 9}:|{'-' * 10}:|")
@@ -329,6 +337,9 @@ def main() -> None:
                         help="torch threads of both processes")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=3.0, help="per table cell")
+    parser.add_argument("--checksum", default="default",
+                        help="the core rows' block checksum: default (the core's own choice), "
+                             "xxh64, xxh3_64, crc32 or lin64")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--tls", choices=("off", "on", "both"), default="both",
                         help="tcp without TLS, with mutual TLS (rows ... tcp+tls), or both")
@@ -336,6 +347,8 @@ def main() -> None:
     blocks_list = [int(b) for b in args.blocks.split(",")]
     backends = tuple(args.backends.split(","))
     cache_blocks, shuffled = max(blocks_list), args.ids == "shuffled"
+    algo = (default_block_algo(torch.zeros(kv_shape(1))) if args.checksum == "default"
+            else parse_algo(args.checksum))
 
     torch.set_num_threads(args.threads)
     local = {n: asyncio.run(local_rounds(n, args.reps, args.budget_s)) for n in blocks_list}
@@ -353,7 +366,7 @@ def main() -> None:
         exported: set[int] = set()
         for suffix, served, tls in groups:
             setup = Setup(served, tuple(b for b in served if b in WORKER_BACKENDS),
-                          cache_blocks, shuffled, shm_dir, tls, args.threads)
+                          cache_blocks, shuffled, shm_dir, tls, args.threads, algo)
             with sender_process(setup) as conn:
                 rows += asyncio.run(measure(conn, setup, blocks_list, args.reps,
                                             args.budget_s, suffix, exported))
@@ -366,7 +379,7 @@ def main() -> None:
         if key in staged and not str(row["path"]).startswith("staged "):
             row["vs_staged"] = float(staged[key]) / seconds
     rows.sort(key=lambda r: int(r["blocks"]))  # stable: the order measured within a count
-    print_table(rows, shuffled, cache_blocks)
+    print_table(rows, shuffled, cache_blocks, algo)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

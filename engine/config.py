@@ -13,6 +13,13 @@ from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 if TYPE_CHECKING:  # torch only where devices and dtypes are made: `pdmesh serve` parses this
     import torch
 
+AUTO = "auto"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's default: the share of its GPU an engine takes when no KV budget is given."""
+CPU_KV_CACHE_MEMORY = "1GiB"
+"""`--kv-cache-memory auto` off CUDA: a fixed budget (a CPU engine shares its host's memory
+with everything else on it, so it never takes a fraction of it unasked)."""
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -69,8 +76,10 @@ class EngineConfig:
         "more); 0 = off (only --max-num-batched-tokens bounds a step)"))
     max_model_len: int | None = field(default=None, metadata=about(
         "context limit (tokens); unset = the model's"))
-    kv_cache_memory: int | float | str = field(default="1GiB", metadata=about(
-        "KV cache budget: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.2"))
+    kv_cache_memory: int | float | str = field(default="auto", metadata=about(
+        "KV cache budget: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.2; auto = "
+        "1GiB on CPU, on CUDA what --gpu-memory-utilization leaves after a profiling run. "
+        "Given, it wins over --gpu-memory-utilization"))
     enable_prefix_caching: bool = field(default=True, metadata=about(
         "reuse the KV of shared prompt prefixes (vLLM's flag)"))
     enable_chunked_prefill: bool = field(default=True, metadata=about(
@@ -87,8 +96,10 @@ class EngineConfig:
     hash_algorithm: str = field(default="sha256", metadata=about("block hash algorithm"))
     hash_root_seed: str = field(default="pdmesh", metadata=about("block hash chain root"))
     gpu_memory_utilization: float | None = field(default=None, metadata=about(
-        "CUDA: fraction of GPU memory this engine may use, weights and everything already in "
-        "use included; the KV cache gets the rest (replaces --kv-cache-memory; vLLM's flag)"))
+        "CUDA: the fraction of the GPU's memory this engine may use, weights, activations, "
+        "CUDA graphs and KV cache together (vLLM's flag); the KV cache gets what a profiling "
+        "run at start-up leaves. Unset = 0.9; unused when --kv-cache-memory is given. Engines "
+        "sharing a GPU each take their own fraction"))
     # Engines behind a router never read it: the router resolves sampling defaults.
     generation_config: str = field(default="auto", metadata=about(
         "offline LLM only: where default sampling comes from (auto | vllm | a directory, "
@@ -122,7 +133,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8/16/32/64/128, got {self.block_size}")
-        parse_memory(self.kv_cache_memory, available=1)  # raises on what it cannot read
+        if self.kv_cache_memory != AUTO:
+            parse_memory(self.kv_cache_memory, available=1)  # raises on what it cannot read
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,19 +169,24 @@ class EngineConfig:
 
         check_source(self.generation_config)
 
-    def kv_budget(self, free: int, total: int, cuda: bool) -> int:
-        """KV cache bytes, given the device's `free` and `total` memory once the weights are
-        loaded: gpu_memory_utilization x total minus what is in use (CUDA, when set), else
-        kv_cache_memory (bytes, or a fraction of `free`)."""
-        if cuda and self.gpu_memory_utilization is not None:
-            budget = int(self.gpu_memory_utilization * total) - (total - free)
-            if budget <= 0:
-                raise ValueError(
-                    f"gpu_memory_utilization: {self.gpu_memory_utilization} of "
-                    f"{total / 2**30:.1f} GiB leaves nothing for the KV cache; "
-                    f"{(total - free) / 2**30:.1f} GiB are in use already")
-            return budget
-        return parse_memory(self.kv_cache_memory, free)
+    def profiles_memory(self, device: torch.device) -> bool:
+        """Whether the KV cache is sized by `--gpu-memory-utilization` after a profiling run
+        (CUDA with no --kv-cache-memory given) rather than by `kv_budget`."""
+        return device.type == "cuda" and self.kv_cache_memory == AUTO
+
+    @property
+    def memory_utilization(self) -> float:
+        """`--gpu-memory-utilization`, or vLLM's default when unset."""
+        if self.gpu_memory_utilization is None:
+            return DEFAULT_GPU_MEMORY_UTILIZATION
+        return self.gpu_memory_utilization
+
+    def kv_budget(self, free: int) -> int:
+        """KV cache bytes by `--kv-cache-memory` (bytes, or a fraction of `free`, the memory
+        free once the weights are loaded); auto is 1GiB, what a CPU engine takes by default.
+        A CUDA engine with auto profiles instead (`profiles_memory`)."""
+        value = CPU_KV_CACHE_MEMORY if self.kv_cache_memory == AUTO else self.kv_cache_memory
+        return parse_memory(value, free)
 
     def use_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:

@@ -14,6 +14,12 @@ import msgspec
 
 from pdmesh.kvstore.connector.source import LoadResult
 
+SELFCHECK_FEATURES = ("cuda_graphs", "attention", "layer_ops", "async_scheduling")
+"""What the start-up self-check (engine/worker/selfcheck.py) may turn off when its check fails:
+decode CUDA graphs (eager steps), the attention kernels and the fused layer ops (the torch
+reference instead) and async scheduling (synchronous sampling). One name each, everywhere:
+`CoreInfo`, GetInfo and the `engine_selfcheck_fallback` metric's `feature` label."""
+
 
 class RawLogprob(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Raw logprob of one chosen token: its value, 1-based rank, and the top-k alternatives
@@ -117,3 +123,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     kv_cache_ipc: str = ""
     """A CUDA cache's IPC description (`kvstore/connector/cuda_ipc.py`): peer cores on the
     node copy blocks device to device; empty on CPU or when it cannot be shared."""
+    selfcheck: str = ""
+    """The start-up self-check's one-line outcome (engine/worker/selfcheck.py); empty when
+    it did not run."""
+    selfcheck_fallbacks: tuple[str, ...] = ()
+    """The features (`SELFCHECK_FEATURES`) this core turned off because a check failed."""

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdmesh.engine.core_types import SELFCHECK_FEATURES
 from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.watchdog import CoreWatchdog
@@ -47,6 +48,12 @@ class KVCounters:
             self.transfers_received += 1
 
 
+def selfcheck_gauges(fallbacks: tuple[str, ...]) -> dict[str, bool]:
+    """Every self-check feature, True where the core fell back from it: the metric shows
+    each feature, 0 included, so a dashboard can tell "checked, fine" from "not reported"."""
+    return {feature: feature in fallbacks for feature in SELFCHECK_FEATURES}
+
+
 class EngineService:
     """Identity, static info and live load of one engine instance (shared by servicers)."""
 
@@ -80,6 +87,8 @@ class EngineService:
             max_model_len=self.engine.max_model_len,
             kv_capacity_tokens=self.engine.num_total_blocks * self.engine.block_size,
             kv_backends=list(self.kv_backends),
+            selfcheck=self.engine.info.selfcheck,
+            selfcheck_fallbacks=list(self.engine.info.selfcheck_fallbacks),
         )
 
     def load(self) -> engine_pb2.EngineLoad:
@@ -129,6 +138,7 @@ class EngineService:
             predicted_step_seconds=snap.predicted_step_seconds,
             predicted_steps_actual_seconds=snap.predicted_steps_actual_seconds,
             itl_target_seconds=snap.itl_target_seconds,
+            selfcheck_fallbacks=selfcheck_gauges(self.engine.info.selfcheck_fallbacks),
         )
 
     def load_figures(self) -> dict[str, float]:

@@ -14,7 +14,9 @@ Backends (`--attention-backend`):
 | `torch`      | anywhere                         | the plain-torch reference (torch_ref.py)     |
 
 Choosing and building one is `backend_selection.py`'s: it imports the backends, which import
-this module, so this module imports none of them.
+this module, so this module imports none of them. What a backend's kernels cannot take (the
+block sizes of `BLOCK_SIZES`) is declared here, where selection reads it without importing the
+backend (and triton with it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,42 @@ import torch
 from pdmesh.kernels import torch_ref
 from pdmesh.kernels.backend_names import BACKEND_NAMES
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "TorchAttentionBackend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "BLOCK_SIZES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttentionBackend",
+    "block_size_unsupported_reason",
+    "host_to_device",
+]
+
+BLOCK_SIZES: dict[str, tuple[int, ...]] = {"triton": (16, 32, 64, 128)}
+"""The KV block sizes a backend's kernels run with, for the backends that cannot take every
+size the config allows. Triton's: a block is a `tl.dot` operand dimension, which must be at
+least 16 on a GPU (the interpreter does not enforce it, so CPU tests cannot catch a smaller
+one), and a `tl.arange` length, a power of two."""
+
+
+def block_size_unsupported_reason(name: str, block_size: int) -> str | None:
+    """Why backend `name` cannot run with `block_size`-token KV blocks, or None when it can:
+    the one rule backend selection and the kernels themselves both apply."""
+    sizes = BLOCK_SIZES.get(name)
+    if sizes is None or block_size in sizes:
+        return None
+    return (f"the {name} kernels need block_size in {'/'.join(map(str, sizes))}, "
+            f"got {block_size}")
+
+
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device` without blocking: on CUDA from pinned
+    memory with `non_blocking=True` (torch's pinned allocator keeps the block until the copy is
+    done), where a plain `torch.tensor(..., device=cuda)` waits for the copy and so for
+    everything queued before it."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
@@ -42,6 +79,10 @@ class AttentionMetadata:
     prefill_query_start_loc: list[int]  # offsets into the prefill rows, len = num_prefills + 1
     prefill_seq_lens: list[int]  # context length incl. the chunk, per prefill sequence
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
+    # The two prefill lists on the device (int64), when whoever built the step staged them
+    # with its inputs (the input batch does); None: `prefill_tensors` copies them over.
+    prefill_query_start_loc_tensor: torch.Tensor | None = None
+    prefill_seq_lens_tensor: torch.Tensor | None = None
     # Derived tensors a backend builds once per step and reuses in every layer.
     step_cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
@@ -54,6 +95,21 @@ class AttentionMetadata:
         if key not in self.step_cache:
             self.step_cache[key] = build()
         return self.step_cache[key]
+
+    def prefill_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc, seq_lens) of the prefill chunks as int64 tensors on `device`,
+        once per step: the staged ones, else copied from the host lists without blocking, so
+        a step with a prompt chunk does not wait for the device."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            qsl, lens = self.prefill_query_start_loc_tensor, self.prefill_seq_lens_tensor
+            if qsl is None:
+                qsl = host_to_device(self.prefill_query_start_loc, device)
+            if lens is None:
+                lens = host_to_device(self.prefill_seq_lens, device)
+            return qsl, lens
+
+        return self.cached("prefill_tensors", build)  # type: ignore[return-value]
 
 
 class AttentionBackend(Protocol):

@@ -1,8 +1,13 @@
 """Choosing an attention backend (`--attention-backend`, the names in `backend.py`) for this
 machine, and building it.
 
-`auto` picks the first of flash-attn → triton that can run on a CUDA device, and `cpu` on a
-CPU. Asking for a backend that cannot run here is a start-up `ValueError` naming the reason.
+`auto` picks triton on a CUDA device (the torch reference where triton is absent or cannot
+take the configured block size, said in the log), and `cpu` on a CPU. It never picks
+flash-attn: upstream flash-attn reads a paged cache only in blocks of 256 tokens, a size no
+config allows, so every decode step would fall back to eager Triton, and as a backend CUDA
+graphs cannot capture, flash-attn also turns the graphs off. With flash-attn installed, decode
+got slower; asked for by name, it still runs (its prompt-only prefill kernels are fast).
+Asking for a backend that cannot run here is a start-up `ValueError` naming the reason.
 
 A module apart from `backend.py` (the interface every backend imports) because it imports the
 backends: in one module the two were an import cycle. Each backend is imported when it is built,
@@ -12,12 +17,24 @@ so a machine without triton or flash-attn still selects among the others.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-from pdmesh.kernels.backend import BACKEND_NAMES, AttentionBackend, TorchAttentionBackend
+from pdmesh.kernels.backend import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    TorchAttentionBackend,
+    block_size_unsupported_reason,
+)
+
+logger = logging.getLogger(__name__)
+
+AUTO_CUDA = ("triton", "torch")
+"""What `auto` tries on CUDA, in order (flash-attn is left out on purpose: see above); on any
+other device it takes `cpu`."""
 
 _ALIASES = {"flash_attn": "flash-attn", "flashattn": "flash-attn", "flash": "flash-attn"}
 
@@ -43,8 +60,10 @@ def current_environment(device: torch.device | str | None = None) -> Environment
     )
 
 
-def unavailable_reason(name: str, env: Environment) -> str | None:
-    """Why backend `name` cannot run in `env`, or None when it can."""
+def unavailable_reason(name: str, env: Environment, block_size: int | None = None
+                       ) -> str | None:
+    """Why backend `name` cannot run in `env` with `block_size`-token KV blocks (None: any
+    size), or None when it can."""
     cuda = env.device_type == "cuda"
     if name == "flash-attn":
         if not cuda:
@@ -61,39 +80,55 @@ def unavailable_reason(name: str, env: Environment) -> str | None:
             return "the cpu backend runs on CPU tensors only"
     elif name != "torch":
         return f"unknown backend (known: {', '.join(BACKEND_NAMES)})"
+    if block_size is not None:
+        return block_size_unsupported_reason(name, block_size)
     return None
 
 
-def available_backends(env: Environment | None = None) -> list[str]:
+def available_backends(env: Environment | None = None, block_size: int | None = None
+                       ) -> list[str]:
     env = env or current_environment()
-    return [name for name in BACKEND_NAMES if unavailable_reason(name, env) is None]
+    return [name for name in BACKEND_NAMES if unavailable_reason(name, env, block_size) is None]
 
 
-def select_backend(requested: str | None, env: Environment) -> str:
-    """The backend name to use for `requested` ("auto"/None or a name) in `env`."""
+def select_backend(requested: str | None, env: Environment, block_size: int | None = None
+                   ) -> str:
+    """The backend name to use for `requested` ("auto"/None or a name) in `env`, with
+    `block_size`-token KV blocks (None: not known, any size)."""
     name = _ALIASES.get((requested or "auto").lower(), (requested or "auto").lower())
     if name == "auto":
-        order = ("flash-attn", "triton", "torch") if env.device_type == "cuda" else ("cpu",)
-        return next(n for n in order if unavailable_reason(n, env) is None)
-    reason = unavailable_reason(name, env)
+        skipped: list[str] = []
+        for candidate in AUTO_CUDA if env.device_type == "cuda" else ("cpu",):
+            reason = unavailable_reason(candidate, env, block_size)
+            if reason is None:
+                if skipped:
+                    logger.warning("attention backend auto: %s; using %s",
+                                   "; ".join(skipped), candidate)
+                return candidate
+            skipped.append(reason)
+        return "torch"
+    reason = unavailable_reason(name, env, block_size)
     if reason is not None:
         raise ValueError(
             f"attention_backend {requested!r} cannot run here: {reason}; "
-            f"available here: {available_backends(env)}"
+            f"available here: {available_backends(env, block_size)}"
         )
     return name
 
 
 def get_attention_backend(
-    name: str | None = None, device: torch.device | str | None = None
+    name: str | None = None,
+    device: torch.device | str | None = None,
+    block_size: int | None = None,
 ) -> AttentionBackend:
     """Pick a backend by name, or automatically (`None`/"auto"), for tensors on `device`
-    (default: CUDA when present)."""
-    chosen = select_backend(name, current_environment(device))
+    (default: CUDA when present) and a KV cache of `block_size`-token blocks (pass it: a
+    backend whose kernels cannot take it is then refused here, not at the first step)."""
+    chosen = select_backend(name, current_environment(device), block_size)
     if chosen == "flash-attn":
         from pdmesh.kernels.flash_attn_backend import FlashAttnBackend
 
-        return FlashAttnBackend()
+        return FlashAttnBackend(block_size=block_size)
     if chosen == "triton":
         from pdmesh.kernels.triton_attention import TritonAttentionBackend
 

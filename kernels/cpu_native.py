@@ -30,14 +30,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c", CSRC / "kv_blocks_cpu.c")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
@@ -193,6 +195,8 @@ def library() -> ctypes.CDLL | None:
         ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
         ("pdmesh_silu_and_mul_f32", [ptr] * 2 + [i64] * 2),
         ("pdmesh_rope_f32", [ptr] * 4 + [i64] * 6),
+        ("pdmesh_kv_blocks_xxh64", [ptr] + [i64] * 3 + [ptr, i64, ptr, i64]),
+        ("pdmesh_kv_copy_blocks_xxh64", [ptr, i64, ptr] + [i64] * 3 + [ptr, ptr, i64, ptr, i64]),
     ):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -343,6 +347,68 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
     _check(lib.pdmesh_rope_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)), "rope")
+
+
+# -- KV blocks: per-block XXH64 and the pull that hashes while it copies (csrc/kv_blocks_cpu.c) ---
+def supports_kv_blocks(*caches: torch.Tensor) -> bool:
+    """Whether the native block hash can take these caches: on the CPU, contiguous
+    `[layers, 2, blocks, ...]` (any dtype: it hashes bytes)."""
+    return (all(c.device.type == "cpu" and c.dim() >= 3 and c.shape[2] > 0 and c.is_contiguous()
+                for c in caches)
+            and library() is not None)
+
+
+def _kv_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(pieces per block, blocks, bytes per piece) of a `[layers, 2, blocks, ...]` cache."""
+    layers, kv, blocks = cache.shape[:3]
+    piece_bytes = cache[0, 0, 0].numel() * cache.element_size()
+    return layers * kv, blocks, piece_bytes
+
+
+def _ids(block_ids: Sequence[int]) -> np.ndarray:
+    return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+
+
+def _check_kv(code: int, op: str) -> None:
+    if code == 3:
+        raise IndexError(f"{op}: a block id lies outside its cache")
+    if code != 0:
+        raise RuntimeError(f"native {op} failed (code {code}: 1 bad shape, 4 a big-endian "
+                           "build)")
+
+
+def kv_blocks_xxh64(cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """XXH64 (seed 0) of each block's (layer, K/V) pieces in order, in one call: equal to
+    `xxhash.xxh64()` updated with the pieces (see `supports_kv_blocks`)."""
+    lib = library()
+    assert lib is not None, "check supports_kv_blocks() first"
+    pieces, blocks, piece_bytes = _kv_geometry(cache)
+    ids = _ids(block_ids)
+    out = np.empty(len(ids), dtype=np.uint64)
+    _check_kv(lib.pdmesh_kv_blocks_xxh64(cache.data_ptr(), pieces, blocks, piece_bytes,
+                                         ids.ctypes.data, len(ids), out.ctypes.data,
+                                         max(torch.get_num_threads(), 1)), "block hash")
+    return out.tolist()
+
+
+def kv_copy_blocks_xxh64(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
+                         src_ids: Sequence[int]) -> list[int]:
+    """dst[:, :, dst_ids] = src[:, :, src_ids] and the XXH64 of each block written, in one
+    pass over the bytes (each stripe hashed from the registers that stored it)."""
+    lib = library()
+    assert lib is not None, "check supports_kv_blocks() first"
+    pieces, dst_blocks, piece_bytes = _kv_geometry(dst)
+    src_pieces, src_blocks, src_piece_bytes = _kv_geometry(src)
+    if (src_pieces, src_piece_bytes) != (pieces, piece_bytes) or len(src_ids) != len(dst_ids):
+        raise ValueError(f"block copy: {len(src_ids)} blocks of {tuple(src.shape)} "
+                         f"{src.dtype} into {len(dst_ids)} of {tuple(dst.shape)} {dst.dtype}")
+    d, s = _ids(dst_ids), _ids(src_ids)
+    out = np.empty(len(d), dtype=np.uint64)
+    _check_kv(lib.pdmesh_kv_copy_blocks_xxh64(
+        dst.data_ptr(), dst_blocks, src.data_ptr(), src_blocks, pieces, piece_bytes,
+        d.ctypes.data, s.ctypes.data, len(d), out.ctypes.data,
+        max(torch.get_num_threads(), 1)), "block copy")
+    return out.tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@
 Upstream flash-attn 2 reads a paged cache only when a page holds a multiple of 256 tokens
 (`PAGED_BLOCK_MULTIPLE`), and computes in fp16/bf16 only. Steps or parts it cannot take —
 paged reads with smaller blocks, float32 — go to the Triton kernels (or the torch reference
-when Triton is absent), so the backend is always correct and flash-attn does what it can.
+when Triton is absent or cannot take the block size), so the backend is always correct and
+flash-attn does what it can. Since every block size the config allows is below 256, that
+means every decode step: `auto` never picks this backend (see backend_selection.py).
 
 flash-attn is imported when the backend is built, never at module import, so this module
 can be imported (and the selection logic tested) on machines without it.
@@ -23,7 +25,12 @@ import logging
 import torch
 
 from pdmesh.kernels import torch_ref
-from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pdmesh.kernels.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    block_size_unsupported_reason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +38,11 @@ PAGED_BLOCK_MULTIPLE = 256
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _fallback() -> AttentionBackend:
-    if importlib.util.find_spec("triton") is not None:
+def _fallback(block_size: int | None) -> AttentionBackend:
+    """Triton where it is installed and takes `block_size` (None: unknown, assume it does),
+    else the torch reference."""
+    triton_takes = block_size is None or block_size_unsupported_reason("triton", block_size) is None
+    if triton_takes and importlib.util.find_spec("triton") is not None:
         from pdmesh.kernels.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
@@ -42,13 +52,15 @@ def _fallback() -> AttentionBackend:
 class FlashAttnBackend:
     name = "flash-attn"
 
-    def __init__(self, paged_block_multiple: int = PAGED_BLOCK_MULTIPLE) -> None:
+    def __init__(
+        self, paged_block_multiple: int = PAGED_BLOCK_MULTIPLE, block_size: int | None = None
+    ) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self.paged_block_multiple = paged_block_multiple
-        self.fallback = _fallback()
+        self.fallback = _fallback(block_size)
         self._warned = False
 
     def _note_fallback(self, why: str) -> None:
@@ -120,18 +132,17 @@ class FlashAttnBackend:
         prefixed: bool,
     ) -> torch.Tensor:
         qsl = meta.prefill_query_start_loc
-        device = query.device
-        cu_q = meta.cached("fa.cu_q", lambda: torch.tensor(qsl, dtype=torch.int32, device=device))
+        # On the device already (staged, or copied without blocking): int32 and the
+        # cumulative key lengths are device ops, so a prompt chunk never waits for the GPU.
+        query_start_loc, seq_lens = meta.prefill_tensors(query.device)
+        cu_q = meta.cached("fa.cu_q", lambda: query_start_loc.int())
         max_q = max(b - a for a, b in itertools.pairwise(qsl))
         if not prefixed:
             return self._varlen(
                 query, key, value, cu_q, cu_q, max_q, max_q, softmax_scale=scale, causal=True
             )
         cu_k = meta.cached(
-            "fa.cu_k",
-            lambda: torch.tensor(
-                [0, *itertools.accumulate(meta.prefill_seq_lens)], dtype=torch.int32, device=device
-            ),
+            "fa.cu_k", lambda: torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).int()
         )
         tables = meta.cached("fa.prefill_tables", lambda: meta.prefill_block_tables.int())
         # Causal masks are aligned bottom-right: query i of a chunk sees its prefix + i + 1.

@@ -16,6 +16,12 @@ num_kv_heads, head_dim]`, contiguous):
   table (every prefix token is visible to every query), then causally to the chunk's own K/V,
   read from the step's contiguous `key`/`value` rows.
 
+A KV block is a `tl.dot` dimension, so the kernels take only the block sizes
+`backend.BLOCK_SIZES["triton"]` names (backend selection refuses the others at start-up).
+Arguments that change from step to step (the block table's row stride, the split sizes) are
+`do_not_specialize`: Triton would otherwise compile another variant mid-serving each time one
+of them happens to be 1 or a multiple of 16.
+
 All three use online softmax in base 2 with float32 accumulation. They run on CPU under
 `TRITON_INTERPRET=1`, which is how the tests check them against `torch_ref`. Triton reads
 that flag when `triton` itself is imported (its library functions are `@triton.jit` too) and
@@ -26,14 +32,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from pdmesh.kernels.backend import AttentionMetadata
+from pdmesh.kernels.backend import BLOCK_SIZES, AttentionMetadata, block_size_unsupported_reason
 
 _LOG2E = 1.0 / math.log(2.0)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
@@ -57,6 +62,9 @@ def _check_cache(kv_layer: torch.Tensor) -> tuple[int, int, int, int]:
     if kv_layer.dim() != 5 or kv_layer.shape[0] != 2 or not kv_layer.is_contiguous():
         raise ValueError("kv_layer must be a contiguous [2, blocks, block_size, kv_heads, dim]")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    why_not = block_size_unsupported_reason("triton", block_size)
+    if why_not is not None:
+        raise ValueError(why_not)
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
@@ -141,7 +149,7 @@ def reshape_and_cache(
 # -- decode -----------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -225,7 +233,7 @@ def _decode_kernel(
         tl.store(part_sum_ptr + part, row_sum, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr,
     part_acc_ptr,
@@ -353,7 +361,7 @@ def paged_decode_attention(
 # -- prefill / extend -------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -519,29 +527,20 @@ def paged_prefill_attention(
 # -- the backend --------------------------------------------------------------------------------
 
 
-def _prefill_tensors(meta: AttentionMetadata, device: torch.device) -> _PrefillTensors:
-    def build() -> _PrefillTensors:
-        qsl = meta.prefill_query_start_loc
-        return _PrefillTensors(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(meta.prefill_seq_lens, dtype=torch.int32, device=device),
-            max_query_len=max((b - a for a, b in itertools.pairwise(qsl)), default=0),
-        )
-
-    return meta.cached("triton.prefill", build)  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class _PrefillTensors:
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    max_query_len: int
+def _max_query_len(meta: AttentionMetadata) -> int:
+    """The longest prompt chunk of the step (the prefill grid's height), once per step."""
+    qsl = meta.prefill_query_start_loc
+    return meta.cached(  # type: ignore[return-value]
+        "triton.max_query_len",
+        lambda: max((b - a for a, b in itertools.pairwise(qsl)), default=0),
+    )
 
 
 class TritonAttentionBackend:
     """Cache write, decode rows and prefill chunks, each one kernel launch per layer."""
 
     name = "triton"
+    block_sizes = BLOCK_SIZES["triton"]
 
     def forward(
         self,
@@ -565,16 +564,16 @@ class TritonAttentionBackend:
                 out=out[:nd],
             )
         if meta.num_prefills:
-            pt = _prefill_tensors(meta, query.device)
+            query_start_loc, seq_lens = meta.prefill_tensors(query.device)
             paged_prefill_attention(
                 query[nd:],
                 key[nd:],
                 value[nd:],
                 kv_layer,
                 meta.prefill_block_tables,
-                pt.query_start_loc,
-                pt.seq_lens,
-                pt.max_query_len,
+                query_start_loc,
+                seq_lens,
+                _max_query_len(meta),
                 scale,
                 out=out[nd:],
             )

@@ -5,6 +5,10 @@ the tensors' strides, so q and k may stay views of the fused QKV output), and pe
 block) (SiLU-and-mul). Every reduction and activation runs in float32 and stores in the
 tensor's dtype. Launch parameters depend on shapes only, never on values, so the launches can
 be captured in a CUDA graph.
+
+Row offsets are computed in int64 (`_row_offset`): program ids are int32, and a row index
+times a row stride passes 2^31 within one step (75k tokens of an 8B model's 28,672-wide
+gate/up rows), where int32 arithmetic would wrap to a negative address.
 """
 
 from __future__ import annotations
@@ -15,24 +19,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_offset(index, stride):
+    """`index * stride` in int64, whatever the integer types of the two."""
+    return index.to(tl.int64) * stride
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, x_stride, res_stride, out_stride, n_cols,
                      eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + _row_offset(row, x_stride) + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        res_row = res_ptr + _row_offset(row, res_stride)
+        r = tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
         x = x + r
-        tl.store(res_ptr + row * res_stride + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+        tl.store(res_row + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
         # The reference normalises the residual as stored (rounded to its dtype).
         x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / n_cols
     # Rounded to the output dtype before the weight multiplies it, as the reference does.
     normed = (x * tl.rsqrt(mean_sq + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + _row_offset(row, out_stride) + cols,
+             (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -42,11 +53,12 @@ def _rope_kernel(t_ptr, cos_ptr, sin_ptr, t_stride_tok, t_stride_head, cs_stride
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < half
-    base = t_ptr + tok * t_stride_tok + head * t_stride_head
+    base = t_ptr + _row_offset(tok, t_stride_tok) + head * t_stride_head
     a = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    cs = _row_offset(tok, cs_stride)
+    c = tl.load(cos_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(base + offs, (a * c - b * s).to(t_ptr.dtype.element_ty), mask=mask)
     tl.store(base + half + offs, (b * c + a * s).to(t_ptr.dtype.element_ty), mask=mask)
 
@@ -56,11 +68,12 @@ def _silu_and_mul_kernel(in_ptr, out_ptr, in_stride, out_stride, n_cols, BLOCK: 
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(in_ptr + row * in_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(in_ptr + row * in_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    in_row = in_ptr + _row_offset(row, in_stride)
+    gate = tl.load(in_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(in_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * out_stride + cols, (silu * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + _row_offset(row, out_stride) + cols,
+             (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ pdmesh serve [MODEL]    a whole local mesh (redis, router, prefill, decode, Open
 pdmesh router|prefill|decode ...   one service alone, for deployments
 pdmesh model path smollm2          where a model alias lives on disk (converted once)
 pdmesh generate "prompt"           offline generation with the local engine
+pdmesh selftest [--model M]        this node's kernels against the reference, and greedy
+                                   parity with transformers on random weights (a table)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _COMPONENTS = {
     "gateway": "pdmesh.gateway.server",
     "bench": "pdmesh.bench_cli",
     "ask": "pdmesh.client",
+    "selftest": "pdmesh.selftest",
 }
 
 

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -260,6 +260,8 @@ class EngineState:
     predicted_step_seconds: float = 0.0
     predicted_steps_actual_seconds: float = 0.0
     itl_target_seconds: float = 0.0
+    selfcheck_fallbacks: dict[str, bool] = field(default_factory=dict)
+    """Per feature of the engine core's start-up self-check: True where it fell back."""
 
 
 class EngineCollector:
@@ -318,6 +320,15 @@ class EngineCollector:
         yield gauge("engine_itl_target_seconds", "The step time the scheduler kept the last "
                     "step with running streams to (--itl-target-ms, "
                     "engine/scheduling/step_budget.py); 0 before any", s.itl_target_seconds)
+        if s.selfcheck_fallbacks:
+            fallback = GaugeMetricFamily(
+                metric_name("engine_selfcheck_fallback"),
+                "1 where the engine core's start-up self-check failed and the feature is off "
+                "(served by the reference path instead), 0 where it passed "
+                "(engine/worker/selfcheck.py)", labels=[*ENGINE_LABELS, "feature"])
+            for feature, off in s.selfcheck_fallbacks.items():
+                fallback.add_metric([*role, feature], 1.0 if off else 0.0)
+            yield fallback
         if s.index_up is not None:
             yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
                         "answers, 0 while unregistered or Redis is unreachable",

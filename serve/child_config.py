@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdmesh.config import build_config, config_argv, settings, values_of
 from pdmesh.decode_svc.config import DecodeConfig
+from pdmesh.engine.config import AUTO, DEFAULT_GPU_MEMORY_UTILIZATION
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.prefill_svc.config import PrefillConfig
 from pdmesh.router.config import RouterConfig
@@ -60,16 +61,40 @@ def child_argv(cls: type, mesh: MeshConfig, placement: Mapping[str, Any]) -> lis
 
 
 def engine_placement(kind: str, mesh: MeshConfig, *, redis_url: str, port: int = 0,
-                     metrics_port: int = 0, cpu_threads: int | None = None) -> dict[str, Any]:
+                     metrics_port: int = 0, cpu_threads: int | None = None,
+                     memory: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Where an engine of `kind` (prefill, decode or colocated) serves; `cpu_threads`: its
-    share of this host's CPUs, if `pdmesh serve` chose one."""
+    share of this host's CPUs, if `pdmesh serve` chose one; `memory`: its KV budget settings
+    (`engine_memory`)."""
     placement: dict[str, Any] = {"model": mesh.model, "host": mesh.host, "port": port,
                                  "metrics_port": metrics_port, "redis_url": redis_url}
     if kind == "colocated":
         placement["role"] = "colocated"
     if cpu_threads is not None:
         placement["cpu_threads"] = cpu_threads
+    placement.update(memory or {})
     return placement
+
+
+SERVE_CPU_KV_CACHE_MEMORY = "512MiB"
+"""`pdmesh serve --kv-cache-memory auto` on CPU: half an engine's own default, as several
+engines share the host."""
+
+
+def engine_memory(mesh: MeshConfig, on_cuda: bool) -> dict[str, Any]:
+    """Each engine's KV budget settings when `--kv-cache-memory` is auto (none otherwise: the
+    given budget is handed on by name). On CPU a fixed budget; on CUDA every engine runs on
+    the same GPU, so each takes `--gpu-memory-utilization` when given (vLLM's per-instance
+    meaning), else an equal part of vLLM's default 0.9: their shares must add up to at most
+    the whole GPU, or the later ones find their share taken at start-up."""
+    if mesh.kv_cache_memory != AUTO:
+        return {}
+    if not on_cuda:
+        return {"kv_cache_memory": SERVE_CPU_KV_CACHE_MEMORY}
+    if mesh.engine.gpu_memory_utilization is not None:
+        return {}
+    engines = mesh.num_prefill + mesh.num_decode
+    return {"gpu_memory_utilization": round(DEFAULT_GPU_MEMORY_UTILIZATION / engines, 4)}
 
 
 def router_placement(mesh: MeshConfig, *, redis_url: str, port: int, metrics_port: int,

@@ -26,12 +26,15 @@ class MeshConfig:
     the OpenAI HTTP port, the model is positional), pdmesh's own for the mesh's shape."""
 
     # The mesh's own: the model and KV budget of every engine (a smaller default budget than
-    # one engine alone: several share this host); `engine` takes them over.
+    # one engine alone: several share this host or GPU, serve/child_config.py's
+    # `engine_memory`); `engine` takes them over.
     model: str = field(default="smollm2", metadata=about(
         "model alias, HF-format directory or Hugging Face Hub id (also positional: pdmesh "
         "serve MODEL)"))
-    kv_cache_memory: int | float | str = field(default="512MiB", metadata=about(
-        "KV budget per engine: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.5"))
+    kv_cache_memory: int | float | str = field(default="auto", metadata=about(
+        "KV budget per engine: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.5; "
+        "auto = 512MiB on CPU, on CUDA a profiled share of the GPU per engine: "
+        "--gpu-memory-utilization each when given, else 0.9 divided among the engines"))
     served_model_name: str = field(default="", metadata=about(
         "the name clients ask for (/v1/models id); empty = the model argument"))
     num_prefill: int = field(default=1, metadata=about("prefill processes"))

@@ -51,6 +51,7 @@ from pdmesh.serve.child import Child, Endpoint, pdmesh_command
 from pdmesh.serve.child_config import (
     ENGINE_CONFIGS,
     child_argv,
+    engine_memory,
     engine_placement,
     gateway_placement,
     router_placement,
@@ -120,8 +121,10 @@ class LocalMesh:
         colocated); `endpoint`: the ports a restarted engine keeps."""
         port, metrics_port = (endpoint.port, endpoint.metrics_port) if endpoint else (0, 0)
         threads = None if self.config.engine.cpu_threads is not None else self._cpu_share()
+        memory = engine_memory(self.config, engines_use_cuda(self.config.engine.device))
         placement = engine_placement(kind, self.config, redis_url=self.redis_url, port=port,
-                                     metrics_port=metrics_port, cpu_threads=threads)
+                                     metrics_port=metrics_port, cpu_threads=threads,
+                                     memory=memory)
         return child_argv(ENGINE_CONFIGS[kind], self.config, placement)
 
     def _cpu_share(self) -> int | None:

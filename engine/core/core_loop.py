@@ -27,6 +27,7 @@ import msgspec
 import torch
 
 from pdmesh.engine.core.engine_core import EngineCore
+from pdmesh.engine.core.startup import make_device_current
 from pdmesh.engine.core_protocol import (
     Abort,
     Add,
@@ -128,6 +129,9 @@ class CoreLoop:
 
     def run(self) -> None:
         """Until a `Shutdown` command; every request still in the core is aborted then."""
+        # CUDA's current device is per thread: a core stepped on a thread of its own
+        # (`--no-engine-core-process`) must make its device current there too.
+        make_device_current(self.core.device)
         idle = True
         while True:
             unanswered = False

@@ -55,11 +55,38 @@ from pdmesh.engine.structured.grammar import GrammarCompiler, GrammarMatcher
 from pdmesh.engine.structured_output import StructuredOutput
 from pdmesh.engine.worker.in_flight import InFlightStep
 from pdmesh.engine.worker.model_runner import ModelRunner
+from pdmesh.engine.worker.models.llama import ModelConfig
 from pdmesh.engine.worker.sampler import Sampler
+from pdmesh.engine.worker.selfcheck import (
+    apply_fallbacks,
+    engine_selfcheck,
+    fallback_layer_ops,
+    with_runner_capture,
+)
 from pdmesh.engine.worker.step_sampling import StepSampler
 from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
+
+
+def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int,
+                    mc: ModelConfig) -> Scheduler:
+    """The scheduler an engine of this config and model shape runs: its limits, its ITL target
+    and a step-cost model weighted by the model's attention share."""
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            itl_target=ItlTarget.from_ms(config.itl_target_ms, min_prefill_tokens(
+                config.max_num_batched_tokens, config.block_size)),
+        ),
+        kv_manager,
+        max_model_len,
+        StepCostModel(attention_weight(mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                       mc.hidden_size, mc.intermediate_size)),
+    )
 
 
 class EngineCore:
@@ -67,9 +94,13 @@ class EngineCore:
                  connector: KVConnectorConfig | None = None) -> None:
         """`connector`: lend and pull KV blocks from this core (the engine services' roles);
         None for an engine that only generates (offline `LLM`)."""
-        self.config = config
         self.eos_token_ids = set(eos_token_ids)
         setup = set_up_engine(config, connector)
+        # The accelerator paths checked on a probe before anything is built on them; what
+        # failed is off in the config the runner is built from (engine/worker/selfcheck.py).
+        selfcheck = engine_selfcheck(config, setup.model, setup.device)
+        config = apply_fallbacks(config, selfcheck.fallbacks)
+        self.config = config
         self.model_dir, self.device, self.dtype = setup.model_dir, setup.device, setup.dtype
         self.model, self.model_config, self.hf_config = (
             setup.model, setup.model_config, setup.hf_config)
@@ -77,33 +108,24 @@ class EngineCore:
         self.max_model_len, self.capacity_summary = setup.max_model_len, setup.capacity_summary
         self.kv_manager = KVCacheManager(setup.num_blocks, self.scheme,
                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                itl_target=ItlTarget.from_ms(config.itl_target_ms, min_prefill_tokens(
-                    config.max_num_batched_tokens, config.block_size)),
-            ),
-            self.kv_manager,
-            self.max_model_len,
-            StepCostModel(attention_weight(
-                self.model_config.num_heads, self.model_config.num_kv_heads,
-                self.model_config.head_dim, self.model_config.hidden_size,
-                self.model_config.intermediate_size)),
-        )
+        self.scheduler = build_scheduler(config, self.kv_manager, self.max_model_len,
+                                         self.model_config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.async_scheduling = config.use_async_scheduling(self.device)
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.kv_manager,
-            get_attention_backend(config.attention_backend, self.device), self.device,
+            get_attention_backend(config.attention_backend, self.device,
+                                  block_size=config.block_size), self.device,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enforce_eager=config.enforce_eager,
             sampling=StepSampler(self.sampler, self.eos_token_ids, self.device),
             async_scheduling=self.async_scheduling,
+            max_model_len=self.max_model_len,
         )
+        if (ops := fallback_layer_ops(selfcheck.fallbacks)) is not None:
+            self.runner.model.ops = ops
+        selfcheck = with_runner_capture(selfcheck, self.runner)
         self.requests: dict[str, CoreRequest] = {}
         samples = SampleMaker(self.scheduler, self.kv_manager, self.runner.copy_blocks,
                               self._grammar_matcher, self.device)
@@ -124,7 +146,9 @@ class EngineCore:
         self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
         self.scheduled_tokens = 0
         self.step_cost_stats = PredictionStats()
-        self._info = core_info(setup, config.block_size)
+        self._info = msgspec.structs.replace(
+            core_info(setup, config.block_size), selfcheck=selfcheck.summary(),
+            selfcheck_fallbacks=selfcheck.fallbacks)
         if self.connector is not None:
             self._info = msgspec.structs.replace(
                 self._info, kv_cache_file=self.connector.cache_file_name,

@@ -1,11 +1,14 @@
 """Start-up: the model on its device and a paged KV cache sized to the memory left.
 
-Sizing runs once, in this order: the model's position table bounds `max_model_len`; the
-weights are loaded; the memory left after them (the GPU's, or the host's on CPU) gives the KV
-budget (`EngineConfig.kv_budget`), hence the number of blocks; `max_model_len` is then the
-longest context that both the model and the cache hold, unless one was asked for (which must
-fit both). The cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`
-whose host pages are committed only as blocks are first used (engine/core/memory.py).
+Sizing runs once, in this order: the engine's device is made current (`engine_device`,
+`make_device_current`); the model's position table bounds `max_model_len`; the weights are
+loaded; on CUDA without a `--kv-cache-memory`, a profiling run of the largest step measures
+what the engine needs besides its cache (engine/core/memory_profile.py) and the cache gets
+what `--gpu-memory-utilization` leaves; otherwise `--kv-cache-memory` (`EngineConfig.kv_budget`)
+is the budget. The budget gives the number of blocks; `max_model_len` is then the longest
+context that both the model and the cache hold, unless one was asked for (which must fit
+both). The cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` whose
+host pages are committed only as blocks are first used (engine/core/memory.py).
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ from pdmesh.engine.block_hash import HashScheme
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.host_allocator import keep_temporaries_on_heap
 from pdmesh.engine.core.memory import lazy_zeros
+from pdmesh.engine.core.memory_profile import (
+    DeviceMemory,
+    MemoryProfile,
+    gpu_kv_budget,
+    measure_memory_profile,
+    read_device_memory,
+)
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.tokenizing import eos_token_ids  # noqa: F401 - its old home
+from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
 from pdmesh.engine.worker.model_loader import load_hf_config, load_model
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 
@@ -49,6 +61,7 @@ class EngineSetup:
     max_model_len: int
     capacity_summary: str
     cache_file: SharedCache | None = None
+    memory_profile: MemoryProfile | None = None  # CUDA sized by --gpu-memory-utilization
 
     @property
     def num_blocks(self) -> int:
@@ -59,22 +72,28 @@ def set_up_engine(config: EngineConfig,
                   connector: KVConnectorConfig | None = None) -> EngineSetup:
     """Load the model and allocate its KV cache (ValueError when the budget does not hold
     two blocks or the asked max_model_len). With a KV connector that shares the cache, a CPU
-    cache lives in a shm file that peer cores on the host copy blocks out of."""
+    cache lives in a shm file that peer cores on the host copy blocks out of. Leaves the
+    engine's CUDA device current on the calling thread."""
     model_dir = model_dir_for(config)
-    device = config.torch_device()
+    device = resolve_engine_device(config)
+    make_device_current(device)
     dtype = config.torch_dtype(device)
     if config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     if device.type == "cpu":
         keep_temporaries_on_heap()  # engine/core/host_allocator.py: no page faults per step
+    start = read_device_memory(device) if config.profiles_memory(device) else None
     torch.manual_seed(config.seed)
     max_positions = model_max_positions(model_dir, config.max_model_len)
     model, model_config, hf_config = load_model(
         model_dir, dtype, device, max_positions, load_format=config.load_format)
     scheme = HashScheme(block_size=config.block_size, algorithm=config.hash_algorithm,
                         root_seed=config.hash_root_seed)
-    num_blocks = num_kv_blocks(config, model_config, dtype, device)
     mc = model_config
+    bytes_per_block = (mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim
+                       * dtype.itemsize)
+    budget, profile = kv_budget_bytes(config, model, device, start, max_positions)
+    num_blocks = num_kv_blocks(budget, bytes_per_block, free_memory(device))
     shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
     cache_file = None
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -97,9 +116,77 @@ def set_up_engine(config: EngineConfig,
         f"({kv_cache.numel() * kv_cache.element_size() / 2**20:.1f} MiB, "
         f"{dtype}, {device}); max_model_len={max_model_len}"
     )
+    if profile is not None:
+        summary += "; " + profile.describe(config.memory_utilization)
     logger.info(summary)
     return EngineSetup(model_dir, device, dtype, model, model_config, hf_config, scheme,
-                       kv_cache, max_model_len, summary, cache_file)
+                       kv_cache, max_model_len, summary, cache_file, profile)
+
+
+def engine_device(device: torch.device, current_index: int, device_count: int) -> torch.device:
+    """The engine's device with its index spelled out: plain `cuda` is the current CUDA
+    device (0 in a fresh process), and what is made current, what tensors land on and what
+    other threads switch to must all name the same one. ValueError for a device that is not
+    there (CUDA_VISIBLE_DEVICES renumbers the visible ones from 0)."""
+    if device.type != "cuda":
+        return device
+    index = current_index if device.index is None else device.index
+    if not 0 <= index < device_count:
+        raise ValueError(f"device: cuda:{index} does not exist ({device_count} CUDA devices "
+                         "are visible)")
+    return torch.device("cuda", index)
+
+
+def resolve_engine_device(config: EngineConfig) -> torch.device:
+    """`config.device` resolved (auto, cuda[:N], cpu) to the device the engine runs on."""
+    device = config.torch_device()
+    if device.type != "cuda":
+        return device
+    return engine_device(device, torch.cuda.current_device(), torch.cuda.device_count())
+
+
+def make_device_current(device: torch.device) -> None:
+    """Make the engine's CUDA device current on this thread. CUDA's current device is per
+    thread, and Triton launches, graph capture and `Event.record()` act on the current
+    device's stream, so every thread that runs the engine's device work calls this first
+    (start-up, the thread that steps the core; the KV connector's threads use
+    `on_device_of`). Nothing to do on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: the GPU's, or the host's available memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def kv_budget_bytes(config: EngineConfig, model: LlamaForCausalLM, device: torch.device,
+                    start: DeviceMemory | None, max_positions: int
+                    ) -> tuple[int, MemoryProfile | None]:
+    """The KV cache's bytes, once the weights are loaded, and the profile they came from:
+    with a `start` reading (CUDA, no --kv-cache-memory given) what --gpu-memory-utilization
+    leaves after a profiling run, else --kv-cache-memory (`EngineConfig.kv_budget`)."""
+    if start is not None:
+        profile = profile_memory(config, model, device, start, max_positions)
+        return gpu_kv_budget(config.memory_utilization, profile), profile
+    if device.type == "cuda" and config.gpu_memory_utilization is not None:
+        logger.info("--kv-cache-memory %s is given: --gpu-memory-utilization %s is not used",
+                    config.kv_cache_memory, config.gpu_memory_utilization)
+    return config.kv_budget(free_memory(device)), None
+
+
+def profile_memory(config: EngineConfig, model: LlamaForCausalLM, device: torch.device,
+                   start: DeviceMemory, max_positions: int) -> MemoryProfile:
+    """The start-up memory profile with the engine's own attention backend and step limits."""
+    backend = get_attention_backend(config.attention_backend, device,
+                                    block_size=config.block_size)
+    graphs = graphs_unavailable_reason(device, backend, config.enforce_eager) is None
+    return measure_memory_profile(
+        model, backend, start, device, block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, max_positions=max_positions, graphs=graphs)
 
 
 def model_max_positions(model_dir: Path, wanted: int | None) -> int:
@@ -112,16 +199,9 @@ def model_max_positions(model_dir: Path, wanted: int | None) -> int:
     return limit
 
 
-def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """Blocks the KV budget holds, measured once the weights are loaded."""
-    bs = config.block_size
-    bytes_per_block = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-    if device.type == "cuda":
-        available, total = torch.cuda.mem_get_info(device)
-    else:
-        available = total = psutil.virtual_memory().available
-    budget = config.kv_budget(available, total, cuda=device.type == "cuda")
+def num_kv_blocks(budget: int, bytes_per_block: int, available: int) -> int:
+    """Blocks a KV budget of `budget` bytes holds; ValueError when `available` memory (free
+    once the weights are loaded) cannot hold the budget or it holds fewer than 2 blocks."""
     if budget > available:
         raise ValueError(
             f"kv_cache_memory: {budget / 2**30:.2f} GiB requested but only "
@@ -131,7 +211,8 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory: {budget} bytes holds fewer than 2 blocks "
-            f"({bytes_per_block} bytes each)"
+            f"({bytes_per_block} bytes each); raise --kv-cache-memory (or, on CUDA without "
+            "it, --gpu-memory-utilization)"
         )
     return int(num_blocks)
 

@@ -13,7 +13,11 @@ padding it into nested lists and calling `torch.tensor(...)` on each list, every
   staging buffer, packed back to back, and cross to the device in a single copy. On CUDA the
   staging buffers are pinned and there are two of them, used in turn, each guarded by an
   event, so a step can be prepared while the previous one's copy is still in flight. On CPU
-  the staging buffer is the step's input: no copy at all.
+  the staging buffer is the step's input: no copy at all. The prefill chunks' offsets and
+  context lengths travel in the same copy, so attention backends never copy them themselves
+  (a blocking copy on every step with a prompt chunk). Each section starts 16-byte aligned
+  (`_ALIGN`): Triton specialises kernels on their pointers' alignment, and a view at an odd
+  offset would compile another variant of the attention kernels mid-serving.
 
 With async scheduling a step is prepared before the previous one's sampled ids reach the
 host: a decode row whose input is such an in-flight token (`Sequence.num_pending`) is staged
@@ -80,6 +84,26 @@ class _Logits:
     prompt_logits: dict[str, tuple[int, int]]
 
 
+_ALIGN = 2
+"""Sections of the staging buffer start at multiples of this many int64s: 16 bytes, the
+pointer alignment Triton specialises a kernel on."""
+
+
+_SECTIONS = 11  # of a step's packed layout (`InputBatch.prepare`)
+
+
+def _pack(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive sections of `sizes` elements, each rounded up to `_ALIGN`, and
+    the elements they span."""
+    offsets: list[int] = []
+    end = 0
+    for size in sizes:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
 class _Staging:
     """One int64 buffer on the host (pinned on CUDA) and, on CUDA, its device twin."""
 
@@ -88,7 +112,7 @@ class _Staging:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
         self.np = self.host.numpy()
         self.device = torch.empty(size, dtype=torch.int64, device=device) if cuda else self.host
-        self.copied = torch.cuda.Event() if cuda else None
+        self.copied = torch.cuda.Event(blocking=True) if cuda else None
         self.in_flight = False
 
     def wait_copy(self) -> None:
@@ -184,9 +208,11 @@ class InputBatch:
 
     # -- staging -------------------------------------------------------------------------------
     def _capacity(self) -> int:
-        # ids, positions, slots, logits rows: one per token; seq lens and the two pending
-        # lists: one per sequence; the step's block table: sequences x widest row.
-        return 4 * self._max_tokens + self._max_seqs * (3 + self._tables.shape[1])
+        # ids, positions, slots, logits rows: one per token; seq lens, prefill offsets (one
+        # more) and the two pending lists: one per sequence; the step's block table:
+        # sequences x widest row; and each of the sections' alignment padding.
+        per_seq = 4 + self._tables.shape[1]
+        return 4 * self._max_tokens + self._max_seqs * per_seq + 1 + _SECTIONS * _ALIGN
 
     def _new_staging(self) -> _Staging:
         return _Staging(self._capacity(), self.device)
@@ -234,23 +260,23 @@ class InputBatch:
                 pending_src.append(pending.row_of[seq.seq_id])
         num_pending = len(pending_dst)
 
-        # Packed layout: ids | positions | slots | seq lens | logits rows | block table |
-        # pending destinations | pending sources.
-        o_pos, o_slots = num_tokens, 2 * num_tokens
-        o_lens = 3 * num_tokens
-        o_rows = o_lens + num_seqs
-        o_table = o_rows + len(logits.rows)
-        o_pend = o_table + num_seqs * width
-        used = o_pend + 2 * num_pending
+        # Packed layout, each section aligned: ids | positions | slots | decode seq lens |
+        # prefill seq lens | logits rows | prefill query offsets | decode block table |
+        # prefill block table | pending destinations | pending sources.
+        num_prefills = num_seqs - nd
+        (o_ids, o_pos, o_slots, o_dlens, o_plens, o_rows, o_qsl, o_dtable, o_ptable, o_dst,
+         o_src), used = _pack([
+             num_tokens, num_tokens, num_tokens, nd, num_prefills, len(logits.rows),
+             num_prefills + 1, nd * width, num_prefills * width, num_pending, num_pending])
         staging = self._take_staging(num_tokens, num_seqs, used)
         buf = staging.np
 
-        ids = buf[:num_tokens]
+        ids = buf[o_ids : o_ids + num_tokens]
         if num_pending:
             ids[:nd] = [e.seq.token_ids[s] if s < len(e.seq.token_ids) else 0
                         for e, s in zip(decodes, starts[:nd], strict=True)]
-            buf[o_pend : o_pend + num_pending] = pending_dst
-            buf[o_pend + num_pending : used] = pending_src
+            buf[o_dst : o_dst + num_pending] = pending_dst
+            buf[o_src : o_src + num_pending] = pending_src
         else:
             ids[:nd] = [e.seq.token_ids[s] for e, s in zip(decodes, starts[:nd], strict=True)]
         for i in range(nd, num_seqs):
@@ -267,41 +293,49 @@ class InputBatch:
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(offsets, counts_np)
             token_rows = np.repeat(rows_np, counts_np)
         bs = self.block_size
-        buf[o_pos:o_slots] = positions
+        num_rows = len(logits.rows)
+        buf[o_pos : o_pos + num_tokens] = positions
         blocks = self._tables[token_rows, positions // bs]
-        np.add(blocks * bs, positions % bs, out=buf[o_slots:o_lens])
-        np.add(starts_np, counts_np, out=buf[o_lens:o_rows])
-        buf[o_rows:o_table] = logits.rows
-        buf[o_table:o_pend].reshape(num_seqs, width)[:] = self._tables[rows_np, :width]
+        np.add(blocks * bs, positions % bs, out=buf[o_slots : o_slots + num_tokens])
+        np.add(starts_np[:nd], counts_np[:nd], out=buf[o_dlens : o_dlens + nd])
+        np.add(starts_np[nd:], counts_np[nd:], out=buf[o_plens : o_plens + num_prefills])
+        buf[o_rows : o_rows + num_rows] = logits.rows
+        buf[o_qsl] = 0
+        np.cumsum(counts_np[nd:], out=buf[o_qsl + 1 : o_qsl + 1 + num_prefills])
+        buf[o_dtable : o_dtable + nd * width].reshape(nd, width)[:] = \
+            self._tables[rows_np[:nd], :width]
+        buf[o_ptable : o_ptable + num_prefills * width].reshape(num_prefills, width)[:] = \
+            self._tables[rows_np[nd:], :width]
 
         dev = staging.send(used)
-        table = dev[o_table:o_pend].view(num_seqs, width)
-        seq_lens = buf[o_lens:o_rows].tolist()
         meta = AttentionMetadata(
-            slot_mapping=dev[o_slots:o_lens],
+            slot_mapping=dev[o_slots : o_slots + num_tokens],
             num_decode_tokens=nd,
-            decode_block_tables=table[:nd],
-            decode_seq_lens=dev[o_lens : o_lens + nd],
-            prefill_query_start_loc=[0, *np.cumsum(counts[nd:]).tolist()],
-            prefill_seq_lens=seq_lens[nd:],
-            prefill_block_tables=table[nd:],
+            decode_block_tables=dev[o_dtable : o_dtable + nd * width].view(nd, width),
+            decode_seq_lens=dev[o_dlens : o_dlens + nd],
+            prefill_query_start_loc=buf[o_qsl : o_qsl + 1 + num_prefills].tolist(),
+            prefill_seq_lens=buf[o_plens : o_plens + num_prefills].tolist(),
+            prefill_block_tables=dev[o_ptable : o_ptable + num_prefills * width].view(
+                num_prefills, width),
+            prefill_query_start_loc_tensor=dev[o_qsl : o_qsl + 1 + num_prefills],
+            prefill_seq_lens_tensor=dev[o_plens : o_plens + num_prefills],
         )
         inputs = StepInputs(
-            input_ids=dev[:num_tokens],
-            positions=dev[o_pos:o_slots],
+            input_ids=dev[o_ids : o_ids + num_tokens],
+            positions=dev[o_pos : o_pos + num_tokens],
             meta=meta,
             order=order,
             row_start=row_start,
             logits_rows=logits.rows,
             sample_index=logits.sample_index,
             prompt_logits=logits.prompt_logits,
-            logits_index=dev[o_rows:o_table],
+            logits_index=dev[o_rows : o_rows + num_rows],
         )
         if num_pending:
             assert pending is not None
             inputs.pending_ids = pending.ids
-            inputs.pending_dst = dev[o_pend : o_pend + num_pending]
-            inputs.pending_src = dev[o_pend + num_pending : used]
+            inputs.pending_dst = dev[o_dst : o_dst + num_pending]
+            inputs.pending_src = dev[o_src : o_src + num_pending]
         return inputs
 
 

@@ -8,6 +8,11 @@ only where touched (a token's embedding row), and the projections that the CPU G
 then returns the pages that loading and packing touched, and `release_free_heap` the heap that
 the load's temporaries (the fused q/k/v and gate/up copies) left free. An idle SmolLM2 engine
 core went from 1,140 to 802 MiB of RSS (bench/README.md, "RSS").
+
+On another device (CUDA) each tensor goes to the device, in the model's dtype, as it is read,
+and the fused projections are concatenated there: the host never holds more than the pages of
+the tensor being copied, where a host copy of the checkpoint (15 GiB for an 8B model in bf16)
+would outgrow a GPU pod's memory limit.
 """
 
 from __future__ import annotations
@@ -100,12 +105,19 @@ _DTYPES = {
 }
 
 
-def read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
-    """Every tensor of the checkpoint, as a view of a private mapping of its file (never
-    written: copy-on-write only so torch may view it), and the mappings."""
+def read_safetensors(
+    model_dir: Path, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
+    """Every tensor of the checkpoint, and the mappings the tensors view.
+
+    On the CPU (`device` None or cpu) each tensor is a view of a private mapping of its file
+    (never written: copy-on-write only so torch may view it). On another device each tensor is
+    copied there (`to_device`) as it is read, one at a time; no mapping is kept, and each
+    file's pages leave this process's RSS once its tensors are on the device."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors in {model_dir}")
+    target = None if device is None or device.type == "cpu" else device
     tensors: dict[str, torch.Tensor] = {}
     maps: list[mmap.mmap] = []
     for f in files:
@@ -113,12 +125,29 @@ def read_safetensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[mma
         if mapped is None:  # a dtype or layout we do not view: copies, as safetensors makes
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
-                    tensors[name] = fh.get_tensor(name).clone()
+                    tensor = fh.get_tensor(name)
+                    tensors[name] = (tensor.clone() if target is None
+                                     else to_device(tensor, target, dtype))
             continue
         views, buffer = mapped
-        tensors.update(views)
-        maps.append(buffer)
+        if target is None:
+            tensors.update(views)
+            maps.append(buffer)
+            continue
+        for name in list(views):
+            tensors[name] = to_device(views.pop(name), target, dtype)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            buffer.madvise(mmap.MADV_DONTNEED)
     return tensors, maps
+
+
+def to_device(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """One checkpoint tensor on `device` in `dtype`: copied as it is stored, converted there
+    (a conversion on the host would allocate the converted copy on the host)."""
+    placed = tensor.to(device)
+    return placed if dtype is None else placed.to(dtype)
 
 
 def _map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], mmap.mmap] | None:
@@ -176,7 +205,7 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 @contextmanager
-def _meta_without_init() -> Iterator[None]:
+def meta_without_init() -> Iterator[None]:
     """Modules built on the meta device, their `normal_` initializer skipped: meta tensors hold
     no values to initialize, and `normal_` on one imports torch._dynamo (1.7 s of every core's
     start) and, through it, triton, whose nanobind leak report then fills the console at every
@@ -214,14 +243,14 @@ def load_model(
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)
-    with _meta_without_init():
+    with meta_without_init():
         model = LlamaForCausalLM(cfg, None)
     model.rope = rope
     if load_format == "dummy":
         state = dummy_state(model, dtype, device, seed)
     else:
-        state, maps = checkpoint_state(model_dir, model, cfg)
-        state = {k: v.to(dtype) for k, v in state.items()}
+        state, maps = checkpoint_state(model_dir, model, cfg, device, dtype)
+        state = {k: v.to(dtype) for k, v in state.items()}  # no-op off the CPU: converted
         # Kept while a parameter may still view them (a CPU model in the checkpoint's dtype).
         model.checkpoint_maps = maps
     model.load_state_dict(state, strict=False, assign=True)
@@ -259,11 +288,16 @@ def dummy_state(
 
 
 def checkpoint_state(
-    model_dir: Path, model: LlamaForCausalLM, cfg: ModelConfig
+    model_dir: Path,
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
-    """The checkpoint's tensors renamed and fused into our parameter names, checked complete
-    (views of the file's mapping but for the fused ones), and the mappings."""
-    raw, maps = read_safetensors(model_dir)
+    """The checkpoint's tensors renamed and fused into our parameter names, checked complete,
+    and the mappings. On the CPU they are views of the file's mapping but for the fused ones;
+    on another device they are there already, in `dtype`, fused there (`read_safetensors`)."""
+    raw, maps = read_safetensors(model_dir, device, dtype)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith("rotary_emb.inv_freq"):

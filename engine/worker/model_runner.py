@@ -6,6 +6,8 @@ whose logits are used — the last token of a sequence that will sample, and eve
 when prompt logprobs were asked for — go through the LM head, which is the largest GEMM of a
 small model. On CUDA, pure-decode steps replay a CUDA graph captured for their padded batch
 size (engine/worker/cuda_graphs.py) unless `enforce_eager` is set; everything else runs eagerly.
+A capture that fails (a kernel that cannot be captured, memory) leaves the runner eager: one
+WARNING, and `graphs_disabled_reason` says why (the start-up self-check reports it).
 
 `execute_model` is the step's whole device side: inputs, forward, prompt logprobs, sampling
 (engine/worker/step_sampling.py). With async scheduling, a step whose samples need nothing from the
@@ -24,7 +26,11 @@ from pdmesh.engine.core_types import RawLogprob
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduling.scheduler import ScheduledSeq, SchedulerOutput
 from pdmesh.engine.scheduling.sequence import Sequence
-from pdmesh.engine.worker.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from pdmesh.engine.worker.cuda_graphs import (
+    DecodeGraphs,
+    block_table_width,
+    graphs_unavailable_reason,
+)
 from pdmesh.engine.worker.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.worker.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.worker.model_loader import drop_file_pages, release_free_heap
@@ -64,7 +70,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         sampling: StepSampler | None = None,
         async_scheduling: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_model_len`: the engine's context limit, which sizes the block tables (and so
+        the graphs' decode splits); None: the model's position table."""
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
         if device.type == "cpu":
@@ -83,17 +92,39 @@ class ModelRunner:
         self.async_scheduling = async_scheduling
         self.batch = InputBatch(
             kv_manager, device, max_num_seqs, max_num_batched_tokens,
-            _max_blocks_per_seq(model, kv_manager),
+            _max_blocks_per_seq(model, kv_manager, max_model_len),
         )  # fmt: skip
         self.cuda_graphs: DecodeGraphs | None = None
+        # Why decode steps run eagerly (None while graphs are in use), and whether that is a
+        # fallback (graphs were wanted, their capture failed) rather than a setting.
+        self.graphs_disabled_reason: str | None = None
+        self.graphs_capture_failed = False
         why_not = graphs_unavailable_reason(device, backend, enforce_eager)
         if why_not is None:
-            self.cuda_graphs = DecodeGraphs(
+            self.use_graphs(DecodeGraphs(
                 model, kv_cache, backend, device, max_num_seqs, self.batch.max_blocks_per_seq
-            )
-            self.cuda_graphs.capture()
-        elif device.type == "cuda":
-            logger.info("cuda graphs off: %s", why_not)
+            ))  # fmt: skip
+        else:
+            self.graphs_disabled_reason = why_not
+            if device.type == "cuda":
+                logger.info("cuda graphs off: %s", why_not)
+
+    def use_graphs(self, graphs: DecodeGraphs) -> bool:
+        """Capture `graphs` and replay them from now on; on failure stay eager (their pool is
+        freed by then) and say so once. Returns whether they are in use."""
+        try:
+            graphs.capture()
+        except Exception as exc:  # whatever broke the capture, eager decode still works
+            self.cuda_graphs = None
+            self.graphs_capture_failed = True
+            self.graphs_disabled_reason = f"capture failed: {type(exc).__name__}: {exc}"
+            logger.warning("cuda_graphs=off fallback=eager reason=%r: decode steps run "
+                           "without CUDA graphs", self.graphs_disabled_reason)
+            return False
+        self.cuda_graphs = graphs
+        self.graphs_disabled_reason = None
+        self.graphs_capture_failed = False
+        return True
 
     def execute_model(
         self, sched: SchedulerOutput, previous: InFlightStep | None = None
@@ -150,10 +181,15 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
 
-def _max_blocks_per_seq(model: LlamaForCausalLM, kv_manager: KVCacheManager) -> int:
-    """No sequence outgrows the model's RoPE table, nor the whole cache."""
+def _max_blocks_per_seq(
+    model: LlamaForCausalLM, kv_manager: KVCacheManager, max_model_len: int | None
+) -> int:
+    """No sequence outgrows the engine's max_model_len, the model's RoPE table, nor the whole
+    cache."""
     num_blocks = kv_manager.pool.num_blocks
-    if model.rope is None:
+    tokens = None if model.rope is None else int(model.rope.cos.shape[0])
+    if max_model_len is not None:
+        tokens = max_model_len if tokens is None else min(tokens, max_model_len)
+    if tokens is None:
         return num_blocks
-    positions = model.rope.cos.shape[0]
-    return max(1, min(num_blocks, -(-positions // kv_manager.block_size)))
+    return block_table_width(tokens, kv_manager.block_size, num_blocks)

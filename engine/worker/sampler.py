@@ -26,9 +26,14 @@ Two exact ways to draw from a row's `probs`:
 
 Everything per row stays on the logits' device: row indices and per-row parameters cross to
 it with asynchronous copies, never by indexing with Python lists (which on CUDA copies and
-synchronises each time), and ids that need deduplication are deduplicated on the host. The
+synchronises each time), and ids that need deduplication are deduplicated on the host. Off
+the CPU nothing in `sample_ids` waits for the device (the candidate shortcut of top-p, which
+needs one look at a device value, is CPU-only), so async scheduling keeps its overlap. The
 sampled ids come back in one device-to-host copy per step; logprob tensors follow only when a
 row asked for them.
+
+Host work per step grows with the batch, not with its context: token histories are read only
+for rows with a penalty, and only seeded rows are visited one by one.
 """
 
 from __future__ import annotations
@@ -50,17 +55,29 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]
     """Per-row generator; None means "use the sampler's global generator"."""
     prompt_token_ids: list[list[int]]
-    """Used by the repetition penalty together with output_token_ids (HF semantics)."""
+    """Used by the repetition penalty together with output_token_ids (HF semantics). Read only
+    for rows with a penalty (`params.needs_penalties`): a caller may leave the others' empty,
+    as `StepSampler` does, since copying every row's history each step costs batch x context."""
     output_token_ids: list[list[int]]
-    """Used by presence/frequency penalties and to decide whether min_tokens is still active."""
+    """Used by presence/frequency penalties; read only for rows with a penalty, as above."""
     eos_token_ids: set[int]
     """Banned, with each row's stop_token_ids, while the row has fewer than min_tokens outputs."""
+    num_output_tokens: list[int] | None = None
+    """Each row's output length, which decides whether min_tokens is still active; None: the
+    lengths of output_token_ids (then every row's history must be given)."""
 
     def __post_init__(self) -> None:
         rows = len(self.params)
-        for name in ("generators", "prompt_token_ids", "output_token_ids"):
+        if self.num_output_tokens is None:
+            self.num_output_tokens = [len(ids) for ids in self.output_token_ids]
+        for name in ("generators", "prompt_token_ids", "output_token_ids", "num_output_tokens"):
             if len(getattr(self, name)) != rows:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, params has {rows}")
+
+    def num_outputs(self, row: int) -> int:
+        """Row `row`'s output length."""
+        assert self.num_output_tokens is not None  # set by __post_init__
+        return self.num_output_tokens[row]
 
 
 @dataclass
@@ -128,9 +145,8 @@ class Sampler:
         return sampled
 
     def sample_ids(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """The sampled ids `[B]` on the logits' device. Nothing here waits for the device
-        (save the nucleus check of a top-p row, `_nucleus_candidates`), so async scheduling
-        can launch the next step before these ids reach the host."""
+        """The sampled ids `[B]` on the logits' device. Nothing here waits for a GPU, so async
+        scheduling can launch the next step before these ids reach the host."""
         if logits.dim() != 2 or logits.shape[0] != len(meta.params):
             raise ValueError(
                 f"logits must be [B, V] with B={len(meta.params)} rows, got {tuple(logits.shape)}"
@@ -176,22 +192,25 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]
               ) -> torch.Tensor:
         """One token per row of `probs`: seeded rows race against their own generator's
-        noise, the others take the inverse transform of one global uniform each."""
+        noise (drawn row by row, in row order: each from its own generator), the others take
+        the inverse transform of one global uniform each, in one batch. Only the seeded rows
+        are visited in Python."""
+        rows, device = probs.shape[0], probs.device
+        seeded_generators = [g for g in generators if g is not None]
+        if not seeded_generators:
+            return inverse_transform(probs, self._uniforms(rows, device))
+        noise = torch.stack([race_noise(probs.shape[1], g, device) for g in seeded_generators])
+        if len(seeded_generators) == rows:
+            return probs.div(noise).argmax(dim=-1)
         seeded = [i for i, g in enumerate(generators) if g is not None]
-        if not seeded:
-            return inverse_transform(probs, self._uniforms(probs.shape[0], probs.device))
-        chosen = torch.stack([
-            probs[i].div(race_noise(probs.shape[1], generators[i], probs.device)).argmax()
-            if generators[i] is not None else probs.new_zeros((), dtype=torch.long)
-            for i in range(probs.shape[0])
-        ])
         unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            index = _index(unseeded, probs.device)
-            drawn = inverse_transform(probs.index_select(0, index),
-                                      self._uniforms(len(unseeded), probs.device))
-            chosen.index_copy_(0, index, drawn)
-        return chosen
+        seeded_index, unseeded_index = _index(seeded, device), _index(unseeded, device)
+        chosen = torch.empty(rows, dtype=torch.long, device=device)
+        chosen.index_copy_(0, seeded_index,
+                           probs.index_select(0, seeded_index).div_(noise).argmax(dim=-1))
+        drawn = inverse_transform(probs.index_select(0, unseeded_index),
+                                  self._uniforms(len(unseeded), device))
+        return chosen.index_copy_(0, unseeded_index, drawn)
 
     def _uniforms(self, rows: int, device: torch.device) -> torch.Tensor:
         """`[rows, 1]` uniforms in [0, 1) from the global generator (float32, as the running
@@ -238,18 +257,14 @@ def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
     race_noise(vocab_size, generator)
 
 
-def _min_tokens_active(params: SamplingParams, output_ids: list[int]) -> bool:
-    return len(output_ids) < params.min_tokens
-
-
 def _is_plain_greedy_batch(meta: SamplingMetadata) -> bool:
     """The hot path: every row is greedy with nothing to adjust and no logprobs to return."""
-    for params, output_ids in zip(meta.params, meta.output_token_ids, strict=True):
+    for row, params in enumerate(meta.params):
         if (
             not params.is_greedy
             or params.logprobs is not None
             or params.needs_logit_processing
-            or _min_tokens_active(params, output_ids)
+            or meta.num_outputs(row) < params.min_tokens
         ):
             return False
     return True
@@ -259,17 +274,17 @@ def _apply_logit_processing(logits: torch.Tensor, meta: SamplingMetadata) -> Non
     """In place, row by row: only rows that need it pay, and the ids touched are sparse."""
     device = logits.device
     for row, params in enumerate(meta.params):
-        output_ids = meta.output_token_ids[row]
         if params.logit_bias:
             ids = _index(list(params.logit_bias.keys()), device)
             bias = _device_tensor(list(params.logit_bias.values()), logits.dtype, device)
             logits[row].index_add_(0, ids, bias)
-        if _min_tokens_active(params, output_ids):
+        if meta.num_outputs(row) < params.min_tokens:
             banned = set(params.all_stop_token_ids)
             if not params.ignore_eos:
                 banned |= meta.eos_token_ids
             if banned:
                 logits[row].index_fill_(0, _index(sorted(banned), device), -torch.inf)
+        output_ids = meta.output_token_ids[row]
         if params.repetition_penalty != 1.0:
             apply_repetition_penalty(
                 logits[row], meta.prompt_token_ids[row] + output_ids, params.repetition_penalty
@@ -392,16 +407,21 @@ def _nucleus_candidates(
     top-p only and the candidates' probability under the full row already reaches top_p: every
     token past them then has at least that much mass before it and is dropped anyway. Rows
     using neither need the whole row.
+
+    Whether a top-p-only row's candidates reach its top_p is a device value the host must
+    read: free on CPU, but on a GPU a sync every step, which would end async scheduling's
+    overlap. Off the CPU such rows therefore take the full sort (as vLLM's torch sampler
+    does): the same kept tokens, in the same order.
     """
     vocab = logits.shape[1]
     width = min(TOP_P_CANDIDATES, vocab)
-    if width == vocab or any(
+    top_p_only = [i for i, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
+    if width == vocab or (top_p_only and logits.device.type != "cpu") or any(
             (not p.uses_top_p and not p.uses_top_k) or (p.uses_top_k and p.top_k > width)
             for p in params):
         candidates, order = logits.sort(dim=-1, descending=True)
         return candidates, order, None
     candidates, order = logits.topk(width, dim=-1)
-    top_p_only = [i for i, p in enumerate(params) if p.uses_top_p and not p.uses_top_k]
     if not top_p_only:
         return candidates, order, None
     if len(top_p_only) == len(params):
@@ -413,7 +433,7 @@ def _nucleus_candidates(
     mass = (kept - peak).exp().sum(dim=-1) / (
         (full - peak).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1))
     need = _device_tensor([params[i].top_p for i in top_p_only], logits.dtype, logits.device)
-    if not bool((mass >= need).all()):  # one host sync, cheaper than the sort it saves
+    if not bool((mass >= need).all()):  # on the CPU: a read, cheaper than the sort it saves
         candidates, order = logits.sort(dim=-1, descending=True)
         return candidates, order, None
     if len(top_p_only) == len(params):

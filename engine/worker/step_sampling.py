@@ -88,12 +88,18 @@ class StepSampler:
 
     def _metadata(self, owners: list[Sequence], gens: list[torch.Generator | None],
                   ) -> SamplingMetadata:
+        """Token histories (copies of the sequence's lists) only for rows with a penalty, the
+        only readers: copying every row's each step made host work grow with batch x context."""
+        penalised = [seq.params.needs_penalties for seq in owners]
         return SamplingMetadata(
             params=[seq.params for seq in owners],
             generators=gens,
-            prompt_token_ids=[seq.prompt_token_ids for seq in owners],
-            output_token_ids=[seq.output_token_ids for seq in owners],
+            prompt_token_ids=[seq.prompt_token_ids if pen else []
+                              for seq, pen in zip(owners, penalised, strict=True)],
+            output_token_ids=[seq.output_token_ids if pen else []
+                              for seq, pen in zip(owners, penalised, strict=True)],
             eos_token_ids=self.eos_token_ids,
+            num_output_tokens=[seq.num_output_tokens for seq in owners],
         )
 
 

@@ -4,7 +4,9 @@ The cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]
 block's bytes are `2 * layers` contiguous pieces, one per (layer, K/V). Moving blocks between
 two caches copies runs of consecutive ids with one strided `copy_` each, never a gathered
 temporary (that would be a second copy of every byte). A block's checksum covers its pieces in
-(layer, K/V) order, so it names the block's contents whichever cache holds it.
+(layer, K/V) order, so it names the block's contents whichever cache holds it. Where the native
+CPU kernels load (`kernels/cpu_native.py`), xxh64 hashes a list of blocks in one call, and a
+same-host pull copies and hashes in one pass (`copy_blocks_checked`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, checksum, default_algo
+from pdmesh.kernels import cpu_native
+from pdmesh.kvstore.transfer.checksum import XXHASH_ALGOS, ChecksumAlgo, checksum, default_algo
 
 try:
     import xxhash
@@ -55,20 +58,24 @@ def byte_view(cache: torch.Tensor) -> np.ndarray:
 
 def block_checksums(algo: ChecksumAlgo, cache: torch.Tensor,
                     block_ids: Sequence[int]) -> list[int]:
-    """One 64-bit checksum per block. xxh3 and crc32 hash a CPU cache in place (a device
-    cache's blocks are copied to the host first); lin64 reduces on the cache's own device."""
+    """One 64-bit checksum per block. xxh64, xxh3 and crc32 hash a CPU cache in place (a
+    device cache's blocks are copied to the host first), xxh64 in one native call where the
+    kernels load; lin64 reduces on the cache's own device."""
     if algo is ChecksumAlgo.LIN64:
         return lin64_checksums(cache, block_ids)
     if cache.device.type != "cpu":
         ids = torch.tensor(list(block_ids), device=cache.device)
         host = cache.index_select(2, ids).cpu()
         return block_checksums(algo, host, range(len(block_ids)))
+    if algo is ChecksumAlgo.XXH64 and cpu_native.supports_kv_blocks(cache):
+        return cpu_native.kv_blocks_xxh64(cache, block_ids)
     data = byte_view(cache)
     pieces = [(layer, kv) for layer in range(data.shape[0]) for kv in range(2)]
     sums: list[int] = []
-    if algo is ChecksumAlgo.XXH3_64 and xxhash is not None:
+    if algo in XXHASH_ALGOS and xxhash is not None:
+        new_hash = xxhash.xxh64 if algo is ChecksumAlgo.XXH64 else xxhash.xxh3_64
         for block_id in block_ids:
-            h = xxhash.xxh3_64()
+            h = new_hash()
             for layer, kv in pieces:
                 h.update(data[layer, kv, block_id])
             sums.append(h.intdigest())
@@ -80,6 +87,17 @@ def block_checksums(algo: ChecksumAlgo, cache: torch.Tensor,
                 (crc << 1) & 0xFFFFFFFFFFFFFFFF)
         sums.append(crc)
     return sums
+
+
+def copy_blocks_checked(algo: ChecksumAlgo, dst: torch.Tensor, dst_ids: Sequence[int],
+                        src: torch.Tensor, src_ids: Sequence[int]) -> list[int]:
+    """`copy_blocks`, then the checksum of each block as it landed in `dst`. For xxh64 between
+    CPU caches the native pull hashes each stripe as it stores it: one pass over the bytes
+    instead of a copy and then a second read of everything copied."""
+    if algo is ChecksumAlgo.XXH64 and cpu_native.supports_kv_blocks(dst, src):
+        return cpu_native.kv_copy_blocks_xxh64(dst, dst_ids, src, src_ids)
+    copy_blocks(dst, dst_ids, src, src_ids)
+    return block_checksums(algo, dst, dst_ids)
 
 
 def block_nbytes(cache: torch.Tensor) -> int:
@@ -101,10 +119,14 @@ LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a tempo
 
 def default_block_algo(cache: torch.Tensor) -> ChecksumAlgo:
     """What a core checks its blocks with: on the device for a GPU cache (when its pieces are
-    whole 32-bit words), else xxh3 on the host."""
+    whole 32-bit words); xxh64 for a CPU cache the native kernels can hash (a call per list of
+    blocks, where xxh3 costs a Python call per piece); else xxh3 (crc32 without `xxhash`).
+    Whoever pulls checks with the exporter's choice, so both ends must know it (`parse_algo`)."""
     piece_bytes = cache[0, 0, 0].numel() * cache.element_size()
     if cache.device.type == "cuda" and piece_bytes % 4 == 0:
         return ChecksumAlgo.LIN64
+    if xxhash is not None and cpu_native.supports_kv_blocks(cache):
+        return ChecksumAlgo.XXH64
     return default_algo()
 
 

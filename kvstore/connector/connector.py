@@ -7,7 +7,8 @@ The core asks it two things between steps on the core's own thread:
   **release** when the serving process says the lease ended;
 * **load** (receiver): fill these blocks of our cache with the export's blocks from
   `first_block` on (the ones before are our own prefix-cache hits), through the transport the
-  serving process negotiated, then check every pulled block against the sender's checksum.
+  serving process negotiated, then check every pulled block against the sender's checksum
+  (computed while copying on a same-host CPU pull, by reading the blocks back otherwise).
   `start_load` runs it on the connector's own threads (the copies and socket reads release the
   GIL), so the core keeps stepping its running requests while a prompt's KV arrives; the core
   lands a finished load between two steps.
@@ -116,8 +117,9 @@ class KVConnector:
         if not dst_ids:
             return 0
         started = time.monotonic()
-        if source.backend == "shm":
-            nbytes = self._shm.load(source, first_block, self.cache, dst_ids)
+        algo = parse_algo(source.checksum_algo)
+        if source.backend == "shm":  # the copy answers the checksums of what it wrote
+            nbytes, actual = self._shm.load(source, first_block, self.cache, dst_ids, algo)
         elif source.backend in ("tcp", "torch_dist"):
             from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
 
@@ -129,10 +131,10 @@ class KVConnector:
                 dst_ids=dst_ids, config=self.config,
                 deadline=Deadline.after(max(source.deadline_s, 0.001)), via=source.backend,
             )
+            actual = block_checksums(algo, self.cache, dst_ids)
         else:
             raise KVBackendUnavailable(f"no worker transport {source.backend!r}")
         expected = source.block_checksums[first_block:first_block + len(dst_ids)]
-        actual = block_checksums(parse_algo(source.checksum_algo), self.cache, dst_ids)
         bad = [first_block + i for i, (a, e) in enumerate(zip(actual, expected, strict=True))
                if a != e]
         if bad:

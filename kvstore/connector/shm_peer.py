@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks
+from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks_checked
 from pdmesh.kvstore.connector.cache_file import PeerCaches
 from pdmesh.kvstore.connector.cuda_ipc import PeerDeviceCaches
 from pdmesh.kvstore.connector.source import (  # noqa: F401 - encode_blocks: its old home
@@ -20,6 +20,7 @@ from pdmesh.kvstore.connector.source import (  # noqa: F401 - encode_blocks: its
     decode_blocks,
     encode_blocks,
 )
+from pdmesh.kvstore.transfer.checksum import ChecksumAlgo
 from pdmesh.kvstore.transfer.errors import KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
 
@@ -33,9 +34,10 @@ class ShmPeerTransport:
         self.peers = PeerCaches(shm_dir)
         self.device_peers = PeerDeviceCaches()
 
-    def load(self, source: KVSource, first_block: int, dst: torch.Tensor,
-             dst_ids: list[int]) -> int:
-        """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids."""
+    def load(self, source: KVSource, first_block: int, dst: torch.Tensor, dst_ids: list[int],
+             algo: ChecksumAlgo) -> tuple[int, list[int]]:
+        """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids; the bytes
+        moved and each copied block's `algo` checksum, as it landed in `dst`."""
         layers, block_size, heads, head_dim = source.kv_shape
         dtype = DTYPES_BY_NAME[source.kv_dtype]
         if "cuda_ipc" in source.params:
@@ -58,8 +60,8 @@ class ShmPeerTransport:
         if len(wanted) != len(dst_ids):
             raise KVWireError(f"shm source: the export has {len(src_ids)} blocks, "
                               f"{first_block + len(dst_ids)} wanted")
-        copy_blocks(dst, dst_ids, peer, wanted)
-        return len(dst_ids) * block_nbytes(dst)
+        sums = copy_blocks_checked(algo, dst, dst_ids, peer, wanted)
+        return len(dst_ids) * block_nbytes(dst), sums
 
     def close(self) -> None:
         self.peers.clear()

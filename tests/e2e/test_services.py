@@ -296,6 +296,9 @@ async def test_info_health_and_registration(mesh: Mesh, stubs: Stubs) -> None:
     assert p_info.instance_id == mesh.prefill.instance_id != d_info.instance_id
     assert p_info.hash_scheme_fingerprint == d_info.hash_scheme_fingerprint
     assert p_info.max_model_len == 512 and p_info.block_size == 16
+    # The start-up self-check is for accelerators: on a CPU it says so and turns nothing off.
+    for info in (p_info, d_info):
+        assert info.selfcheck.startswith("not run") and not info.selfcheck_fallbacks
     assert "tcp" in p_info.kv_backends and p_info.kv_capacity_tokens > 0
 
     channel = open_channel(mesh.prefill.address, mesh.client_tls)

@@ -140,14 +140,25 @@ def test_abort_while_a_step_is_in_flight(engines):
     assert all(s.num_pending == 0 for s in engine.core.scheduler.running)
 
 
+@pytest.fixture(scope="module")
+def random_smollm2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2's shape and tokenizer with random weights (tests/random_llama.py): what a GPU
+    machine, where no weights travel, can build."""
+    from tests.random_llama import write_random_llama
+
+    return str(write_random_llama(tmp_path_factory.mktemp("random-smollm2")))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_default_overlaps_and_matches_the_synchronous_engine() -> None:
+def test_cuda_default_overlaps_and_matches_the_synchronous_engine(random_smollm2: str) -> None:
     """On CUDA async scheduling is the default, with decode steps replayed as CUDA graphs:
     the pinned host copy, its event and the on-device input gather must change no token."""
     common = dict(kv_cache_memory="256MiB", max_num_batched_tokens=256, dtype="float32",
                   device="cuda", attention_backend="triton")
-    sync = LLM("smollm2", async_scheduling=False, **common)
-    overlapped = LLM("smollm2", **common)
+    sync = LLM(random_smollm2, async_scheduling=False, **common)
+    overlapped = LLM(random_smollm2, **common)
+    assert not overlapped.engine.core.info().selfcheck_fallbacks, \
+        overlapped.engine.core.info().selfcheck
     assert overlapped.engine.core.async_scheduling
     assert overlapped.engine.core.runner.cuda_graphs is not None
     expected = summary(sync.generate(PROMPTS, mixed_params(), use_tqdm=False))

@@ -5,7 +5,8 @@
   buckets — run in Triton's interpreter with an eager stand-in for the captured graph, against
   the eager runner on a tiny random model (logits and the whole KV cache must agree, so a
   padding row that wrote a real slot would show).
-- CUDA (where present): real capture and replay of SmolLM2 in float32 against the eager
+- CUDA (where present): real capture and replay of a random-weight model of SmolLM2's shape
+  (tests/random_llama.py: no weights travel to a GPU machine) in float32 against the eager
   runner over batch sizes that hit several buckets, two of them padded (3 -> 4, 13 -> 16).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from pdmesh.engine.worker.cuda_graphs import (
 from pdmesh.engine.worker.model_runner import ModelRunner
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
+from tests.random_llama import write_random_llama
 from tests.triton_interpreter import outcomes_of, run_cases
 
 BLOCK_SIZE = 16
@@ -231,13 +234,17 @@ def _cuda_runner(
     return runner, kv
 
 
-@pytest.mark.weights
+@pytest.fixture(scope="module")
+def random_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_llama(tmp_path_factory.mktemp("random-smollm2"), tokenizer=False)
+
+
 @pytest.mark.slow
 @needs_cuda
-def test_cuda_graph_greedy_matches_eager(model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_graph_greedy_matches_eager(random_smollm2: Path) -> None:
     from pdmesh.engine.worker.model_loader import load_model
 
-    model, _, _ = load_model(model_dir, torch.float32, torch.device("cuda"), 1024)
+    model, _, _ = load_model(random_smollm2, torch.float32, torch.device("cuda"), 1024)
     eager, eager_kv = _cuda_runner(model, enforce_eager=True)
     graphed, graphed_kv = _cuda_runner(model)
     assert eager.cuda_graphs is None

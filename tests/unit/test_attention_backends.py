@@ -6,11 +6,14 @@ interpreter flag), so the CUDA rows of the table are checked here without a GPU.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 import pytest
 import torch
 
 from pdmesh.kernels import cpu_native, torch_ref
-from pdmesh.kernels.backend import AttentionMetadata, TorchAttentionBackend
+from pdmesh.kernels.backend import BLOCK_SIZES, AttentionMetadata, TorchAttentionBackend
 from pdmesh.kernels.backend_selection import (
     Environment,
     available_backends,
@@ -18,6 +21,7 @@ from pdmesh.kernels.backend_selection import (
     select_backend,
 )
 from pdmesh.kernels.cpu_attention import CpuAttentionBackend, gather_kv
+from pdmesh.kernels.flash_attn_backend import _fallback
 
 pytestmark = pytest.mark.fast
 
@@ -29,11 +33,62 @@ CUDA_BARE = Environment("cuda", has_flash_attn=False, has_triton=False, triton_i
 
 @pytest.mark.parametrize(
     ("env", "expected"),
-    [(CPU, "cpu"), (CUDA_ALL, "flash-attn"), (CUDA_TRITON, "triton"), (CUDA_BARE, "torch")],
+    [(CPU, "cpu"), (CUDA_ALL, "triton"), (CUDA_TRITON, "triton"), (CUDA_BARE, "torch")],
 )
-def test_auto_prefers_flash_attn_then_triton_on_cuda_and_cpu_path_on_cpu(env, expected):
-    assert select_backend("auto", env) == expected
-    assert select_backend(None, env) == expected
+def test_auto_picks_triton_on_cuda_even_with_flash_attn_and_cpu_path_on_cpu(env, expected):
+    """flash-attn cannot read a cache of the block sizes the config allows and turns CUDA
+    graphs off: under auto it would make decode slower, so auto never picks it."""
+    for block_size in (None, 16, 128):
+        assert select_backend("auto", env, block_size) == expected
+        assert select_backend(None, env, block_size) == expected
+
+
+def test_auto_skips_triton_for_a_block_size_its_kernels_cannot_take(caplog):
+    assert BLOCK_SIZES["triton"] == (16, 32, 64, 128)
+    with caplog.at_level(logging.WARNING, logger="pdmesh.kernels.backend_selection"):
+        assert select_backend("auto", CUDA_ALL, block_size=8) == "torch"
+    assert "block_size in 16/32/64/128, got 8; using torch" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pdmesh.kernels.backend_selection"):
+        assert select_backend("auto", CUDA_TRITON, block_size=32) == "triton"
+    assert caplog.text == ""  # nothing skipped, nothing said
+    assert available_backends(CUDA_ALL, block_size=8) == ["flash-attn", "torch"]
+    assert available_backends(CUDA_ALL, block_size=16) == ["flash-attn", "triton", "torch"]
+
+
+@pytest.mark.parametrize("env", [CUDA_TRITON, Environment("cpu", False, True, True)])
+def test_explicit_triton_with_a_block_size_its_kernels_cannot_take_is_refused(env):
+    with pytest.raises(ValueError, match="cannot run here") as err:
+        select_backend("triton", env, block_size=8)
+    assert "the triton kernels need block_size in 16/32/64/128, got 8" in str(err.value)
+    assert select_backend("triton", env, block_size=16) == "triton"
+    assert select_backend("torch", env, block_size=8) == "torch"
+
+
+def test_flash_attn_falls_back_to_what_takes_the_block_size():
+    """flash-attn hands paged reads to Triton, or to the reference where Triton cannot take
+    the cache's blocks."""
+    assert isinstance(_fallback(8), TorchAttentionBackend)
+    if importlib.util.find_spec("triton") is not None:
+        assert _fallback(16).name == "triton"
+        assert _fallback(None).name == "triton"
+
+
+def test_prefill_tensors_are_the_staged_ones_or_the_host_lists_copied_once():
+    lists = dict(slot_mapping=torch.zeros(5, dtype=torch.long), num_decode_tokens=0,
+                 decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+                 decode_seq_lens=torch.zeros(0, dtype=torch.long),
+                 prefill_query_start_loc=[0, 2, 5], prefill_seq_lens=[9, 3],
+                 prefill_block_tables=torch.zeros(2, 3, dtype=torch.long))
+    meta = AttentionMetadata(**lists)
+    qsl, lens = meta.prefill_tensors(torch.device("cpu"))
+    assert qsl.tolist() == [0, 2, 5] and lens.tolist() == [9, 3]
+    assert qsl.dtype == lens.dtype == torch.int64
+    assert meta.prefill_tensors(torch.device("cpu"))[0] is qsl  # once per step
+    staged_qsl, staged_lens = torch.tensor([0, 2, 5]), torch.tensor([9, 3])
+    staged = AttentionMetadata(**lists, prefill_query_start_loc_tensor=staged_qsl,
+                               prefill_seq_lens_tensor=staged_lens)
+    assert staged.prefill_tensors(torch.device("cpu")) == (staged_qsl, staged_lens)
 
 
 def test_explicit_names_and_aliases():

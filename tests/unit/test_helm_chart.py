@@ -261,6 +261,38 @@ def test_dockerfile_pins_cpu_torch_and_runs_unprivileged() -> None:
     assert re.search(r'^ENTRYPOINT \["pdmesh"\]$', text, re.M)
 
 
+def dockerfile_stages() -> list[str]:
+    """The Dockerfile's stages, in order, each from its FROM line to the next."""
+    text = (REPO / "Dockerfile").read_text()
+    starts = [m.start() for m in re.finditer(r"^FROM ", text, re.M)]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+@pytest.mark.fast
+def test_a_cuda_image_keeps_the_compiler_triton_builds_its_launcher_with() -> None:
+    build, runtime = dockerfile_stages()
+    assert "python -m pdmesh.kernels.cpu_native prebuild" in build
+    # The runtime stage installs gcc and libc6-dev when its torch is a CUDA build, as root
+    # (before USER), and checks that a program including Python.h compiles there.
+    install = re.search(
+        r"^RUN cuda=\"\$\(python -c 'import torch; print\(torch\.version\.cuda or \"\"\)'\)\""
+        r".*?if \[ -n \"\$cuda\" \]; then(?P<body>.*?)\bfi$",
+        runtime, re.M | re.S)
+    assert install, "the runtime stage does not install a compiler for a CUDA torch"
+    body = install["body"]
+    assert re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev\b", body)
+    assert "#include <Python.h>" in body and "gcc -x c" in body
+    assert "sysconfig.get_paths()[\"include\"]" in body
+    assert runtime.index(install[0]) < runtime.index("\nUSER "), "installed as root"
+    # The GPU values deploy the CUDA build the chart's README builds with that index.
+    gpu = load_values("gpu")
+    for component in ("prefill", "decode"):
+        assert gpu[component]["gpu"] == 1
+        assert gpu[component]["image"]["tag"].endswith("-cu128")
+    readme = (REPO / "helm/README.md").read_text()
+    assert re.search(r"TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu128", readme)
+
+
 @pytest.mark.fast
 def test_dockerignore_keeps_everything_the_package_build_needs() -> None:
     patterns = [

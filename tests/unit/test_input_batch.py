@@ -108,6 +108,22 @@ def observed(inputs: StepInputs) -> dict[str, object]:
     }
 
 
+def check_staging(inputs: StepInputs) -> None:
+    """The prefill offsets and lengths travel staged, equal to the lists; every tensor a
+    kernel reads starts 16-byte aligned (Triton specialises on pointer alignment)."""
+    meta = inputs.meta
+    assert meta.prefill_query_start_loc_tensor is not None
+    assert meta.prefill_seq_lens_tensor is not None
+    assert meta.prefill_query_start_loc_tensor.tolist() == meta.prefill_query_start_loc
+    assert meta.prefill_seq_lens_tensor.tolist() == meta.prefill_seq_lens
+    staged = [inputs.input_ids, inputs.positions, inputs.logits_index, meta.slot_mapping,
+              meta.decode_block_tables, meta.decode_seq_lens, meta.prefill_block_tables,
+              meta.prefill_query_start_loc_tensor, meta.prefill_seq_lens_tensor,
+              inputs.pending_dst, inputs.pending_src]
+    for tensor in staged:
+        assert tensor is None or tensor.data_ptr() % 16 == 0
+
+
 def tiny_runner(kv: KVCacheManager, **kwargs: object) -> ModelRunner:
     cfg = ModelConfig("llama", 64, 16, 32, 1, 2, 1, 8, 1e-5, MAX_POSITIONS, False, False, False)
     model = LlamaForCausalLM(cfg, RotaryEmbedding(torch.ones(4), 1.0, MAX_POSITIONS))
@@ -223,8 +239,9 @@ def test_persistent_batch_matches_a_from_scratch_build(seed: int, sizes: str) ->
             work.after_step([])
             continue
         expected = reference_prepare(kv, scheduled)
-        got = observed(prepare(scheduled))
-        assert got == expected
+        inputs = prepare(scheduled)
+        assert observed(inputs) == expected
+        check_staging(inputs)
         nd = expected["num_decode_tokens"]
         kinds["decode" if nd == len(scheduled) else "prefill" if nd == 0 else "mixed"] += 1
         work.after_step(scheduled)

@@ -30,14 +30,16 @@ pytestmark = pytest.mark.fast
 SHAPE = (3, 2, 24, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
 
 
-@pytest.fixture
-def caches(tmp_path) -> Iterator[tuple[KVConnector, KVConnector]]:
+@pytest.fixture(params=[None, ChecksumAlgo.XXH3_64], ids=["default", "xxh3"])
+def caches(tmp_path, request) -> Iterator[tuple[KVConnector, KVConnector]]:
+    """A sender and a receiver on shared cache files; the sender exports with this core's
+    default algorithm (xxh64 where the native kernels load) or with xxh3 (an older core's)."""
     config = KVConnectorConfig(shm_dir=str(tmp_path), tcp=False)
     made = []
     for seed in (1, 2):
         shared = shared_zeros(SHAPE, torch.float32, str(tmp_path))
         shared.tensor.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)))
-        made.append(KVConnector(config, shared.tensor, shared))
+        made.append(KVConnector(config, shared.tensor, shared, algo=request.param))
     yield made[0], made[1]
     for connector in made:
         connector.close()
@@ -118,6 +120,7 @@ def test_shm_pull_moves_only_the_blocks_after_first(caches) -> None:
     sender, receiver = caches
     exported = [10, 11, 12, 3, 4]
     source = source_of(sender, "r1", exported, num_tokens=18)  # 5 blocks of 4, last partial
+    assert source.checksum_algo == str(sender.algo)
     before = receiver.cache.clone()
     nbytes = receiver.load(source, 2, [0, 1, 2])  # blocks 0-1: the receiver's own hits
     assert nbytes == 3 * 3 * 2 * 4 * 2 * 8 * 4
@@ -131,8 +134,27 @@ def test_a_block_changed_under_its_lease_fails_the_checksum(caches) -> None:
     sender, receiver = caches
     source = source_of(sender, "r2", [5, 6, 7], num_tokens=12)
     sender.cache[0, 0, 6, 0, 0, 0] += 3.0  # reused by the sender while lent: a lease bug
-    with pytest.raises(KVChecksumError, match="1 of 3"):
+    with pytest.raises(KVChecksumError, match=r"1 of 3.*first: block 1"):
         receiver.load(source, 0, [20, 21, 22])
+    source = source_of(sender, "r3", [8, 9], num_tokens=8)
+    sender.cache[2, 1, 9, 3, 1, 7] += 1.0  # the block's last byte range: the last piece's tail
+    with pytest.raises(KVChecksumError, match="1 of 2"):
+        receiver.load(source, 0, [20, 21])
+
+
+def test_the_default_cpu_pull_hashes_while_it_copies(tmp_path) -> None:
+    """xxh64 between CPU caches: the digests the shm load answers are those of the bytes it
+    wrote, and the sender's export computed the same ones (the check passes)."""
+    from pdmesh.kernels import cpu_native
+    from pdmesh.kvstore.connector.blocks import copy_blocks_checked
+
+    if not cpu_native.supports_kv_blocks(torch.zeros(SHAPE)):
+        pytest.skip("no native CPU kernels here: xxh3 is the default")
+    src = torch.randn(SHAPE)
+    dst = torch.zeros(SHAPE)
+    sums = copy_blocks_checked(ChecksumAlgo.XXH64, dst, [3, 0], src, [7, 8])
+    assert sums == block_checksums(ChecksumAlgo.XXH64, src, [7, 8])
+    assert torch.equal(dst[:, :, [3, 0]], src[:, :, [7, 8]])
 
 
 def test_sources_that_cannot_be_ours_are_refused(caches) -> None:
@@ -179,8 +201,9 @@ def _pull_over_ipc(description: str, blocks: str, out) -> None:  # a spawned chi
     dst = torch.zeros(SHAPE, device="cuda")
     source = KVSource("shm", {"cuda_ipc": description, "blocks": blocks}, [0, 0], "xxh3_64",
                       8, (SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5]), "float32")
-    ShmPeerTransport("/tmp").load(source, 0, dst, [0, 1])
-    out.send(block_checksums(ChecksumAlgo.XXH3_64, dst, [0, 1]))
+    _, sums = ShmPeerTransport("/tmp").load(source, 0, dst, [0, 1], ChecksumAlgo.XXH3_64)
+    assert sums == block_checksums(ChecksumAlgo.XXH3_64, dst, [0, 1])
+    out.send(sums)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -228,10 +228,12 @@ for _c in PREFILL_CASES:
     case(_c.name)(_c.run)
 
 
-@case("backend-mixed-step")
-def _backend_mixed_step(tk: ModuleType) -> None:
-    """Decode rows and prefill chunks in one step through the backend interface."""
-    gen = torch.Generator().manual_seed(11)
+def mixed_step(
+    gen: torch.Generator, device: str = "cpu", staged: bool = False
+) -> tuple[AttentionMetadata, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A step of two decode rows and two prompt chunks (one after a cached prefix): its
+    metadata, cache and query/key/value, on `device`; `staged`: the prefill offsets and
+    lengths come as device tensors too, as the input batch stages them."""
     kv_heads, group, head_dim, bs = 1, 3, 64, 16
     decode_lens, chunks = [18, 33], [(24, 24), (40, 9)]
     all_lens = decode_lens + [c for c, _ in chunks]
@@ -245,20 +247,56 @@ def _backend_mixed_step(tk: ModuleType) -> None:
     query = torch.randn(rows, kv_heads * group, head_dim, generator=gen)
     key = torch.randn(rows, kv_heads, head_dim, generator=gen)
     value = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    tables = paged.block_tables.to(device)
+    ctx = [c for c, _ in chunks]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=torch.tensor(slots, device=device),
         num_decode_tokens=nd,
-        decode_block_tables=paged.block_tables[:nd],
-        decode_seq_lens=torch.tensor(decode_lens),
+        decode_block_tables=tables[:nd],
+        decode_seq_lens=torch.tensor(decode_lens, device=device),
         prefill_query_start_loc=qsl,
-        prefill_seq_lens=[c for c, _ in chunks],
-        prefill_block_tables=paged.block_tables[nd:],
+        prefill_seq_lens=ctx,
+        prefill_block_tables=tables[nd:],
+        prefill_query_start_loc_tensor=torch.tensor(qsl, device=device) if staged else None,
+        prefill_seq_lens_tensor=torch.tensor(ctx, device=device) if staged else None,
     )
-    ref_cache = paged.kv_layer.clone()
+    return meta, paged.kv_layer.to(device), (query.to(device), key.to(device), value.to(device))
+
+
+def _backend_mixed_step(tk: ModuleType, staged: bool) -> None:
+    """Decode rows and prefill chunks in one step through the backend interface."""
+    meta, kv_layer, (query, key, value) = mixed_step(torch.Generator().manual_seed(11),
+                                                     staged=staged)
+    ref_cache = kv_layer.clone()
     expected = TorchAttentionBackend().forward(query, key, value, ref_cache, meta, 0.125)
-    actual = tk.TritonAttentionBackend().forward(query, key, value, paged.kv_layer, meta, 0.125)
-    assert torch.equal(paged.kv_layer, ref_cache)
+    actual = tk.TritonAttentionBackend().forward(query, key, value, kv_layer, meta, 0.125)
+    assert torch.equal(kv_layer, ref_cache)
     close(actual, expected, torch.float32)
+
+
+case("backend-mixed-step")(lambda tk: _backend_mixed_step(tk, staged=False))
+case("backend-mixed-step-staged")(lambda tk: _backend_mixed_step(tk, staged=True))
+
+
+@case("block-size-8-refused")
+def _block_size_8_refused(tk: ModuleType) -> None:
+    """A block of 8 would be a `tl.dot` dimension below 16: wrong on a GPU, though the
+    interpreter would run it, so the kernels refuse it themselves."""
+    gen = torch.Generator().manual_seed(4)
+    paged = make_paged(gen, [20], block_size=8, kv_heads=1, head_dim=64, dtype=torch.float32)
+    query = torch.randn(1, 2, 64, generator=gen)
+    for launch in (
+        lambda: tk.paged_decode_attention(query, paged.kv_layer, paged.block_tables,
+                                          torch.tensor([20]), 0.125),
+        lambda: tk.reshape_and_cache(query[:, :1], query[:, 1:], paged.kv_layer,
+                                     torch.tensor([3])),
+    ):
+        try:
+            launch()
+        except ValueError as err:
+            assert "block_size in 16/32/64/128, got 8" in str(err), err
+        else:
+            raise AssertionError("block_size 8 was not refused")
 
 
 # -- the two halves: the child process runs the cases, pytest asserts their outcomes ---------
@@ -284,6 +322,24 @@ def test_triton_kernel_matches_reference(outcomes, name):
 
 
 @pytest.mark.fast
+def test_arguments_that_change_every_step_are_not_specialised():
+    """Triton compiles a variant per value class (1, multiple of 16, other) of each
+    specialised integer: the block table's width and the split sizes change with the batch,
+    so specialising on them would compile new variants mid-serving."""
+    pytest.importorskip("triton")
+    tk = importlib.import_module(MODULE)
+    unspecialised = {
+        name: {p.name for p in getattr(tk, name).params if p.do_not_specialize}
+        for name in ("_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel")
+    }
+    assert unspecialised == {
+        "_decode_kernel": {"bt_stride", "blocks_per_split", "num_splits"},
+        "_decode_reduce_kernel": {"num_splits"},
+        "_prefill_kernel": {"bt_stride"},
+    }
+
+
+@pytest.mark.fast
 def test_this_process_stays_compiled():
     """The interpreter flag was given to the child only."""
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -304,6 +360,31 @@ def test_compiled_kernels_on_cuda():
     for splits in (1, 4):
         out = tk.paged_decode_attention(q, kv, tables, lens, 0.1, num_splits=splits)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("staged", [False, True], ids=["host-lists", "staged"])
+def test_a_mixed_step_never_waits_for_the_device(staged: bool):
+    """A step with decode rows and prompt chunks (the prefill offsets copied from the host
+    lists, or staged by the input batch) launches without one host synchronisation, and
+    matches the reference."""
+    tk = importlib.import_module(MODULE)
+    backend = tk.TritonAttentionBackend()
+    meta, kv, (q, k, v) = mixed_step(torch.Generator().manual_seed(11), "cuda", staged)
+    backend.forward(q, k, v, kv.clone(), meta, 0.125)  # compiles the kernels
+    meta.step_cache.clear()  # the next step builds its prefill tensors again
+    ref_cache = kv.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    meta.step_cache.clear()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        actual = backend.forward(q, k, v, kv, meta, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(kv, ref_cache)
+    close(actual, expected, torch.float32)
 
 
 if __name__ == "__main__":

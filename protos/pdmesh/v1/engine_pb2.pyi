@@ -21,7 +21,7 @@ ROLE_DECODE: Role
 ROLE_COLOCATED: Role
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "instance_id", "role", "block_size", "hash_scheme_fingerprint", "max_model_len", "kv_capacity_tokens", "kv_backends")
+    __slots__ = ("model", "instance_id", "role", "block_size", "hash_scheme_fingerprint", "max_model_len", "kv_capacity_tokens", "kv_backends", "selfcheck", "selfcheck_fallbacks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class EngineInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    SELFCHECK_FIELD_NUMBER: _ClassVar[int]
+    SELFCHECK_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     instance_id: str
     role: Role
@@ -38,7 +40,9 @@ class EngineInfo(_message.Message):
     max_model_len: int
     kv_capacity_tokens: int
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., hash_scheme_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    selfcheck: str
+    selfcheck_fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., hash_scheme_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., selfcheck: _Optional[str] = ..., selfcheck_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

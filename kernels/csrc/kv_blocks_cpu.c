@@ -1,0 +1,300 @@
+/* Per-block XXH64 of a paged KV cache, and the same-host pull that copies and hashes in one pass.
+ *
+ * The cache is [layers, 2, num_blocks, block bytes], so one block is `num_pieces` (= 2 * layers)
+ * pieces of `piece_bytes`, piece p of block b at ((p * num_blocks) + b) * piece_bytes. A block's
+ * digest is XXH64 (seed 0) of its pieces streamed in (layer, K/V) order: the value
+ * `xxhash.xxh64()` gives when updated piece by piece, so Python can check any digest made here.
+ * Calling Python once per piece (60 per block for a 30-layer model) cost more than hashing the
+ * bytes; here a whole list of blocks is one call, spread over OpenMP threads by block.
+ *
+ * XXH64 as its public specification describes it (Yann Collet, xxhash.com doc/xxhash_spec.md):
+ * four 64-bit lanes eat 32-byte stripes, merged and then fed the < 32-byte tail, then avalanched.
+ * Input words are little-endian; a big-endian build refuses (code 4) and Python hashes instead.
+ *
+ * Return codes: 0 ok, 1 bad shape, 3 a block id outside its cache, 4 unsupported build.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define P1 0x9E3779B185EBCA87ULL
+#define P2 0xC2B2AE3D27D4EB4FULL
+#define P3 0x165667B19E3779F9ULL
+#define P4 0x85EBCA77C2B2AE63ULL
+#define P5 0x27D4EB2F165667C5ULL
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KV_LITTLE_ENDIAN 1
+#else
+#define KV_LITTLE_ENDIAN 0
+#endif
+
+typedef struct {
+    uint64_t total;    /* bytes consumed so far */
+    uint64_t v[4];     /* the four lanes */
+    uint8_t mem[32];   /* a stripe not yet complete (pieces need not be multiples of 32) */
+    uint32_t memsize;
+} xxh64_state;
+
+static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t xxh_round(uint64_t acc, uint64_t lane) {
+    acc += lane * P2;
+    acc = rotl64(acc, 31);
+    return acc * P1;
+}
+
+static inline uint64_t merge_round(uint64_t acc, uint64_t lane) {
+    acc ^= xxh_round(0, lane);
+    return acc * P1 + P4;
+}
+
+static void xxh64_reset(xxh64_state *st, uint64_t seed) {
+    st->total = 0;
+    st->v[0] = seed + P1 + P2;
+    st->v[1] = seed + P2;
+    st->v[2] = seed;
+    st->v[3] = seed - P1;
+    st->memsize = 0;
+}
+
+/* Whole stripes only, from `src`; when `dst` is not NULL each stripe is also stored there, from
+ * the same registers that were hashed: the digest names exactly the bytes written. */
+static void consume_stripes(xxh64_state *st, uint8_t *dst, const uint8_t *src, size_t n) {
+    uint64_t v0 = st->v[0], v1 = st->v[1], v2 = st->v[2], v3 = st->v[3];
+    for (size_t i = 0; i < n; i += 32) {
+        uint64_t a = read64(src + i), b = read64(src + i + 8);
+        uint64_t c = read64(src + i + 16), d = read64(src + i + 24);
+        if (dst != NULL) {
+            memcpy(dst + i, &a, 8);
+            memcpy(dst + i + 8, &b, 8);
+            memcpy(dst + i + 16, &c, 8);
+            memcpy(dst + i + 24, &d, 8);
+        }
+        v0 = xxh_round(v0, a);
+        v1 = xxh_round(v1, b);
+        v2 = xxh_round(v2, c);
+        v3 = xxh_round(v3, d);
+    }
+    st->v[0] = v0;
+    st->v[1] = v1;
+    st->v[2] = v2;
+    st->v[3] = v3;
+    st->total += n;
+}
+
+static void xxh64_update(xxh64_state *st, const uint8_t *p, size_t len) {
+    if (st->memsize) { /* complete the carried stripe first */
+        size_t take = 32 - st->memsize;
+        if (take > len) take = len;
+        memcpy(st->mem + st->memsize, p, take);
+        st->memsize += (uint32_t)take;
+        p += take;
+        len -= take;
+        if (st->memsize < 32) return;
+        consume_stripes(st, NULL, st->mem, 32);
+        st->memsize = 0;
+    }
+    size_t whole = len & ~(size_t)31;
+    consume_stripes(st, NULL, p, whole);
+    memcpy(st->mem, p + whole, len - whole);
+    st->memsize = (uint32_t)(len - whole);
+}
+
+/* Copy `len` bytes src -> dst and feed them to the state, reading the source once where the
+ * stream is at a stripe boundary (the usual case: pieces are multiples of 32 bytes). */
+static void xxh64_copy_update(xxh64_state *st, uint8_t *dst, const uint8_t *src, size_t len) {
+    size_t whole = st->memsize ? 0 : len & ~(size_t)31;
+    consume_stripes(st, dst, src, whole);
+    memcpy(dst + whole, src + whole, len - whole);
+    xxh64_update(st, dst + whole, len - whole);
+}
+
+static uint64_t xxh64_digest(const xxh64_state *st) {
+    uint64_t total = st->total + st->memsize;
+    uint64_t acc;
+    if (st->total >= 32) { /* at least one stripe went through the lanes */
+        acc = rotl64(st->v[0], 1) + rotl64(st->v[1], 7) + rotl64(st->v[2], 12)
+            + rotl64(st->v[3], 18);
+        for (int i = 0; i < 4; i++) acc = merge_round(acc, st->v[i]);
+    } else {
+        acc = st->v[2] /* the seed */ + P5;
+    }
+    acc += total;
+    const uint8_t *p = st->mem;
+    size_t left = st->memsize;
+    while (left >= 8) {
+        acc ^= xxh_round(0, read64(p));
+        acc = rotl64(acc, 27) * P1 + P4;
+        p += 8;
+        left -= 8;
+    }
+    if (left >= 4) {
+        acc ^= (uint64_t)read32(p) * P1;
+        acc = rotl64(acc, 23) * P2 + P3;
+        p += 4;
+        left -= 4;
+    }
+    while (left > 0) {
+        acc ^= (uint64_t)(*p) * P5;
+        acc = rotl64(acc, 11) * P1;
+        p++;
+        left--;
+    }
+    acc ^= acc >> 33;
+    acc *= P2;
+    acc ^= acc >> 29;
+    acc *= P3;
+    acc ^= acc >> 32;
+    return acc;
+}
+
+/* Blocks of one geometry advance in lockstep (their pieces are the same length), so where a
+ * piece is whole stripes GROUP blocks are hashed together, each block's four lanes one 256-bit
+ * vector (GCC/Clang vector extensions: vpmullq where AVX-512DQ is there, emulated elsewhere).
+ * One block alone is latency-bound (a stripe waits on the previous one's two multiplies); four
+ * independent chains keep the multiplier busy. A short group repeats its last block (same bytes,
+ * same place: copying it again changes nothing). */
+#define GROUP 4
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+
+static inline u64x4 load4(const uint8_t *p) {
+    u64x4 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+static inline u64x4 round4(u64x4 acc, u64x4 lane) {
+    acc += lane * P2;
+    acc = (acc << 31) | (acc >> 33);
+    return acc * P1;
+}
+
+/* Hash (and when dst is not NULL, copy) blocks src[k] -> dst[k], k < GROUP: out[k] digests. */
+static void group_stripes(uint8_t *const *dst, const uint8_t *const *src, int64_t num_pieces,
+                          size_t piece_bytes, size_t dst_stride, size_t src_stride,
+                          uint64_t *out) {
+    const u64x4 init = {P1 + P2, P2, 0, (uint64_t)0 - P1}; /* seed 0 */
+    u64x4 acc[GROUP];
+    for (int k = 0; k < GROUP; k++) acc[k] = init;
+    for (int64_t p = 0; p < num_pieces; p++) {
+        const uint8_t *from[GROUP];
+        uint8_t *to[GROUP];
+        for (int k = 0; k < GROUP; k++) {
+            from[k] = src[k] + (size_t)p * src_stride;
+            to[k] = dst != NULL ? dst[k] + (size_t)p * dst_stride : NULL;
+        }
+        for (size_t i = 0; i < piece_bytes; i += 32) {
+            for (int k = 0; k < GROUP; k++) {
+                u64x4 lane = load4(from[k] + i);
+                if (dst != NULL) memcpy(to[k] + i, &lane, 32);
+                acc[k] = round4(acc[k], lane);
+            }
+        }
+    }
+    for (int k = 0; k < GROUP; k++) {
+        xxh64_state st;
+        for (int j = 0; j < 4; j++) st.v[j] = acc[k][j];
+        st.total = (uint64_t)num_pieces * piece_bytes;
+        st.memsize = 0;
+        out[k] = xxh64_digest(&st);
+    }
+}
+
+/* Blocks [first, first + GROUP) of the id lists (the last one repeated past n), grouped. */
+static void hash_group(uint8_t *dst, size_t dst_stride, const uint8_t *src, size_t src_stride,
+                       int64_t num_pieces, size_t piece_bytes, const int64_t *dst_ids,
+                       const int64_t *src_ids, int64_t first, int64_t n, uint64_t *out) {
+    uint8_t *to[GROUP];
+    const uint8_t *from[GROUP];
+    uint64_t sums[GROUP];
+    for (int k = 0; k < GROUP; k++) {
+        int64_t i = first + k < n ? first + k : n - 1;
+        from[k] = src + (size_t)src_ids[i] * piece_bytes;
+        to[k] = dst != NULL ? dst + (size_t)dst_ids[i] * piece_bytes : NULL;
+    }
+    group_stripes(dst != NULL ? to : NULL, from, num_pieces, piece_bytes, dst_stride,
+                  src_stride, sums);
+    for (int k = 0; k < GROUP && first + k < n; k++) out[first + k] = sums[k];
+}
+
+static int ids_in_range(const int64_t *ids, int64_t n, int64_t num_blocks) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_blocks) return 0;
+    return 1;
+}
+
+/* out[i] = XXH64 of block ids[i] of `cache`, its pieces in order. */
+int pdmesh_kv_blocks_xxh64(const uint8_t *cache, int64_t num_pieces, int64_t num_blocks,
+                           int64_t piece_bytes, const int64_t *ids, int64_t n, uint64_t *out,
+                           int64_t threads) {
+    if (!KV_LITTLE_ENDIAN) return 4;
+    if (num_pieces <= 0 || num_blocks <= 0 || piece_bytes <= 0 || n < 0 || threads < 1) return 1;
+    if (!ids_in_range(ids, n, num_blocks)) return 3;
+    const size_t piece_stride = (size_t)num_blocks * (size_t)piece_bytes;
+    if (piece_bytes % 32 == 0) {
+        const int64_t groups = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
+        for (int64_t g = 0; g < groups; g++)
+            hash_group(NULL, 0, cache, piece_stride, num_pieces, (size_t)piece_bytes, NULL, ids,
+                       g * GROUP, n, out);
+        return 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        xxh64_state st;
+        xxh64_reset(&st, 0);
+        const uint8_t *block = cache + (size_t)ids[i] * (size_t)piece_bytes;
+        for (int64_t p = 0; p < num_pieces; p++)
+            xxh64_update(&st, block + (size_t)p * piece_stride, (size_t)piece_bytes);
+        out[i] = xxh64_digest(&st);
+    }
+    return 0;
+}
+
+/* dst block dst_ids[i] = src block src_ids[i], piece by piece, and out[i] = the XXH64 of what
+ * was written: the receiver's check without reading the pulled bytes a second time. The two
+ * caches share the block layout (num_pieces, piece_bytes), not their block counts. */
+int pdmesh_kv_copy_blocks_xxh64(uint8_t *dst, int64_t dst_blocks, const uint8_t *src,
+                                int64_t src_blocks, int64_t num_pieces, int64_t piece_bytes,
+                                const int64_t *dst_ids, const int64_t *src_ids, int64_t n,
+                                uint64_t *out, int64_t threads) {
+    if (!KV_LITTLE_ENDIAN) return 4;
+    if (num_pieces <= 0 || dst_blocks <= 0 || src_blocks <= 0 || piece_bytes <= 0 || n < 0
+        || threads < 1)
+        return 1;
+    if (!ids_in_range(dst_ids, n, dst_blocks) || !ids_in_range(src_ids, n, src_blocks)) return 3;
+    const size_t dst_stride = (size_t)dst_blocks * (size_t)piece_bytes;
+    const size_t src_stride = (size_t)src_blocks * (size_t)piece_bytes;
+    if (piece_bytes % 32 == 0) {
+        const int64_t groups = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
+        for (int64_t g = 0; g < groups; g++)
+            hash_group(dst, dst_stride, src, src_stride, num_pieces, (size_t)piece_bytes,
+                       dst_ids, src_ids, g * GROUP, n, out);
+        return 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        xxh64_state st;
+        xxh64_reset(&st, 0);
+        uint8_t *to = dst + (size_t)dst_ids[i] * (size_t)piece_bytes;
+        const uint8_t *from = src + (size_t)src_ids[i] * (size_t)piece_bytes;
+        for (int64_t p = 0; p < num_pieces; p++)
+            xxh64_copy_update(&st, to + (size_t)p * dst_stride, from + (size_t)p * src_stride,
+                              (size_t)piece_bytes);
+        out[i] = xxh64_digest(&st);
+    }
+    return 0;
+}

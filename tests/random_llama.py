@@ -1,0 +1,75 @@
+"""Random-weight Llama checkpoints of real architectures' shapes, for tests that must run where
+no weights travel (a lent GPU machine: ../shared/GPU.md, bench/gpu_check.sh).
+
+`write_random_llama(dest, "smollm2-135m")` writes what `from_pretrained` and our loader read —
+config.json and model.safetensors from transformers' own `LlamaForCausalLM` (its initializer:
+N(0, 0.02) matrices, unit norms) — plus SmolLM2's tokenizer files, so `LLM(dest)` serves it
+like the real model, with noise for outputs. The tokenizer comes from `PDMESH_TEST_TOKENIZER`,
+else the ignored folder `.cache/smollm2-tokenizer` that the GPU runbook carries, else the
+SmolLM2 alias (the local cache; downloaded once where there is a network).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_ENV = "PDMESH_TEST_TOKENIZER"
+CARRIED_TOKENIZER = REPO / ".cache" / "smollm2-tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): what the CPU tests run with the real weights.
+    "smollm2-135m": {
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def tokenizer_dir() -> Path:
+    """Where SmolLM2's tokenizer files are on this machine (see the module docstring)."""
+    if os.environ.get(TOKENIZER_ENV):
+        return Path(os.environ[TOKENIZER_ENV])
+    if (CARRIED_TOKENIZER / "tokenizer.json").is_file():
+        return CARRIED_TOKENIZER
+    from pdmesh.engine.model_store import resolve_model
+
+    return resolve_model("smollm2")
+
+
+def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0,
+                       tokenizer: bool = True, **overrides: Any) -> Path:
+    """A checkpoint of `shape` (with `overrides`) and random weights in `dest`, float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**SHAPES[shape], **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    if tokenizer:
+        source = tokenizer_dir()
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy(source / name, dest / name)
+        if not (dest / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {source} (set {TOKENIZER_ENV})")
+    return dest
