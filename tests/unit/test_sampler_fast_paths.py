@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import pdmesh.engine.worker.sampler as sampler_module
+import pdmesh.engine.worker.sampling_masks as sampler_module
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.worker.sampler import (
     Sampler,
