@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -51,7 +52,10 @@ REQUEST_TOKENS_BUCKETS = (*(m * 10**e for e in range(6) for m in (1, 2, 5)), 1_0
 T = TypeVar("T")
 _lock = threading.Lock()
 _process_registry: CollectorRegistry | None = None
-_per_registry: dict[tuple[int, str], Any] = {}
+_per_registry: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]] = (
+    weakref.WeakKeyDictionary())
+"""Each registry's metrics by kind, for as long as the registry lives: keyed by the object, not
+its `id()`, which a registry created after another was collected may reuse."""
 
 
 def metric_name(name: str) -> str:
@@ -72,11 +76,11 @@ def _once(kind: str, registry: CollectorRegistry | None, build: Callable[[Collec
           ) -> T:
     """One `build(registry)` per registry and kind: metrics cannot be registered twice."""
     registry = registry or process_registry()
-    key = (id(registry), kind)
     with _lock:
-        if key not in _per_registry:
-            _per_registry[key] = build(registry)
-        return _per_registry[key]
+        kinds = _per_registry.setdefault(registry, {})
+        if kind not in kinds:
+            kinds[kind] = build(registry)
+        return kinds[kind]
 
 
 # -- KV transfer (both ends) -----------------------------------------------------------------------

@@ -111,3 +111,24 @@ def test_the_endpoint_serves_the_registry_and_refuses_a_taken_port() -> None:
             start_metrics_server("127.0.0.1", endpoint.port, r)
     finally:
         endpoint.close()
+
+
+def test_a_new_registry_gets_its_own_metrics_even_at_a_dead_ones_address() -> None:
+    """Metrics are built once per registry object: a registry made after another was collected
+    may sit at the same address, and must not be handed the dead one's (unregistered) metrics."""
+    import gc
+
+    seen: set[int] = set()
+    for _ in range(50):  # CPython reuses a freed object's address almost at once
+        registry = CollectorRegistry()
+        metrics = engine_metrics("decode", registry, model_name="m")
+        metrics.prompt_tokens.labels("m", "decode").inc(7)
+        names = {s.name for family in registry.collect() for s in family.samples}
+        assert "pdmesh:prompt_tokens_total" in names
+        reused = id(registry) in seen
+        seen.add(id(registry))
+        del registry, metrics
+        gc.collect()
+        if reused:
+            return
+    pytest.skip("no registry address was reused")
