@@ -5,7 +5,6 @@ and to detokenize the core's tokens) but not torch, which would cost it ~240 MiB
 long as it serves (bench/README.md, "RSS"). transformers' auto classes import torch, so a
 checkpoint that names the generic fast tokenizer class is loaded through that class directly:
 the same class `AutoTokenizer` would build (`PreTrainedTokenizerFast` is `TokenizersBackend`).
-`engine/frontend/llm_engine.py` and `engine/core/startup.py` re-export these under their old names.
 """
 
 from __future__ import annotations

@@ -537,10 +537,17 @@ def _max_query_len(meta: AttentionMetadata) -> int:
 
 
 class TritonAttentionBackend:
-    """Cache write, decode rows and prefill chunks, each one kernel launch per layer."""
+    """Cache write, decode rows and prefill chunks, each one kernel launch per layer.
+
+    `num_splits`: the decode kernel's parallel ranges per sequence; None picks them from the
+    step's block-table width (`default_num_splits`). A CUDA graph fixes them at capture
+    (engine/worker/cuda_graphs.py plans them per graph)."""
 
     name = "triton"
     block_sizes = BLOCK_SIZES["triton"]
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        self.num_splits = num_splits
 
     def forward(
         self,
@@ -561,6 +568,7 @@ class TritonAttentionBackend:
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
                 scale,
+                num_splits=self.num_splits,
                 out=out[:nd],
             )
         if meta.num_prefills:

@@ -35,7 +35,6 @@ from pdmesh.engine.core.memory_profile import (
 )
 from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.model_store import model_dir_for
-from pdmesh.engine.tokenizing import eos_token_ids  # noqa: F401 - its old home
 from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
 from pdmesh.engine.worker.model_loader import load_hf_config, load_model
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig

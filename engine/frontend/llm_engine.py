@@ -16,7 +16,7 @@ import torch
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.engine_core import EngineCore
 from pdmesh.engine.core.request_state import CoreRequest
-from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError
+from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
@@ -29,11 +29,6 @@ from pdmesh.engine.tokenizing import (
     tokenize_prompt,
 )
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-
-__all__ = [
-    "EngineRequest", "KVCacheFullError", "LLMEngine", "check_given_logprobs", "load_tokenizer",
-    "tokenize_prompt",
-]
 
 
 class LLMEngine:

@@ -148,36 +148,12 @@ def graphs_unavailable_reason(
     return None
 
 
-class SplitDecodeAttention:
-    """The triton backend's decode path with the split count a graph was planned for.
+def _triton_with_splits(num_splits: int) -> AttentionBackend:
+    """The triton backend with the split count a graph was planned for (`split_plans`): the
+    backend alone would pick splits from the table's width, which a graph fixes at capture."""
+    from pdmesh.kernels.triton_attention import TritonAttentionBackend  # triton: graphs only
 
-    The backend picks splits from the block table's width alone; a graph's width is fixed at
-    capture, so the plan (`split_plans`) decides, here, once per graph. Graphs hold pure
-    decode steps only, so this is the backend's forward without its prefill half."""
-
-    name = "triton"
-
-    def __init__(self, num_splits: int) -> None:
-        from pdmesh.kernels import triton_attention  # imports triton: only where graphs run
-
-        self.num_splits = num_splits
-        self._kernels = triton_attention
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        assert not meta.num_prefills and meta.num_decode_tokens == query.shape[0]
-        self._kernels.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
-        return self._kernels.paged_decode_attention(
-            query, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale,
-            num_splits=self.num_splits,
-        )  # fmt: skip
+    return TritonAttentionBackend(num_splits)
 
 
 @dataclass
@@ -249,7 +225,7 @@ class DecodeGraphs:
             self.positions[:bucket],
             self.kv_cache,
             self._meta(bucket, split.width),
-            SplitDecodeAttention(split.num_splits),
+            _triton_with_splits(split.num_splits),
         )
 
     def capture(self) -> None:

@@ -235,6 +235,36 @@ static int ids_in_range(const int64_t *ids, int64_t n, int64_t num_blocks) {
     return 1;
 }
 
+/* out[i] = XXH64 of src block src_ids[i], its pieces in order; when dst is not NULL the block
+ * is also copied to dst block dst_ids[i] in the same pass, and out[i] names what was written. */
+static void blocks_xxh64(uint8_t *dst, size_t dst_stride, const uint8_t *src, size_t src_stride,
+                         int64_t num_pieces, size_t piece_bytes, const int64_t *dst_ids,
+                         const int64_t *src_ids, int64_t n, uint64_t *out, int64_t threads) {
+    if (piece_bytes % 32 == 0) {
+        const int64_t groups = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
+        for (int64_t g = 0; g < groups; g++)
+            hash_group(dst, dst_stride, src, src_stride, num_pieces, piece_bytes, dst_ids,
+                       src_ids, g * GROUP, n, out);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        xxh64_state st;
+        xxh64_reset(&st, 0);
+        const uint8_t *from = src + (size_t)src_ids[i] * piece_bytes;
+        uint8_t *to = dst != NULL ? dst + (size_t)dst_ids[i] * piece_bytes : NULL;
+        for (int64_t p = 0; p < num_pieces; p++) {
+            if (to != NULL)
+                xxh64_copy_update(&st, to + (size_t)p * dst_stride,
+                                  from + (size_t)p * src_stride, piece_bytes);
+            else
+                xxh64_update(&st, from + (size_t)p * src_stride, piece_bytes);
+        }
+        out[i] = xxh64_digest(&st);
+    }
+}
+
 /* out[i] = XXH64 of block ids[i] of `cache`, its pieces in order. */
 int pdmesh_kv_blocks_xxh64(const uint8_t *cache, int64_t num_pieces, int64_t num_blocks,
                            int64_t piece_bytes, const int64_t *ids, int64_t n, uint64_t *out,
@@ -242,24 +272,8 @@ int pdmesh_kv_blocks_xxh64(const uint8_t *cache, int64_t num_pieces, int64_t num
     if (!KV_LITTLE_ENDIAN) return 4;
     if (num_pieces <= 0 || num_blocks <= 0 || piece_bytes <= 0 || n < 0 || threads < 1) return 1;
     if (!ids_in_range(ids, n, num_blocks)) return 3;
-    const size_t piece_stride = (size_t)num_blocks * (size_t)piece_bytes;
-    if (piece_bytes % 32 == 0) {
-        const int64_t groups = (n + GROUP - 1) / GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
-        for (int64_t g = 0; g < groups; g++)
-            hash_group(NULL, 0, cache, piece_stride, num_pieces, (size_t)piece_bytes, NULL, ids,
-                       g * GROUP, n, out);
-        return 0;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
-    for (int64_t i = 0; i < n; i++) {
-        xxh64_state st;
-        xxh64_reset(&st, 0);
-        const uint8_t *block = cache + (size_t)ids[i] * (size_t)piece_bytes;
-        for (int64_t p = 0; p < num_pieces; p++)
-            xxh64_update(&st, block + (size_t)p * piece_stride, (size_t)piece_bytes);
-        out[i] = xxh64_digest(&st);
-    }
+    blocks_xxh64(NULL, 0, cache, (size_t)num_blocks * (size_t)piece_bytes, num_pieces,
+                 (size_t)piece_bytes, NULL, ids, n, out, threads);
     return 0;
 }
 
@@ -275,26 +289,8 @@ int pdmesh_kv_copy_blocks_xxh64(uint8_t *dst, int64_t dst_blocks, const uint8_t 
         || threads < 1)
         return 1;
     if (!ids_in_range(dst_ids, n, dst_blocks) || !ids_in_range(src_ids, n, src_blocks)) return 3;
-    const size_t dst_stride = (size_t)dst_blocks * (size_t)piece_bytes;
-    const size_t src_stride = (size_t)src_blocks * (size_t)piece_bytes;
-    if (piece_bytes % 32 == 0) {
-        const int64_t groups = (n + GROUP - 1) / GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
-        for (int64_t g = 0; g < groups; g++)
-            hash_group(dst, dst_stride, src, src_stride, num_pieces, (size_t)piece_bytes,
-                       dst_ids, src_ids, g * GROUP, n, out);
-        return 0;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
-    for (int64_t i = 0; i < n; i++) {
-        xxh64_state st;
-        xxh64_reset(&st, 0);
-        uint8_t *to = dst + (size_t)dst_ids[i] * (size_t)piece_bytes;
-        const uint8_t *from = src + (size_t)src_ids[i] * (size_t)piece_bytes;
-        for (int64_t p = 0; p < num_pieces; p++)
-            xxh64_copy_update(&st, to + (size_t)p * dst_stride, from + (size_t)p * src_stride,
-                              (size_t)piece_bytes);
-        out[i] = xxh64_digest(&st);
-    }
+    blocks_xxh64(dst, (size_t)dst_blocks * (size_t)piece_bytes, src,
+                 (size_t)src_blocks * (size_t)piece_bytes, num_pieces, (size_t)piece_bytes,
+                 dst_ids, src_ids, n, out, threads);
     return 0;
 }

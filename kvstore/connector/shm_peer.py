@@ -14,12 +14,7 @@ import torch
 from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks_checked
 from pdmesh.kvstore.connector.cache_file import PeerCaches
 from pdmesh.kvstore.connector.cuda_ipc import PeerDeviceCaches
-from pdmesh.kvstore.connector.source import (  # noqa: F401 - encode_blocks: its old home
-    KVSource,
-    check_params,
-    decode_blocks,
-    encode_blocks,
-)
+from pdmesh.kvstore.connector.source import KVSource, check_params, decode_blocks
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo
 from pdmesh.kvstore.transfer.errors import KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME

@@ -47,6 +47,7 @@ from pdmesh.kvstore.connector import dist_blocks, grant_mac
 from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, on_device_of, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
+from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -525,10 +526,6 @@ def _tls_config(config: KVConnectorConfig) -> TLSConfig | None:
     if not config.tls_enabled:
         return None
     return TLSConfig(config.tls_cert or None, config.tls_key or None, config.tls_ca or None)
-
-
-def format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -20,12 +20,12 @@ import torch
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.core_loop import CommandQueue, CoreLoop, take_queued
 from pdmesh.engine.core.engine_core import EngineCore
-from pdmesh.engine.core.startup import eos_token_ids
 from pdmesh.engine.core_protocol import Abort, Add, Batch, Call, Reply, Result, Shutdown
 from pdmesh.engine.core_types import CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.structured.grammar import grammar_vocabulary
 from pdmesh.engine.structured_output import StructuredOutput
+from pdmesh.engine.tokenizing import eos_token_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.frontend.llm_engine import load_tokenizer
+from pdmesh.engine.tokenizing import load_tokenizer
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from tests.hub_cache import SMOLLM2_ID, commit_of, model_files, put_snapshot
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.engine_request import EngineRequest, KVCacheFullError
 from pdmesh.engine.frontend.async_engine import AsyncEngine, EngineError
-from pdmesh.engine.frontend.llm_engine import KVCacheFullError, LLMEngine
+from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 

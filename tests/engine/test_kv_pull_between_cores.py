@@ -20,8 +20,7 @@ from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.grant_mac import new_key, sign
-from pdmesh.kvstore.connector.shm_peer import encode_blocks
-from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.connector.source import KVSource, LoadResult, encode_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights]
 

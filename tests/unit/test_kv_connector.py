@@ -15,8 +15,7 @@ from pdmesh.kvstore.connector.blocks import block_checksums, copy_blocks, runs
 from pdmesh.kvstore.connector.cache_file import PeerCaches, open_peer, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
-from pdmesh.kvstore.connector.shm_peer import encode_blocks
-from pdmesh.kvstore.connector.source import KVSource
+from pdmesh.kvstore.connector.source import KVSource, encode_blocks
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo
 from pdmesh.kvstore.transfer.errors import (
     KVChecksumError,

@@ -31,7 +31,6 @@ from pdmesh.kvstore.transfer.backends.base import (
     DataPlaneClient,
     DataPlaneConfig,
     DataPlaneServer,
-    format_host,  # noqa: F401 - its old home
     run_blocking,
 )
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
