@@ -30,6 +30,9 @@ from pdmesh.serve import LocalMesh, MeshConfig, pdmesh_command
 MODES = {
     "colocated": {"colocated": True, "num_decode": 1},
     "1P+1D": {"num_prefill": 1, "num_decode": 1, "local_prefill_threshold": 0},
+    # the same mesh with the whole prompt's KV moved after the prefill (no chunk streaming)
+    "1P+1D unary": {"num_prefill": 1, "num_decode": 1, "local_prefill_threshold": 0,
+                    "kv_stream_chunks": False},
 }
 
 

@@ -19,12 +19,21 @@ for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run)
   `KVConnector.load` into this process's own shared cache (one copy, then per-block verify),
   `KVReceiver.finish` (ack). `core X (load only)` is the `load` alone, in the same rounds (the
   rest is control plane and export); `core export` is the child's `export` alone.
+* `core ucxx`: the cores' own UCX transport (`connector/ucx_blocks.py`): the child's core runs a
+  ucxx listener, the pull is received straight into this process's cache (where the `ucxx`
+  package is installed; `--backends ucxx` also gives today's `staged ucxx` row).
 * `... tcp+tls`: tcp under mutual TLS (control channel, staged data plane, the core's block
   server; certificates made for the run). `--tls off|on|both` (on: no plaintext tcp rows).
 
 The core rows check blocks with the sender core's default algorithm (`default_block_algo`: xxh64
 where the native CPU kernels load, hashed in one call per export and, on `shm`, while the
 receiver copies; else xxh3 from Python); `--checksum xxh3_64` measures the old choice.
+
+Both processes run as engine core processes do, with their short OpenMP spin
+(`engine/worker/cpu_threads.py`: GOMP_SPINCOUNT=10000 unless GOMP_SPINCOUNT or OMP_WAIT_POLICY
+is set; libgomp reads it when it loads, so the bench restarts itself once with it): with
+libgomp's default (~10 ms of spinning after every parallel region) one core's spin after its
+export or load took a CPU from the other's on a 2-CPU host.
 
 A staged or core round is timed here from the request to the child (a Pipe round trip) until
 the destination cache holds the verified blocks and the ack is answered. ms: median of up to
@@ -43,6 +52,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -55,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from pdmesh.engine.worker.cpu_threads import core_environment
 from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.connector.blocks import default_block_algo
 from pdmesh.kvstore.connector.cache_file import shared_zeros
@@ -103,6 +114,7 @@ class Setup:
     def connector_config(self, *, tcp: bool = True, grant_secret: str = "") -> KVConnectorConfig:
         t = self.tls or TLSConfig()
         return KVConnectorConfig(shm_dir=self.shm_dir, tcp=tcp, grant_secret=grant_secret,
+                                 ucx=bool(grant_secret) and "ucxx" in self.core,
                                  tls_cert=t.cert or "", tls_key=t.key or "", tls_ca=t.ca or "")
 
 
@@ -132,7 +144,8 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
                                      lambda rid, why: None, tls=setup.tls)
     if setup.core:
         core = CoreCache(connector.cache_file_name, setup.cache_blocks,
-                         connector.block_server_address, connector.config.grant_secret)
+                         connector.block_server_address, connector.config.grant_secret,
+                         ucx_server=connector.ucx_address)
         senders["core"] = KVSender(KVSenderConfig(backends=setup.core, shm_dir=setup.shm_dir),
                                    lambda rid, why: connector.release(rid), tls=setup.tls,
                                    core=core)
@@ -327,11 +340,22 @@ def print_table(rows: list[dict[str, object]], shuffled: bool, cache_blocks: int
               f"{vs_staged:>9} |")
 
 
+def as_core_process() -> None:
+    """Restart this process with the environment an engine core process starts with (and
+    the sender child inherits it), unless it has it already."""
+    env = core_environment(os.environ)
+    if env != dict(os.environ):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
+    as_core_process()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", default="64,512", help="block counts, e.g. 8,64,512")
     parser.add_argument("--backends", default="shm,tcp",
-                        help="staged rows: any KVSender backend; core rows: shm, tcp, torch_dist")
+                        help="staged rows: any KVSender backend; core rows: shm, tcp, "
+                             "torch_dist, ucxx")
     parser.add_argument("--ids", choices=("shuffled", "consecutive"), default="shuffled")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of both processes")

@@ -18,6 +18,8 @@ from pdmesh.v1 import engine_pb2
 if TYPE_CHECKING:
     import torch
 
+    from pdmesh.decode_svc.streamed import StreamedPrefill
+
 
 @dataclass
 class Observed:
@@ -43,6 +45,8 @@ class Admit:
     request: EngineRequest
     given_logprobs: list[list[TokenLogprobs | None]] | None = None
     pull: Pull | None = None
+    streamed: StreamedPrefill | None = None
+    """The prefill still runs: its progress and first tokens come while the call runs."""
 
 
 def engine_request(request: engine_pb2.DecodeRequest, params: SamplingParams, *,

@@ -7,7 +7,8 @@ Two ways, chosen by the handle:
   grant) and hand the request to our engine with a `KVSource`; our core pulls the blocks its
   prefix cache lacks itself, and its first output says how that went (`settle`): the ack or
   the failure goes back to the prefill, the blocks pulled and reused are counted;
-* a staged tensor (`--kv-backend ucxx`): pull it here (`KVReceiver.fetch`) and hand it over.
+* a staged tensor (a prefill whose core lends nothing): pull it here (`KVReceiver.fetch`) and
+  hand it over.
 
 A pull that fails is the prefill instance's fault: with `--kv-load-failure-policy recompute`
 the prompt is prefilled here and decoding continues after the prefill's first tokens (same
@@ -22,6 +23,7 @@ import time
 import grpc
 
 from pdmesh.decode_svc.call import Admit, Observed, engine_request
+from pdmesh.decode_svc.streamed import StreamedCalls, StreamedPrefill
 from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine.outputs import TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
@@ -58,6 +60,7 @@ class RemoteKV:
         self.metrics = metrics
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
         self.kv_load_failure_policy = kv_load_failure_policy
+        self.streamed = StreamedCalls()  # streamed Decode calls, for Decode.PrefillDone
 
     async def admit(
         self,
@@ -82,6 +85,14 @@ class RemoteKV:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"remote_prefill.kv: handle belongs to request {handle.request_id!r}, not {rid!r}",
             )
+        if remote.streamed:  # the prefill still runs: its first tokens come later
+            if not handle.is_export:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "remote_prefill.kv: a streamed prefill lends an export")
+            capability = (TransferCapability.from_proto(remote.capability)
+                          if remote.HasField("capability") else None)
+            return await self._begin_stream(request, params, handle, builder, capability,
+                                            context, seen)
         first = sorted(remote.first, key=lambda d: d.index)
         if [d.index for d in first] != list(range(params.n)) or any(
             len(d.token_ids) != 1 for d in first
@@ -144,7 +155,7 @@ class RemoteKV:
         try:
             backend = self.receiver.choose_backend(
                 handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
-                                            info.kv_cache_ipc))
+                                            info.kv_cache_ipc, info.kv_ucx_server))
             pull = await self.pulls.begin(handle, deadline, backend=backend,
                                              traceparent=span_traceparent(seen.span),
                                              capability=capability)
@@ -163,6 +174,63 @@ class RemoteKV:
                                       kv_source=source),
                       first_logprobs, pull)
 
+    async def _begin_stream(
+        self,
+        request: engine_pb2.DecodeRequest,
+        params: SamplingParams,
+        handle: KVHandle,
+        builder: DeltaBuilder,
+        capability: TransferCapability | None,
+        context: grpc.aio.ServicerContext,
+        seen: Observed,
+    ) -> Admit:
+        """Start the transfer of a growing export now; our core pulls each batch of blocks
+        as the sender reports it (`streamed.py`). A transfer that cannot start fails like any
+        pull: refused under `fail`, else the prompt is recomputed here once the first tokens
+        came (the caller's cleanup unregisters the call)."""
+        info = self.engine.info
+        # The lease, its heartbeat and the progress stream live as long as the call may (a
+        # long prompt's prefill outlasts the fetch timeout); each batch's pull is bounded by
+        # the fetch timeout.
+        deadline = Deadline.after(max(self.kv_fetch_timeout_s, context.time_remaining() or 0.0))
+        streamed = StreamedPrefill(request.request_id, params, builder)
+        self.streamed.register(streamed)
+        try:
+            backend = self.receiver.choose_backend(
+                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
+                                            info.kv_cache_ipc, info.kv_ucx_server))
+            pull = await self.pulls.begin(
+                handle, deadline, backend=backend, traceparent=span_traceparent(seen.span),
+                capability=capability, start_deadline=Deadline.after(self.kv_fetch_timeout_s))
+        except KVTransferError as exc:
+            message = (f"streamed KV transfer from {handle.sender_address} could not start "
+                       f"({type(exc).__name__}): {exc}")
+            if self.kv_load_failure_policy == "fail":
+                self.streamed.unregister(streamed)
+                await refuse(context, KV_LOAD_FAILED, message)
+            try:
+                remote = await streamed.first  # Decode.PrefillDone; cancelled with the call
+            finally:
+                self.streamed.unregister(streamed)
+            first = sorted(remote.first, key=lambda d: d.index)
+            for d in first:
+                builder.seed(d.index, len(d.token_ids), d.text, done=d.HasField("finish"))
+            logprobs: list[list[TokenLogprobs | None]] | None = None
+            if params.logprobs is not None:
+                logprobs = [[logprob_from_proto(d.logprobs[0]) if d.logprobs else None]
+                            for d in first]
+            return self._recompute(request, params, [[d.token_ids[0]] for d in first],
+                                   logprobs, kv_failure_reason(exc), message, seen)
+        except BaseException:
+            self.streamed.unregister(streamed)
+            raise
+        source = KVSource(backend, pull.params, list(handle.block_checksums),
+                          str(handle.checksum_algo), handle.layout.num_tokens,
+                          info.kv_shape, info.kv_dtype, deadline_s=self.kv_fetch_timeout_s,
+                          streamed=True)
+        streamed.idle_s = self.kv_fetch_timeout_s
+        return Admit(engine_request(request, params, kv_source=source), None, pull, streamed)
+
     async def settle(self, pull: Pull, result: LoadResult | None,
                      context: grpc.aio.ServicerContext, timing: common_pb2.Timing,
                      seen: Observed) -> None:
@@ -174,11 +242,18 @@ class RemoteKV:
                                reason=result.reason)
         timing.kv_transfer_ms = result.seconds * 1e3
         self.metrics.kv_blocks(pulled=result.pulled_blocks, reused=result.reused_blocks)
+        if result.streamed and not result.error:
+            self.metrics.kv_stream(before_seal=result.pulled_before_seal,
+                                   after_seal=result.pulled_blocks - result.pulled_before_seal)
         if seen.span.is_recording():
             seen.span.set_attributes({"pdmesh.kv.transfer_ms": timing.kv_transfer_ms,
                                       "pdmesh.kv.bytes": result.nbytes,
                                       "pdmesh.kv.blocks_pulled": result.pulled_blocks,
                                       "pdmesh.kv.blocks_reused": result.reused_blocks})
+            if result.streamed:
+                seen.span.set_attributes({"pdmesh.kv.streamed": True,
+                                          "pdmesh.kv.blocks_before_seal":
+                                              result.pulled_before_seal})
         if not result.error:
             self.counters.add_received(result.nbytes)
             return

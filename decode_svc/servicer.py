@@ -20,12 +20,17 @@ A cancelled call aborts the request, which frees its blocks. A request that can 
 instance's KV pool is refused with RESOURCE_EXHAUSTED before its KV is pulled; one that fits
 but finds the pool busy waits in the engine's scheduler.
 
+A `streamed` remote prefill (Prefill.PrefillStream still running) starts its transfer at once
+and follows the export as it grows; its first tokens come with `PrefillDone`
+(`streamed.py`).
+
 Each call is one `pdmesh.decode` span (parent: the router's, from the gRPC metadata) with the
 KV pull as its `pdmesh.kv_transfer` child, and one observation in the engine metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -155,7 +160,13 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             admit = await self._resume(request, params, builder, context)
         else:
             admit = Admit(engine_request(request, params))
-        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs)
+        added = asyncio.Event()
+        outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs,
+                                  added=added)
+        streamed = admit.streamed
+        if streamed is not None:
+            assert admit.pull is not None
+            streamed.start(self.engine, admit.pull, added)
         last: RequestOutput | None = None
         finished = False
         # Prefilled here: the prompt's logprobs go out before the first delta (DecodeResponse).
@@ -197,10 +208,15 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         except EngineError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
-            if not finished:
-                self.engine.abort_nowait(rid)  # cancelled or failed: free its blocks now
+            if not finished:  # cancelled or failed: free its blocks now (only this call's
+                await outputs.aclose()  # request: a newer call of the same id is not hit)
             if admit.pull is not None:
                 self.remote.pulls.abandon(admit.pull, "the decode call ended before its pull")
+            if streamed is not None:
+                self.remote.streamed.unregister(streamed)
+                await streamed.stop()
+        if streamed is not None:
+            remote = streamed.remote or remote
         yield self._result(prompt, params, remote, last, received, timing,
                            kv_load_fallback=seen.kv_load_fallback)
 
@@ -261,6 +277,15 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             timing.decode_ms = timing.e2e_ms - timing.ttft_ms
         result.timing.CopyFrom(timing)
         return engine_pb2.DecodeResponse(result=result)
+
+    async def PrefillDone(
+        self, request: engine_pb2.PrefillDoneRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.PrefillDoneResponse:
+        """The first tokens of a streamed Decode call (`streamed.py` hands them on)."""
+        problem = self.remote.streamed.give(request.request_id, request.remote_prefill)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return engine_pb2.PrefillDoneResponse(accepted=True)
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext

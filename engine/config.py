@@ -82,6 +82,17 @@ class EngineConfig:
         "Given, it wins over --gpu-memory-utilization"))
     enable_prefix_caching: bool = field(default=True, metadata=about(
         "reuse the KV of shared prompt prefixes (vLLM's flag)"))
+    kv_offload_host_bytes: int | str | None = field(default=None, metadata=about(
+        "host-memory tier behind the paged cache: evicted prefix blocks are kept here (LRU, "
+        "checksummed) and copied back on a prefix hit instead of recomputed; bytes, e.g. "
+        "4GiB (vLLM's --kv-offloading-size, in bytes); unset = no tier "
+        "(engine/core/kv_offload.py)"))
+    kv_offload_disk_dir: str | None = field(default=None, metadata=about(
+        "local-disk tier behind the host tier: blocks the host tier evicts are written under "
+        "a directory of the engine's own inside this one (needs --kv-offload-host-bytes and "
+        "--kv-offload-disk-bytes)"))
+    kv_offload_disk_bytes: int | str | None = field(default=None, metadata=about(
+        "the disk tier's size bound, e.g. 20GiB"))
     enable_chunked_prefill: bool = field(default=True, metadata=about(
         "split long prompts across steps, within --max-num-batched-tokens"))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=about(
@@ -90,6 +101,11 @@ class EngineConfig:
         "weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA",
         ("auto", "float32", "bfloat16", "float16")))
     device: str = field(default="auto", metadata=about("auto|cpu|cuda[:N]"))
+    tensor_parallel_size: int = field(default=1, metadata=about(
+        "ranks the model is split over (vLLM's flag, -tp): attention heads, MLP columns and "
+        "vocabulary; one process per rank (the engine core is rank 0), gloo on CPU (the "
+        "engine's threads split over the ranks), NCCL on CUDA (one device per rank, from "
+        "--device's index on)", aliases=("-tp",)))
     attention_backend: str = field(default="auto", metadata=about(
         "auto|flash-attn|triton|cpu|torch (auto picks by device)"))
     seed: int = field(default=0, metadata=about("engine seed (unseeded requests)"))
@@ -158,9 +174,13 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
         check_stream_interval(self.stream_interval)
+        self.kv_offload_sizes()  # raises on what it cannot read or use
         if not 0 < self.structured_output_compile_timeout_s <= 3600:
             raise ValueError(f"structured_output_compile_timeout_s must be in (0, 3600], got "
                              f"{self.structured_output_compile_timeout_s}")
+        if not 1 <= self.tensor_parallel_size <= 1024:
+            raise ValueError(f"tensor_parallel_size must be in [1, 1024], got "
+                             f"{self.tensor_parallel_size}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.load_format not in ("auto", "dummy"):
@@ -187,6 +207,32 @@ class EngineConfig:
         A CUDA engine with auto profiles instead (`profiles_memory`)."""
         value = CPU_KV_CACHE_MEMORY if self.kv_cache_memory == AUTO else self.kv_cache_memory
         return parse_memory(value, free)
+
+    def kv_offload_sizes(self) -> tuple[int, int]:
+        """(host tier bytes, disk tier bytes); (0, 0) = no offload tier."""
+        host = disk = 0
+        if self.kv_offload_host_bytes is not None:
+            host = parse_memory(self.kv_offload_host_bytes, available=1)
+            if host < 1:
+                raise ValueError(f"kv_offload_host_bytes: {self.kv_offload_host_bytes!r} is "
+                                 "no size in bytes (try '4GiB')")
+        if self.kv_offload_disk_bytes is not None:
+            disk = parse_memory(self.kv_offload_disk_bytes, available=1)
+            if disk < 1:
+                raise ValueError(f"kv_offload_disk_bytes: {self.kv_offload_disk_bytes!r} is "
+                                 "no size in bytes (try '20GiB')")
+        if (self.kv_offload_disk_dir is None) != (self.kv_offload_disk_bytes is None):
+            raise ValueError("kv_offload_disk_dir and kv_offload_disk_bytes go together")
+        if disk and not host:
+            raise ValueError("kv_offload_disk_dir: the disk tier sits behind the host tier; "
+                             "set kv_offload_host_bytes too")
+        if host and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_bytes: the offload tier keeps prefix-cache "
+                             "blocks; it needs enable_prefix_caching")
+        if host and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_host_bytes: the offload tier copies rank 0's cache "
+                             "only; it is not supported with tensor_parallel_size > 1 yet")
+        return host, disk
 
     def use_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:

@@ -15,8 +15,9 @@ import msgspec
 
 from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.engine_request import EngineRequest
-from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdmesh.engine.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.connector.source import KVSource
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class Add(msgspec.Struct, tag=True):
     given_tokens: list[list[int]] | None = None
     num_cached_tokens: int = 0
     kv_source: KVSource | None = None
+    stream_kv: bool = False
 
     @classmethod
     def of(cls, request: EngineRequest) -> Add:
@@ -73,6 +75,21 @@ class ReleaseKV(msgspec.Struct, tag=True):
     request_id: str
 
 
+class KVStream(msgspec.Struct, tag=True):
+    """A streamed source grew (the sender core's progress, relayed by the serving
+    processes); the answer says whether the request still waits for it."""
+
+    request_id: str
+    progress: ExportProgress
+
+
+class KVStreamFirstTokens(msgspec.Struct, tag=True):
+    """A streamed request's first token of each sample (its prefill ended elsewhere)."""
+
+    request_id: str
+    given_tokens: list[list[int]]
+
+
 class KVSnapshot(msgspec.Struct, tag=True):
     pass
 
@@ -88,8 +105,8 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Command = (Add | Abort | StopSequences | ReadKV | ExportKV | ReleaseKV | KVSnapshot
-           | SetGrammarVocabulary | Shutdown)
+Command = (Add | Abort | StopSequences | ReadKV | ExportKV | ReleaseKV | KVStream
+           | KVStreamFirstTokens | KVSnapshot | SetGrammarVocabulary | Shutdown)
 
 
 class Call(msgspec.Struct):
@@ -112,6 +129,7 @@ class WireKVEvent(msgspec.Struct, array_like=True):
     kind: str  # "stored" | "removed" | "cleared"
     block_hashes: list[bytes] = []
     parent_hash: bytes | None = None
+    medium: str = "paged"  # engine/kv_events.py: Medium, checked by `events_from_wire`
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -152,9 +170,10 @@ def events_to_wire(events: list[KVEvent]) -> list[WireKVEvent]:
     wire = []
     for event in events:
         if isinstance(event, BlockStored):
-            wire.append(WireKVEvent("stored", list(event.block_hashes), event.parent_hash))
+            wire.append(WireKVEvent("stored", list(event.block_hashes), event.parent_hash,
+                                    event.medium))
         elif isinstance(event, BlockRemoved):
-            wire.append(WireKVEvent("removed", list(event.block_hashes)))
+            wire.append(WireKVEvent("removed", list(event.block_hashes), None, event.medium))
         else:
             wire.append(WireKVEvent("cleared"))
     return wire
@@ -163,10 +182,13 @@ def events_to_wire(events: list[KVEvent]) -> list[WireKVEvent]:
 def events_from_wire(wire: list[WireKVEvent]) -> list[KVEvent]:
     events: list[KVEvent] = []
     for w in wire:
+        if w.kind in ("stored", "removed") and w.medium not in MEDIA:
+            raise ValueError(f"unknown KV event medium {w.medium!r}")
         if w.kind == "stored":
-            events.append(BlockStored(tuple(w.block_hashes), w.parent_hash))  # type: ignore[arg-type]
+            events.append(BlockStored(tuple(w.block_hashes), w.parent_hash,  # type: ignore[arg-type]
+                                      w.medium))  # type: ignore[arg-type]
         elif w.kind == "removed":
-            events.append(BlockRemoved(tuple(w.block_hashes)))  # type: ignore[arg-type]
+            events.append(BlockRemoved(tuple(w.block_hashes), w.medium))  # type: ignore[arg-type]
         elif w.kind == "cleared":
             events.append(AllBlocksCleared())
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.connector.source import LoadResult
 
 SELFCHECK_FEATURES = ("cuda_graphs", "attention", "layer_ops", "async_scheduling")
@@ -63,6 +64,8 @@ class CoreOutput(msgspec.Struct, gc=False, omit_defaults=True):
     kv_export: KVExportInfo | None = None
     kv_load: LoadResult | None = None
     """Sent once: how this core placed the prompt's KV it was told to pull (`kv_source`)."""
+    kv_stream: ExportProgress | None = None
+    """A streamed export's blocks that became pullable in this step (prefill role)."""
     finished: bool = False
     """The core holds nothing more of this request (exported requests stay until released)."""
     ttft_s: float | None = None
@@ -91,6 +94,18 @@ class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
     predicted_step_seconds: float = 0.0
     predicted_steps_actual_seconds: float = 0.0
     itl_target_seconds: float = 0.0
+    # The KV offload tiers (engine/core/kv_offload.py; all 0 without one): blocks held now,
+    # cumulative blocks saved / spilled / restored per tier, failed restores (counted as
+    # misses), and the prompt tokens restored instead of recomputed.
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_host_saved_blocks: int = 0
+    kv_offload_disk_saved_blocks: int = 0
+    kv_offload_host_restored_blocks: int = 0
+    kv_offload_disk_restored_blocks: int = 0
+    kv_offload_restore_failures: int = 0
+    kv_offload_restored_tokens: int = 0
+    kv_offload_block_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -123,6 +138,12 @@ class CoreInfo(msgspec.Struct, frozen=True):
     kv_cache_ipc: str = ""
     """A CUDA cache's IPC description (`kvstore/connector/cuda_ipc.py`): peer cores on the
     node copy blocks device to device; empty on CPU or when it cannot be shared."""
+    kv_ucx_server: str = ""
+    """host:port of the core's ucxx listener (`kvstore/connector/ucx_blocks.py`); empty
+    when off or the package is not installed."""
+    kv_checksum_algo: str = ""
+    """The per-block checksum the core's KV connector uses (a streamed export's handle names
+    it before any block is ready); empty without a connector."""
     selfcheck: str = ""
     """The start-up self-check's one-line outcome (engine/worker/selfcheck.py); empty when
     it did not run."""

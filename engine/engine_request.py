@@ -51,6 +51,10 @@ class EngineRequest:
     cache_salt: str | None = None
     export_kv: bool = False
     """Prefill role: stop after the first token, the prompt's KV pinned until released."""
+    stream_kv: bool = False
+    """With `export_kv`: lend the blocks while the prompt is computed, each as soon as it is
+    full (the core reports them in `CoreOutput.kv_stream`), so a decode instance pulls a
+    chunk's blocks while the next chunk computes."""
     kv: torch.Tensor | None = None
     """Decode role: the prompt's KV, `[layers, 2, ceil(len/bs), bs, kv_heads, head_dim]`."""
     given_tokens: list[list[int]] | None = None
@@ -101,7 +105,10 @@ def check_request(request: EngineRequest, vocab_size: int, max_model_len: int) -
         raise ValueError("kv_source: a request brings its KV or where to pull it, not both")
     if request.export_kv and (imported or given is not None):
         raise ValueError("export_kv: a request that brings KV or given tokens is not exported")
-    if imported and given is None:
+    if request.stream_kv and not request.export_kv:
+        raise ValueError("stream_kv: only an exported request streams its KV")
+    streamed = request.kv_source is not None and request.kv_source.streamed
+    if imported and given is None and not streamed:  # (a stream's come when it ends)
         raise ValueError("given_tokens: an imported request gives each sample's first token")
     if request.num_cached_tokens and not imported:
         raise ValueError("num_cached_tokens: only a request that imports its KV reports them")

@@ -17,7 +17,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from pdmesh.engine.kv_events import KVEvent, KVEventBatch
-from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry, SchemeMismatchError
+from pdmesh.kvstore.instance_registry import (
+    Heartbeat,
+    InstanceInfo,
+    InstanceRegistry,
+    SchemeMismatchError,
+)
 from pdmesh.kvstore.prefix_index import PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection
 from pdmesh.kvstore.redis_schema import KeySpace
@@ -68,6 +73,10 @@ class ClusterPresence:
     sent on return covers them) and Redis is retried with `backoff`, never in a tight loop.
     When Redis answers again the instance heartbeats — or registers anew if Redis lost it, e.g.
     after a restart with an empty dataset — and republishes a full snapshot.
+
+    A router that finds this instance's index slice drifting from what it reports using asks
+    for a snapshot too (router/prefix_predictions.py): the heartbeat says so (`REPUBLISH`) and
+    the snapshot, once applied, clears the ask. `republish_asks` counts them.
     """
 
     def __init__(
@@ -104,6 +113,7 @@ class ClusterPresence:
         self._reported: bool | None = None  # `registered` as last told to on_change
         self._need_snapshot = True
         self._next_heartbeat = 0.0
+        self.republish_asks = 0  # snapshots sent because a router asked for one
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.fatal: BaseException | None = None
@@ -183,13 +193,17 @@ class ClusterPresence:
             await self._register()
             self._next_heartbeat = now + self._heartbeat_s
         elif now >= self._next_heartbeat:
-            alive = await self._registry.heartbeat(self.info.instance_id, self._load())
+            beat = await self._registry.heartbeat(self.info.instance_id, self._load())
             self._next_heartbeat = now + self._heartbeat_s
             self._reachable = True
-            if not alive:  # expired, or Redis lost it (restarted empty): register anew
+            if beat is Heartbeat.GONE:  # expired, or Redis lost it (restarted empty): anew
                 logger.info("registration lost instance_id=%s; registering again",
                             self.info.instance_id)
                 await self._register()
+            elif beat is Heartbeat.REPUBLISH:  # the index drifted from our cache
+                logger.info("router asked for a snapshot instance_id=%s", self.info.instance_id)
+                self.republish_asks += 1
+                self._need_snapshot = True
         await self._publish()
         if not self._registered:  # the index did not know us (see ApplyResult.needs_register)
             await self._register()

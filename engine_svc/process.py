@@ -138,13 +138,15 @@ def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
 def connector_config(config: EngineServiceConfig,
                      backends: tuple[str, ...]) -> KVConnectorConfig | None:
     """How the engine core moves KV itself: its share of `backends` (shm: a cache file peer
-    cores copy from; tcp: a block server), on the service's host and TLS files, with a fresh
-    key the KV sender signs granted pulls with. None when only staged transports remain."""
+    cores copy from; tcp: a block server; ucxx: a ucxx listener), on the service's host and
+    TLS files, with a fresh key the KV sender signs granted pulls with. None when only staged
+    transports remain."""
     own = [b for b in backends if b in WORKER_BACKENDS]
     if not own:
         return None
     return KVConnectorConfig(
-        shared_cache="shm" in own, tcp="tcp" in own or "torch_dist" in own, tcp_host=config.host,
+        shared_cache="shm" in own, tcp="tcp" in own or "torch_dist" in own,
+        ucx="ucxx" in own, tcp_host=config.host,
         tcp_advertise_host=config.public_host, tls_cert=config.tls_cert or "",
         tls_key=config.tls_key or "", tls_ca=config.tls_ca or "", grant_secret=new_key())
 

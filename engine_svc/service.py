@@ -138,6 +138,15 @@ class EngineService:
             predicted_step_seconds=snap.predicted_step_seconds,
             predicted_steps_actual_seconds=snap.predicted_steps_actual_seconds,
             itl_target_seconds=snap.itl_target_seconds,
+            kv_offload_block_bytes=snap.kv_offload_block_bytes,
+            kv_offload_host_blocks=snap.kv_offload_host_blocks,
+            kv_offload_disk_blocks=snap.kv_offload_disk_blocks,
+            kv_offload_host_saved_blocks=snap.kv_offload_host_saved_blocks,
+            kv_offload_disk_saved_blocks=snap.kv_offload_disk_saved_blocks,
+            kv_offload_host_restored_blocks=snap.kv_offload_host_restored_blocks,
+            kv_offload_disk_restored_blocks=snap.kv_offload_disk_restored_blocks,
+            kv_offload_restore_failures=snap.kv_offload_restore_failures,
+            kv_offload_restored_tokens=snap.kv_offload_restored_tokens,
             selfcheck_fallbacks=selfcheck_gauges(self.engine.info.selfcheck_fallbacks),
         )
 

@@ -4,7 +4,7 @@ vLLM's CPU backend ships C++ attention kernels; we build ours on the machine tha
 (`cc -O3 -march=native -fopenmp`, well under a second) and keep the library in the user's
 cache, keyed by the source, the compiler and the CPU. Linked with -fopenmp, the library uses
 the OpenMP runtime torch already loaded (the same `libgomp.so.1`), so it runs on torch's
-threads.
+threads (the KV block routines excepted: they start short-lived pthreads, `kv_blocks_cpu.c`).
 
 Where there is no compiler (the container image), libraries built ahead of time for the
 x86-64 micro-architecture levels v4 and v3 (`python -m pdmesh.kernels.cpu_native prebuild`,

@@ -19,6 +19,7 @@ Without a token, entries are unsigned and trusted, as before.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -204,6 +205,15 @@ class SchemeMismatchError(RuntimeError):
         )
 
 
+class Heartbeat(enum.IntEnum):
+    """What a heartbeat found. An int, so `if not await registry.heartbeat(...)` still reads
+    "the registration is gone"."""
+
+    GONE = 0  # expired, or Redis lost it: register again and resend a snapshot
+    ALIVE = 1
+    REPUBLISH = 2  # alive, and a router asked for a fresh snapshot (its index slice drifted)
+
+
 class InstanceRegistry:
     """Registration, heartbeats and membership of one model's instances."""
 
@@ -250,15 +260,17 @@ class InstanceRegistry:
             logger.info("%s replaced %s at %s", info.instance_id, replaced, info.address)
         return replaced
 
-    async def heartbeat(self, instance_id: str, load: Mapping[str, float] | None = None) -> bool:
-        """Refresh the TTL and load figures. False: the registration is gone (expired, or
-        Redis lost it) and the instance must register again and resend a snapshot."""
+    async def heartbeat(self, instance_id: str,
+                        load: Mapping[str, float] | None = None) -> Heartbeat:
+        """Refresh the TTL and load figures. GONE (falsy): the registration is gone (expired,
+        or Redis lost it) and the instance must register again and resend a snapshot;
+        REPUBLISH: a router asked for a snapshot (router/prefix_predictions.py)."""
         load_json = json.dumps(validate_load(load or {}))
         args = [self._keys.prefix, instance_id, load_json, repr(time.time())]
         refreshed = await self._conn.call(
             "heartbeat", lambda _: self._heartbeat(keys=[], args=args)
         )
-        return bool(refreshed)
+        return Heartbeat(int(refreshed))
 
     async def deregister(self, instance_id: str) -> bool:
         """Leave the cluster now and drop its index entries; False if it was not a member."""

@@ -6,8 +6,11 @@ its registration expired or Redis lost its data). The router asks `longest_prefi
 leading blocks of a prompt each live instance already holds; that is one round trip whatever
 the prompt length, and the server stops looking at an instance at its first miss.
 
-A snapshot is an ordinary batch: `[AllBlocksCleared(), BlockStored(every cached hash)]`.
-`BlockStored.parent_hash` is not stored: a chained hash already identifies its whole prefix.
+A snapshot is an ordinary batch: `[AllBlocksCleared(), BlockStored(every cached hash)]`, one
+`BlockStored` per medium. `BlockStored.parent_hash` is not stored: a chained hash already
+identifies its whole prefix. Events carry their medium (the paged cache, or the host or disk
+offload tier, engine/kv_events.py); `longest_prefix_by_medium` says how many of an instance's
+leading blocks each medium serves, for routing that weighs a hit by its tier.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pdmesh.engine.kv_events import (
 )
 from pdmesh.kvstore import redis_schema
 from pdmesh.kvstore.redis_conn import IndexUnavailable, RedisConnection
-from pdmesh.kvstore.redis_schema import KeySpace
+from pdmesh.kvstore.redis_schema import MEDIUM_OP, KeySpace
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,8 @@ def encode_events(events: Sequence[KVEvent]) -> list[str]:
         if isinstance(event, AllBlocksCleared):
             args.append("C")
         elif isinstance(event, BlockStored | BlockRemoved):
-            args.append("S" if isinstance(event, BlockStored) else "R")
+            op = "S" if isinstance(event, BlockStored) else "R"
+            args.append(op + MEDIUM_OP[event.medium])
             args.append(str(len(event.block_hashes)))
             args.extend(h.hex() for h in event.block_hashes)
         else:
@@ -69,9 +73,29 @@ def encode_events(events: Sequence[KVEvent]) -> list[str]:
     return args
 
 
-def decode_prefix_reply(reply: list[str | int]) -> dict[str, int]:
-    """`[id, n, id, n, ...]` -> `{id: n}`."""
-    return {str(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+@dataclass(frozen=True)
+class PrefixHits:
+    """An instance's leading run of a prompt's blocks, split by the fastest medium holding
+    each block (a block both paged and in the host tier counts as paged)."""
+
+    paged: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.paged + self.host + self.disk
+
+
+def decode_prefix_reply(reply: list[str | int]) -> dict[str, PrefixHits]:
+    """`[id, n, n_paged, n_host, n_disk, ...]` -> `{id: PrefixHits}`."""
+    out = {}
+    for i in range(0, len(reply), 5):
+        hits = PrefixHits(int(reply[i + 2]), int(reply[i + 3]), int(reply[i + 4]))
+        if hits.blocks != int(reply[i + 1]):
+            raise ValueError(f"prefix lookup reply: {reply[i + 1]} blocks for {hits}")
+        out[str(reply[i])] = hits
+    return out
 
 
 class PrefixIndex:
@@ -102,17 +126,34 @@ class PrefixIndex:
         return result
 
     async def longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Leading blocks of `hashes` held by each live instance; instances holding none of
-        them are absent. Dead holders met on the way are purged from the index."""
+        """Leading blocks of `hashes` held by each live instance, in any medium; instances
+        holding none of them are absent. Dead holders met on the way are purged."""
+        hits = await self.longest_prefix_by_medium(hashes)
+        return {instance_id: h.blocks for instance_id, h in hits.items()}
+
+    async def longest_prefix_by_medium(self, hashes: Sequence[BlockHash]
+                                       ) -> dict[str, PrefixHits]:
+        """`longest_prefix`, with each instance's run split by medium (one round trip)."""
         if not hashes:
             return {}
         block_keys = [self._keys.block(h) for h in hashes]
+        args = [self._keys.prefix, *(h.hex() for h in hashes)]
         counts, dead = await self._conn.call(
-            "prefix lookup", lambda _: self._lookup(keys=block_keys, args=[self._keys.prefix])
+            "prefix lookup", lambda _: self._lookup(keys=block_keys, args=args)
         )
         if dead:
             await self._purge(dead)
         return decode_prefix_reply(counts)
+
+    async def ask_republish(self, instance_id: str, ttl_s: float) -> bool:
+        """Ask `instance_id` to re-publish its slice of the index (a full snapshot): its next
+        heartbeat sees the ask, its snapshot clears it. The ask lapses after `ttl_s` (an
+        instance that died never answers). False when an ask was already waiting."""
+        key = self._keys.republish(instance_id)
+        ttl_ms = max(1, round(ttl_s * 1000))
+        created = await self._conn.call(
+            "ask republish", lambda r: r.set(key, "1", nx=True, px=ttl_ms))
+        return bool(created)
 
     async def _purge(self, instance_ids: list[str]) -> None:
         """Lazy cleanup; the lookup already has its answer, so an outage here is not fatal."""

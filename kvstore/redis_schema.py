@@ -4,9 +4,18 @@ Keys of one model share the hash tag `{model}` (so a Redis Cluster keeps them in
 
     pdmesh:{model}:members        SET   instance ids registered (live, or dead and not yet swept)
     pdmesh:{model}:inst:<id>      HASH  the instance's registration; its TTL *is* the liveness
-    pdmesh:{model}:blk:<hex>      SET   instance ids holding the block with that hash
-    pdmesh:{model}:held:<id>      SET   block hashes (hex) the instance holds: removal in one go
+    pdmesh:{model}:blk:<hex>      SET   instance ids holding the block in their paged cache
+    pdmesh:{model}:blkh:<hex>     SET   ... in their host offload tier
+    pdmesh:{model}:blkd:<hex>     SET   ... in their disk offload tier
+    pdmesh:{model}:held:<id>      SET   what the instance holds: `<hex>` (paged), `h:<hex>`
+                                        (host), `d:<hex>` (disk): removal in one go
     pdmesh:{model}:seq:<id>       STR   last applied event-batch sequence number
+    pdmesh:{model}:republish:<id> STR   a router's ask that the instance re-publish its
+                                        slice (TTL); its heartbeat reads it, its next
+                                        snapshot (an applied `C`) clears it
+
+One block may sit in several media of one instance at once (the offload tiers keep a copy of
+what they restored); the lookup counts each block at the fastest medium holding it.
 
 Everything that must not interleave with another writer runs as one Lua script: applying an
 event batch (checks liveness and the sequence number, then edits both directions of the
@@ -42,8 +51,8 @@ class KeySpace:
     def instance(self, instance_id: str) -> str:
         return self.prefix + "inst:" + instance_id
 
-    def block(self, block_hash: BlockHash) -> str:
-        return self.prefix + "blk:" + block_hash.hex()
+    def block(self, block_hash: BlockHash, medium: str = "paged") -> str:
+        return self.prefix + MEDIUM_KEY[medium] + block_hash.hex()
 
     def held(self, instance_id: str) -> str:
         return self.prefix + "held:" + instance_id
@@ -51,14 +60,32 @@ class KeySpace:
     def seq(self, instance_id: str) -> str:
         return self.prefix + "seq:" + instance_id
 
+    def republish(self, instance_id: str) -> str:
+        return self.prefix + "republish:" + instance_id
+
+
+MEDIUM_KEY = {"paged": "blk:", "host": "blkh:", "disk": "blkd:"}
+"""Each medium's block-key stem (engine/kv_events.py names the media)."""
+MEDIUM_OP = {"paged": "", "host": "h", "disk": "d"}
+"""The medium's letter after an event op (S, R) and before a `held` member's `:`."""
 
 # Shared Lua helpers, prepended to the scripts that need them.
 _LUA_HELPERS = """
+local STEMS = {[''] = 'blk:', h = 'blkh:', d = 'blkd:'}
+
+-- A `held` member: '<hex>' (paged) or '<m>:<hex>' (m = h | d): its block key.
+local function held_block_key(prefix, member)
+  if string.sub(member, 2, 2) == ':' then
+    return prefix .. STEMS[string.sub(member, 1, 1)] .. string.sub(member, 3)
+  end
+  return prefix .. 'blk:' .. member
+end
+
 local function clear_blocks(prefix, id)
   local held = prefix .. 'held:' .. id
   local hashes = redis.call('SMEMBERS', held)
   for _, h in ipairs(hashes) do
-    redis.call('SREM', prefix .. 'blk:' .. h, id)
+    redis.call('SREM', held_block_key(prefix, h), id)
   end
   redis.call('DEL', held)
   return #hashes
@@ -66,11 +93,12 @@ end
 
 local function purge_instance(prefix, id)
   clear_blocks(prefix, id)
-  redis.call('DEL', prefix .. 'seq:' .. id)
+  redis.call('DEL', prefix .. 'seq:' .. id, prefix .. 'republish:' .. id)
 end
 """
 
-# ARGV: prefix, instance_id, seq, then ops: 'S' n hash*n | 'R' n hash*n | 'C'.
+# ARGV: prefix, instance_id, seq, then ops: 'S'[m] n hash*n | 'R'[m] n hash*n | 'C', where
+# the optional medium letter m is h (host tier) or d (disk tier); none = the paged cache.
 # Returns {status, previous_seq}; previous_seq is -1 when there was none.
 APPLY_EVENTS = (
     _LUA_HELPERS
@@ -100,16 +128,22 @@ while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
     clear_blocks(prefix, id)
+    redis.call('DEL', prefix .. 'republish:' .. id)  -- a snapshot answers any ask
     i = i + 1
   else
     local n = tonumber(ARGV[i + 1])
+    local m = string.sub(op, 2, 2)
+    local stem, mark = STEMS[m], ''
+    if m ~= '' then
+      mark = m .. ':'
+    end
     for j = i + 2, i + 1 + n do
-      if op == 'S' then
-        redis.call('SADD', prefix .. 'blk:' .. ARGV[j], id)
-        redis.call('SADD', held, ARGV[j])
+      if string.sub(op, 1, 1) == 'S' then
+        redis.call('SADD', prefix .. stem .. ARGV[j], id)
+        redis.call('SADD', held, mark .. ARGV[j])
       else
-        redis.call('SREM', prefix .. 'blk:' .. ARGV[j], id)
-        redis.call('SREM', held, ARGV[j])
+        redis.call('SREM', prefix .. stem .. ARGV[j], id)
+        redis.call('SREM', held, mark .. ARGV[j])
       end
     end
     i = i + 2 + n
@@ -119,38 +153,66 @@ return {status, last}
 """
 )
 
-# KEYS: block keys of the prompt, in order. ARGV: prefix.
-# Returns {{id, n_leading_blocks, ...}, {dead_id, ...}}: live holders of the first block with
-# how far each one's run of hits reaches, and holders of the first block whose TTL expired.
+# KEYS: the prompt's paged block keys, in order. ARGV: prefix, then the same hashes as hex.
+# Returns {{id, n_leading_blocks, n_paged, n_host, n_disk, ...}, {dead_id, ...}}: live holders
+# of the first block (in any medium) with how far each one's run of hits reaches and how many
+# of those blocks its fastest medium holding them is the paged cache, the host or the disk
+# tier; and holders of the first block whose TTL expired.
 LONGEST_PREFIX = """
 local prefix = ARGV[1]
-local active, dead, result = {}, {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', prefix .. 'inst:' .. id) == 1 then
-    table.insert(active, id)
-  else
-    table.insert(dead, id)
+local function holders(i)
+  local hex = ARGV[i + 1]
+  return {KEYS[i], prefix .. 'blkh:' .. hex, prefix .. 'blkd:' .. hex}
+end
+local active, dead, result, counts, seen = {}, {}, {}, {}, {}
+for m, key in ipairs(holders(1)) do
+  for _, id in ipairs(redis.call('SMEMBERS', key)) do
+    if not seen[id] then
+      seen[id] = true
+      if redis.call('EXISTS', prefix .. 'inst:' .. id) == 1 then
+        table.insert(active, id)
+        counts[id] = {0, 0, 0}
+        counts[id][m] = 1  -- the first medium listing it is the fastest
+      else
+        table.insert(dead, id)
+      end
+    end
+  end
+end
+local function finish(id, n)
+  table.insert(result, id)
+  table.insert(result, n)
+  for m = 1, 3 do
+    table.insert(result, counts[id][m])
   end
 end
 for i = 2, #KEYS do
   if #active == 0 then
     break
   end
-  local present = redis.call('SMISMEMBER', KEYS[i], unpack(active))
+  local media = {}
+  for m, key in ipairs(holders(i)) do
+    media[m] = redis.call('SMISMEMBER', key, unpack(active))
+  end
   local still = {}
   for j, id in ipairs(active) do
-    if present[j] == 1 then
+    local best = nil
+    for m = 1, 3 do
+      if best == nil and media[m][j] == 1 then
+        best = m
+      end
+    end
+    if best then
+      counts[id][best] = counts[id][best] + 1
       table.insert(still, id)
     else
-      table.insert(result, id)
-      table.insert(result, i - 1)
+      finish(id, i - 1)
     end
   end
   active = still
 end
 for _, id in ipairs(active) do
-  table.insert(result, id)
-  table.insert(result, #KEYS)
+  finish(id, #KEYS)
 end
 return {result, dead}
 """
@@ -199,7 +261,8 @@ return reply
 """
 )
 
-# ARGV: prefix, instance_id, load_json, heartbeat_at. Returns 1, or 0 if not registered.
+# ARGV: prefix, instance_id, load_json, heartbeat_at. Returns 0 if not registered, 2 if a
+# router asked the instance to re-publish its slice of the index (key `republish:<id>`), else 1.
 HEARTBEAT = """
 local key = ARGV[1] .. 'inst:' .. ARGV[2]
 local ttl_ms = redis.call('HGET', key, 'ttl_ms')
@@ -208,6 +271,9 @@ if not ttl_ms then
 end
 redis.call('HSET', key, 'load', ARGV[3], 'heartbeat_at', ARGV[4])
 redis.call('PEXPIRE', key, ttl_ms)
+if redis.call('EXISTS', ARGV[1] .. 'republish:' .. ARGV[2]) == 1 then
+  return 2
+end
 return 1
 """
 

@@ -25,14 +25,18 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
-def about(text: str, choices: Sequence[str] = (), *, cli: bool = True) -> dict[str, Any]:
+def about(text: str, choices: Sequence[str] = (), *, cli: bool = True,
+          aliases: Sequence[str] = ()) -> dict[str, Any]:
     """A config field's `metadata`: its --help text, the values it allows where its type does
-    not say (shown in --help), and `cli=False` for a field that is no flag (offline use only)."""
+    not say (shown in --help), `cli=False` for a field that is no flag (offline use only), and
+    other option strings of its flag (`aliases`: vLLM's short ones, e.g. -tp)."""
     meta: dict[str, Any] = {"help": text}
     if choices:
         meta["choices"] = tuple(choices)
     if not cli:
         meta["cli"] = False
+    if aliases:
+        meta["aliases"] = tuple(aliases)
     return meta
 
 
@@ -285,11 +289,12 @@ def parse_config(
         parser.error(refused)
     specs = settings(cls)
     for s in specs.values():
+        names = (s.flag, *s.field.metadata.get("aliases", ()))
         if _members(s.hint)[0] == [bool]:
-            parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*names, dest=s.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=_help_text(s))
         else:
-            parser.add_argument(s.flag, dest=s.name, default=None, help=_help_text(s))
+            parser.add_argument(*names, dest=s.name, default=None, help=_help_text(s))
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     try:

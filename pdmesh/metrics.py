@@ -150,6 +150,7 @@ class EngineMetrics:
     kv_load_fallbacks: Counter
     itl: Histogram
     kv_blocks_loaded: Counter
+    kv_stream_blocks: Counter
     request_prompt_tokens: Histogram
     request_generation_tokens: Histogram
 
@@ -163,6 +164,12 @@ class EngineMetrics:
         instance, and leading blocks its own prefix cache already held (not moved)."""
         self.kv_blocks_loaded.labels(self.model_name, self.role, "pulled").inc(pulled)
         self.kv_blocks_loaded.labels(self.model_name, self.role, "reused").inc(reused)
+
+    def kv_stream(self, *, before_seal: int, after_seal: int) -> None:
+        """A streamed pull landed: blocks pulled while the prefill still computed the
+        prompt (hidden behind its chunks), and after it ended."""
+        self.kv_stream_blocks.labels(self.model_name, self.role, "before_seal").inc(before_seal)
+        self.kv_stream_blocks.labels(self.model_name, self.role, "after_seal").inc(after_seal)
 
     def inter_token(self, gap_s: float) -> None:
         """One output delta `gap_s` after the request's previous one (vLLM's ITL)."""
@@ -226,6 +233,10 @@ def _build_engine(r: CollectorRegistry, role: str, model_name: str) -> EngineMet
                                  "Prompt KV blocks of remote prefills placed here: pulled from "
                                  "the prefill instance, or reused from this prefix cache",
                                  [*labels, "source"], registry=r),
+        kv_stream_blocks=Counter(metric_name("kv_stream_blocks"),
+                                 "Prompt KV blocks pulled from streamed prefills (PrefillStream), "
+                                 "by whether the pull started before the prefill ended",
+                                 [*labels, "phase"], registry=r),
         request_prompt_tokens=Histogram(metric_name("request_prompt_tokens"),
                                         "Prompt tokens of each finished request",
                                         labels, buckets=REQUEST_TOKENS_BUCKETS, registry=r),
@@ -266,6 +277,54 @@ class EngineState:
     itl_target_seconds: float = 0.0
     selfcheck_fallbacks: dict[str, bool] = field(default_factory=dict)
     """Per feature of the engine core's start-up self-check: True where it fell back."""
+    # The KV offload tiers (engine/core/kv_offload.py; block_bytes 0 = no tier): as in the
+    # core's load snapshot (engine/core_types.py EngineLoadSnapshot.kv_offload_*).
+    kv_offload_block_bytes: int = 0
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_host_saved_blocks: int = 0
+    kv_offload_disk_saved_blocks: int = 0
+    kv_offload_host_restored_blocks: int = 0
+    kv_offload_disk_restored_blocks: int = 0
+    kv_offload_restore_failures: int = 0
+    kv_offload_restored_tokens: int = 0
+
+
+def _offload_metrics(s: EngineState, role: list[str]) -> Iterator[Metric]:
+    """The KV offload tiers' families, by medium (host, disk)."""
+    labels = [*ENGINE_LABELS, "medium"]
+    held = GaugeMetricFamily(metric_name("kv_offload_blocks"), "KV blocks held in the "
+                             "offload tier (engine/core/kv_offload.py)", labels=labels)
+    saved = CounterMetricFamily(metric_name("kv_offload_saved_blocks"), "KV blocks copied "
+                                "into the tier: evicted from the paged cache (host) or "
+                                "spilled from the host tier (disk)", labels=labels)
+    saved_bytes = CounterMetricFamily(metric_name("kv_offload_saved_bytes"), "Bytes of the "
+                                      "blocks copied into the tier", labels=labels)
+    restored = CounterMetricFamily(metric_name("kv_offload_restored_blocks"), "KV blocks "
+                                   "copied back from the tier into the paged cache on a prefix "
+                                   "hit (not recomputed)", labels=labels)
+    restored_bytes = CounterMetricFamily(metric_name("kv_offload_restored_bytes"), "Bytes of "
+                                         "the blocks restored from the tier", labels=labels)
+    for medium, blocks, n_saved, n_restored in (
+            ("host", s.kv_offload_host_blocks, s.kv_offload_host_saved_blocks,
+             s.kv_offload_host_restored_blocks),
+            ("disk", s.kv_offload_disk_blocks, s.kv_offload_disk_saved_blocks,
+             s.kv_offload_disk_restored_blocks)):
+        held.add_metric([*role, medium], blocks)
+        saved.add_metric([*role, medium], n_saved)
+        saved_bytes.add_metric([*role, medium], n_saved * s.kv_offload_block_bytes)
+        restored.add_metric([*role, medium], n_restored)
+        restored_bytes.add_metric([*role, medium], n_restored * s.kv_offload_block_bytes)
+    yield from (held, saved, saved_bytes, restored, restored_bytes)
+    failures = CounterMetricFamily(metric_name("kv_offload_restore_failures"), "Restores "
+                                   "refused (checksum mismatch, unreadable file): recomputed "
+                                   "instead", labels=ENGINE_LABELS)
+    failures.add_metric(role, s.kv_offload_restore_failures)
+    tokens = CounterMetricFamily(metric_name("kv_offload_prefill_tokens_saved"), "Prompt "
+                                 "tokens restored from the offload tier instead of "
+                                 "recomputed", labels=ENGINE_LABELS)
+    tokens.add_metric(role, s.kv_offload_restored_tokens)
+    yield from (failures, tokens)
 
 
 class EngineCollector:
@@ -333,6 +392,8 @@ class EngineCollector:
             for feature, off in s.selfcheck_fallbacks.items():
                 fallback.add_metric([*role, feature], 1.0 if off else 0.0)
             yield fallback
+        if s.kv_offload_block_bytes:
+            yield from _offload_metrics(s, role)
         if s.index_up is not None:
             yield gauge("index_up", "1 while registered in the Redis prefix index and Redis "
                         "answers, 0 while unregistered or Redis is unreachable",
@@ -358,6 +419,13 @@ class RouterMetrics:
     reroutes: Counter
     migrations: Counter
     goodput_requests: Counter
+    prefix_prediction_error: Histogram
+    prefix_predictions: Counter
+    prefix_republish_asks: Counter
+
+
+PREFIX_ERROR_BUCKETS_TOKENS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""|predicted - reported| cached prompt tokens; 0 is an exact prediction."""
 
 
 def _build_router(r: CollectorRegistry) -> RouterMetrics:
@@ -414,6 +482,21 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
             metric_name("router_goodput_requests"),
             "Finished requests that met every SLO given by --goodput (TTFT, TPOT, E2E, the "
             "longest gap between deltas); its rate is the goodput", registry=r),
+        prefix_prediction_error=Histogram(
+            metric_name("router_prefix_prediction_error_tokens"),
+            "|cached prompt tokens the prefix index predicted for the instance that computed "
+            "the prompt - those it reported using|, by instance (router/prefix_predictions.py)",
+            ["instance"], buckets=PREFIX_ERROR_BUCKETS_TOKENS, registry=r),
+        prefix_predictions=Counter(
+            metric_name("router_prefix_predictions"),
+            "Prefix-cache predictions checked against the engine's report, by instance and "
+            "outcome (exact; over: the index claimed more than was used; under: less)",
+            ["instance", "outcome"], registry=r),
+        prefix_republish_asks=Counter(
+            metric_name("router_prefix_republish_asks"),
+            "Instances asked to re-publish their prefix-index slice because it drifted, by "
+            "instance and outcome (sent, pending: an ask was already waiting, failed: Redis)",
+            ["instance", "outcome"], registry=r),
     )
 
 

@@ -16,7 +16,7 @@ from pdmesh.v1 import engine_pb2, engine_pb2_grpc
 
 class PrefillPart:
     service_name = engine_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
-    work_methods = (f"/{service_name}/Prefill",)
+    work_methods = (f"/{service_name}/Prefill", f"/{service_name}/PrefillStream")
 
     def __init__(self, service: EngineService, metrics: EngineMetrics) -> None:
         config = service.config
@@ -61,4 +61,5 @@ def core_cache(service: EngineService) -> CoreCache | None:
         return None
     info = service.engine.info
     return CoreCache(info.kv_cache_file, info.num_total_blocks, info.kv_block_server,
-                     service.connector.grant_secret, info.kv_cache_ipc)
+                     service.connector.grant_secret, info.kv_cache_ipc,
+                     info.kv_ucx_server)

@@ -6,6 +6,9 @@ sender's `on_release` (decode acked, failed, lease expired, cancelled via Releas
 shutdown). Every path that never reaches `publish` (cancelled call, read failure, a request
 whose every sequence already finished) releases them itself.
 
+`PrefillStream` lends the KV while the prompt is computed (chunked prefill): its messages come
+from `streamed.py` (the growing export's handle, then the response with the sealed handle).
+
 Each call is one `pdmesh.prefill` span (parent: the router's, from the gRPC metadata) with
 `pdmesh.prefill.queue` and `pdmesh.prefill.compute` children timed from the engine's own
 clock, and one observation in the engine metrics.
@@ -17,25 +20,27 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import grpc
 
 from pdmesh.engine.core.stopping import first_token_finish
-from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.engine_request import KVCacheFullError
 from pdmesh.engine.frontend.async_engine import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
 from pdmesh.engine_svc.service import EngineService
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.transfer.checksum import parse_algo
 from pdmesh.kvstore.transfer.errors import KVTransferError
 from pdmesh.kvstore.transfer.handle import log_id
-from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.sender import KVSender
 from pdmesh.kvstore.transfer.state import ReleaseReason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
+from pdmesh.prefill_svc.export_layout import export_layout
+from pdmesh.prefill_svc.streamed import prefill_stream
 from pdmesh.tracing import (
     Span,
     SpanKind,
@@ -79,7 +84,12 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         """A decode instance acknowledged pulling `nbytes` of this request's KV."""
         self.service.counters.add_sent(nbytes)
 
-    def _cancel_transfer(self, request_id: str, detail: str) -> bool:
+    def remember_published(self, request_id: str, transfer_id: str, nbytes: int) -> None:
+        """The request's KV is lent under `transfer_id` (ReleaseKV and Abort find it)."""
+        with self._lock:
+            self._published[request_id] = _Published(transfer_id, nbytes)
+
+    def cancel_transfer(self, request_id: str, detail: str) -> bool:
         with self._lock:
             published = self._published.get(request_id)
         if published is None or self.sender is None:
@@ -111,7 +121,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 raise
             return response
 
-    def _observe(
+    def observe(
         self, span: Span, rid: str, prompt: list[int], out: RequestOutput,
         response: engine_pb2.PrefillResponse, received: float,
     ) -> None:
@@ -153,12 +163,10 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                 "pdmesh.cached_prompt_tokens": out.num_cached_tokens})
         compute.end(end_time=monotonic_to_ns(received + ttft_s))
 
-    async def _prefill(
-        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
-        received: float, span: Span,
-    ) -> engine_pb2.PrefillResponse:
-        rid = request.request_id
-        if not rid:
+    async def checked(self, request: engine_pb2.PrefillRequest,
+                       context: grpc.aio.ServicerContext, span: Span) -> SamplingParams:
+        """The request's sampling parameters, or the call aborted with INVALID_ARGUMENT."""
+        if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
         if not request.HasField("sampling"):  # unset max_tokens would run to the context end
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling: required")
@@ -166,24 +174,46 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
-        prompt = list(request.prompt_token_ids)
         if span.is_recording():
             span.set_attributes(gen_ai_request_attributes(
-                self.service.config.model_name, params, input_tokens=len(prompt)))
+                self.service.config.model_name, params,
+                input_tokens=len(request.prompt_token_ids)))
+        return params
+
+    async def run_export(
+        self, request: engine_pb2.PrefillRequest, params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+        on_kv_progress: Callable[[ExportProgress], None] | None = None,
+        failed: list[str] | None = None,
+    ) -> RequestOutput:
         try:
-            out = await self.engine.prefill_export(
-                rid, {"prompt_token_ids": prompt}, params,
-                priority=request.priority, cache_salt=request.cache_salt or None,
+            return await self.engine.prefill_export(
+                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)},
+                params, priority=request.priority, cache_salt=request.cache_salt or None,
+                on_kv_progress=on_kv_progress,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVCacheFullError as exc:  # an export holds only its prompt: not expected
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineError as exc:
+            if failed:  # a streamed export failed (preempted): the request was aborted
+                await context.abort(grpc.StatusCode.ABORTED,
+                                    f"the prefill's streamed export failed: {failed[0]}")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+        received: float, span: Span,
+    ) -> engine_pb2.PrefillResponse:
+        rid = request.request_id
+        params = await self.checked(request, context, span)
+        prompt = list(request.prompt_token_ids)
+        out = await self.run_export(request, params, context)
         published = False
         try:
-            response = self._response(rid, prompt, params, out, received)
+            response = self.response(rid, prompt, params, out, received)
             if all(d.HasField("finish") for d in response.first):
                 await self.engine.release_kv(rid)  # nothing to continue: nothing to hold
             else:
@@ -193,11 +223,37 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             if not published:
                 self.engine.release_kv_nowait(rid)
             else:
-                self._cancel_transfer(rid, "prefill call failed before returning")
+                self.cancel_transfer(rid, "prefill call failed before returning")
             raise
         response.timing.e2e_ms = (time.monotonic() - received) * 1e3
-        self._observe(span, rid, prompt, out, response, received)
+        self.observe(span, rid, prompt, out, response, received)
         return response
+
+    # -- streamed: the KV lent while the prompt is computed ---------------------------------
+    async def PrefillStream(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.PrefillProgress]:
+        """`Prefill` with the export growing chunk by chunk: first the handle, published
+        with the prompt's first ready blocks, then the response. The export's blocks are
+        released exactly once, as `Prefill`'s are (on_release), or here when its transfer
+        already ended."""
+        received = time.monotonic()
+        with get_tracer().start_as_current_span(
+            "pdmesh.prefill", context=extract_metadata(context), kind=SpanKind.SERVER,
+            attributes={"pdmesh.request_id": request.request_id,
+                        "pdmesh.instance_id": self.service.instance_id,
+                        "pdmesh.kv.streamed": True},
+        ) as span:
+            try:
+                async for message in prefill_stream(self, request, context, received, span):
+                    yield message
+            except BaseException as exc:
+                self.metrics.request_finished(
+                    outcome=failure_outcome(exc), prompt_tokens=len(request.prompt_token_ids),
+                    generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received,
+                    queue_s=None,
+                )
+                raise
 
     async def _publish(self, rid: str, out: RequestOutput) -> kv_transfer_pb2.KVHandle:
         if self.sender is None:
@@ -211,15 +267,14 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                                                 info.block_checksums,
                                                 parse_algo(info.checksum_algo))
             nbytes = layout.nbytes
-        else:  # a staged transport (ucxx, torch_dist): the KV comes here as one tensor
+        else:  # a sender whose core lends nothing: the KV comes here as one tensor
             kv = await self.engine.read_kv(rid)
             handle = await asyncio.to_thread(self.sender.publish, rid, kv, export.num_tokens)
             nbytes = kv.numel() * kv.element_size()
-        with self._lock:
-            self._published[rid] = _Published(handle.transfer_id, nbytes)
+        self.remember_published(rid, handle.transfer_id, nbytes)
         return handle.to_proto()
 
-    def _response(
+    def response(
         self, rid: str, prompt: list[int], params: SamplingParams, out: RequestOutput,
         received: float,
     ) -> engine_pb2.PrefillResponse:
@@ -256,13 +311,13 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         if published is None or (request.transfer_id and
                                  request.transfer_id != published.transfer_id):
             return engine_pb2.ReleaseKVResponse(released=False)
-        released = self._cancel_transfer(request.request_id, request.reason or "ReleaseKV")
+        released = self.cancel_transfer(request.request_id, request.reason or "ReleaseKV")
         return engine_pb2.ReleaseKVResponse(released=released)
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.AbortResponse:
-        cancelled = self._cancel_transfer(request.request_id, request.reason or "Abort")
+        cancelled = self.cancel_transfer(request.request_id, request.reason or "Abort")
         try:
             found = await self.engine.abort(request.request_id)
         except EngineError:  # the core is gone, and every request with it: nothing to abort
@@ -279,9 +334,3 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
     ) -> engine_pb2.EngineInfo:
         return self.service.info()
 
-
-def export_layout(info: CoreInfo, num_blocks: int, num_tokens: int) -> KVLayout:
-    """The layout of an export of `num_blocks` from a core with these fixed facts."""
-    layers, block_size, heads, head_dim = info.kv_shape
-    return KVLayout(layers, num_blocks, block_size, heads, head_dim,
-                    info.kv_dtype, num_tokens)

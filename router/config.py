@@ -122,6 +122,13 @@ class RouterConfig:
         metadata=about("times one request's broken decode stream may resume on another decode "
                        "instance; 0 = never"),
     )
+    kv_stream_chunks: bool = field(
+        default=True,
+        metadata=about("P/D: ask prefill instances for PrefillStream and start Decode at the "
+                       "first message, so the decode instance pulls each prefill chunk's KV "
+                       "blocks while the next chunk computes (--no-kv-stream-chunks: Prefill, "
+                       "then Decode, as before)"),
+    )
     stall: StallConfig = field(default_factory=StallConfig)
     goodput: tuple[str, ...] = field(default=(), metadata=about(
         "SLOs a finished request must meet to count in pdmesh:router_goodput_requests, as "

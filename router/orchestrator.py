@@ -45,6 +45,7 @@ class Orchestrator:
         metrics: RouterMetrics | None = None,
         token: ClusterToken | None = None,
         slos: dict[str, float] | None = None,
+        stream_kv: bool = True,
     ) -> None:
         """`slos`: the goodput SLOs each finished request is judged on (pdmesh/slo.py)."""
         self.metrics = metrics or router_metrics()
@@ -53,7 +54,7 @@ class Orchestrator:
                                self.metrics)
         self.cleanup = CleanupCalls(rpc_timeout_s)
         self.context = RunContext(pool, self.planner, self.cleanup, self.metrics,
-                                  migration_limit, token)
+                                  migration_limit, token, stream_kv)
 
     async def run(self, req: PreparedRequest, send: Send) -> None:
         """Serve `req`, sending GenerateResponses through `send`; RouteError before output."""

@@ -5,7 +5,9 @@ prefill instance only pays when the decode instance would have much of the promp
 itself. So once the decode instance is chosen, the tokens of the prompt it does *not* hold
 (the prefix index's answer for it) decide: below `local_prefill_threshold` it prefills
 locally and no KV moves; from there on a prefill instance does. A colocated instance always
-prefills its own prompts.
+prefills its own prompts. Blocks the decode instance holds only in an offload tier count as
+held here: it restores them by a copy, computing none of their tokens (routing, which compares
+instances, weighs them lower: router/routing/README.md).
 """
 
 from __future__ import annotations

@@ -8,10 +8,16 @@ already failed on), *score and pick* (the role's routing policy, router/routing/
 candidates carrying load and the prefix index's cached blocks; a request's prompt_cache_key,
 its affinity, comes first while its instance is not overloaded). Re-routing and migration
 choose through the same `choose`, with the plan's lookup.
+
+The lookup keeps each instance's cached blocks split by the medium holding them (paged cache,
+host or disk offload tier, `PrefixHits`): candidates carry the split, and prefix-aware routing
+weighs a tier hit below a paged one (router/routing/README.md). What the lookup promised is
+checked when the request finishes (`Planner.predictions`, router/prefix_predictions.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,13 +25,14 @@ import grpc
 from opentelemetry import trace
 
 from pdmesh.engine.block_hash import hash_token_blocks
-from pdmesh.kvstore.prefix_index import PrefixIndex
+from pdmesh.kvstore.prefix_index import PrefixHits, PrefixIndex
 from pdmesh.kvstore.redis_conn import IndexUnavailable
 from pdmesh.metrics import RouterMetrics
 from pdmesh.router.failures import RouteError
 from pdmesh.router.instance import Instance
 from pdmesh.router.instances import InstancePool
 from pdmesh.router.pd_decider import PrefillDecider
+from pdmesh.router.prefix_predictions import DriftRule, PrefixPredictions
 from pdmesh.router.request import Lookup, Plan, PreparedRequest
 from pdmesh.router.routing.base import (
     Candidate,
@@ -63,12 +70,14 @@ class Planner:
 
     def __init__(self, pool: InstancePool, policies: dict[str, RoutingPolicy],
                  index: PrefixIndex | None, decider: PrefillDecider,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, drift_rule: DriftRule | None = None) -> None:
         self.pool = pool
         self.policies = policies
         self.index = index
         self.decider = decider
         self.metrics = metrics
+        # What the plans' lookups predicted, checked when each request finishes.
+        self.predictions = PrefixPredictions(metrics, index, drift_rule)
 
     async def plan(self, req: PreparedRequest) -> Plan:
         with get_tracer().start_as_current_span("pdmesh.router.route") as span:
@@ -110,7 +119,7 @@ class Planner:
         hashes = hash_token_blocks(scheme, req.prompt_token_ids, req.cache_salt or None)
         started = time.monotonic()
         try:
-            cached = await self.index.longest_prefix(hashes)
+            hits = await self.index.longest_prefix_by_medium(hashes)
         except IndexUnavailable as exc:
             self.metrics.index_lookups.labels("error").inc()
             self.pool.index_detail = f"redis unavailable: {exc}"
@@ -118,7 +127,8 @@ class Planner:
             return Lookup({}, consulted=True, ok=False)
         self.metrics.index_lookups.labels("ok").inc()
         self.metrics.index_lookup_duration.observe(time.monotonic() - started)
-        return Lookup(cached, consulted=True, ok=True)
+        cached = {instance_id: h.blocks for instance_id, h in hits.items()}
+        return Lookup(cached, consulted=True, ok=True, tiers=hits)
 
     def choose(self, role: str, route: RouteRequest, lookup: Lookup,
                exclude: frozenset[str] = frozenset()) -> Instance:
@@ -128,7 +138,8 @@ class Planner:
                      if i.instance_id and i.address not in exclude]
         policy = self.policies[role]
         try:
-            candidates = [i.candidate(lookup.cached) for i in instances]
+            candidates = [with_tiers(i.candidate(lookup.cached), lookup.tiers)
+                          for i in instances]
             decision = policy.choose(route, candidates)
         except NoCandidateError:
             raise RouteError(
@@ -140,6 +151,14 @@ class Planner:
         _trace_choice(role, route, policy, decision, chosen, candidates, reason)
         logger.debug("routed role=%s to=%s reason=%s", role, chosen.address, decision.reason)
         return chosen
+
+
+def with_tiers(candidate: Candidate, tiers: dict[str, PrefixHits]) -> Candidate:
+    """The candidate with its cached blocks split by offload tier, when the index said so."""
+    hits = tiers.get(candidate.instance_id)
+    if hits is None or not (hits.host or hits.disk):
+        return candidate
+    return dataclasses.replace(candidate, host_blocks=hits.host, disk_blocks=hits.disk)
 
 
 def _trace_choice(
@@ -161,6 +180,7 @@ def _trace_choice(
         f"{prefix}.detail": decision.reason,
         f"{prefix}.candidate_ids": [c.instance_id for c in candidates],
         f"{prefix}.candidate_cached_blocks": [c.cached_blocks for c in candidates],
+        f"{prefix}.candidate_tier_blocks": [c.host_blocks + c.disk_blocks for c in candidates],
     })
     weight = getattr(policy, "prefix_weight", None)
     if weight is not None:

@@ -161,6 +161,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         local_prefill_threshold=config.local_prefill_threshold,
         rpc_timeout_s=config.rpc_timeout_s,
         migration_limit=config.migration_limit,
+        stream_kv=config.kv_stream_chunks,
         slos=parse_goodput(config.goodput),
         metrics=metrics,
         token=config.cluster_token,

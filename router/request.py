@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -16,6 +17,9 @@ from pdmesh.router.failures import RouteError
 from pdmesh.router.instance import Instance
 from pdmesh.router.routing.base import RouteRequest
 from pdmesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from pdmesh.kvstore.prefix_index import PrefixHits
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Lookup:
     cached: dict[str, int]  # leading prompt blocks held, by instance id
     consulted: bool  # a policy wanted the index and one is configured
     ok: bool  # ... and it answered
+    tiers: dict[str, PrefixHits] = field(default_factory=dict)  # `cached` split by medium
 
 
 @dataclass

@@ -18,6 +18,10 @@ Before any output a failure is a status (`RouteError`); after output, unfinished
 with FINISH_REASON_ERROR and the stream still ends with a GenerateResult. With stream=false
 nothing is sent before the end, so every failure is a status. A cancelled client call
 cancels the Decode stream and releases the prefill side's KV, so every block comes back.
+
+Streamed by chunk (`--kv-stream-chunks`, the default), the run delegates its prefill to
+router/streamed_prefill.py (`PrefillStream`, with Decode started while the prompt computes);
+an instance that cannot stream is asked `Prefill` as above.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from pdmesh.router.responses import (
     final_usage,
     served_by,
 )
+from pdmesh.router.streamed_prefill import StreamedPrefill
 from pdmesh.router.watchdog import CallWatch
 from pdmesh.tracing import inject_metadata
 from pdmesh.v1 import engine_pb2
@@ -75,6 +80,7 @@ class RunContext:
     metrics: RouterMetrics
     migration_limit: int
     token: ClusterToken | None  # binds each KV handle to the decode instance it is sent to
+    stream_kv: bool = True  # PrefillStream: the KV moves while the prompt is computed
 
 
 def granted(remote: Remote, token: ClusterToken | None, instance: Instance) -> Remote:
@@ -101,22 +107,31 @@ class RequestRun:
         self.recovery = Recovery(req, plan, slots, ctx.planner, ctx.metrics,
                                  ctx.migration_limit)
         self.prefill_resp: engine_pb2.PrefillResponse | None = None
+        self.superseded = False  # a streamed Decode call being stopped: no cleanup abort
 
     async def execute(self) -> None:
         remote: Remote = None
+        if (self.plan.prefill is not None and self.ctx.stream_kv
+                and await StreamedPrefill(self).execute()):
+            return
         if self.plan.prefill is not None:
-            remote = await self._prefill_rerouting()
+            remote = await self.prefill_rerouting()
             # None with no prefill instance left in the plan: the decode instance prefills.
             if remote is None and self.plan.prefill is not None:
                 # every sequence finished on the prefill instance
                 assert self.prefill_resp is not None
-                await self._finish()
+                await self.finish()
                 return
-        await self._decode_rerouting(remote)
+        await self.decode_rerouting(remote)
 
-    async def _finish(self, result: engine_pb2.DecodeResult | None = None) -> None:
+    async def finish(self, result: engine_pb2.DecodeResult | None = None) -> None:
         """The final message. A decode result's own usage stands unless the stream migrated;
         otherwise usage is the undisturbed run's (responses.final_usage)."""
+        # The index's prefix prediction for the instance that computed the prompt, checked
+        # against its report (router/prefix_predictions.py); a moved run is left out.
+        self.ctx.planner.predictions.check(
+            self.req, self.plan, self.prefill_resp, result,
+            moved=bool(self.recovery.tried) or self.recovery.migrations > 0)
         if result is not None and not self.recovery.migrations:
             usage = result.usage
         else:
@@ -127,10 +142,10 @@ class RequestRun:
 
     async def _fail_after_output(self, message: str) -> None:
         await self.responses.fail_unfinished(message)
-        await self._finish()
+        await self.finish()
 
     # -- recovery loops ----------------------------------------------------------------------
-    async def _prefill_rerouting(self) -> Remote:
+    async def prefill_rerouting(self) -> Remote:
         """Prefill, on another prefill instance when the chosen one cannot be reached or fails
         with an instance fault, and on the decode instance itself (local prefill) when no
         prefill instance is left: then `plan.prefill` becomes None and so does the result.
@@ -151,25 +166,31 @@ class RequestRun:
                 self.recovery.prefill_locally(instance, failure)
                 return None
 
-    async def _decode_rerouting(self, remote: Remote) -> None:
+    async def decode_rerouting(self, remote: Remote,
+                                started: asyncio.Future[None] | None = None) -> None:
         """Decode, on another decode instance when the chosen one cannot be reached before it
         sent anything. The prefill's first tokens may already be with the client: the next
         instance gets the same RemotePrefill (KV handle and first tokens) and continues after
         them. Without a remote prefill the next instance prefills locally. A stream that
         breaks later migrates: the next instance resumes every sequence after what the router
-        already holds."""
+        already holds. `started`: the first attempt, already running (a streamed prefill's
+        Decode call)."""
         out = self.responses.out
         resume: list[engine_pb2.ResumedSequence] = []
         while True:
             instance = self.plan.decode
             try:
-                await self._decode(instance, remote, resume)
+                if started is not None:
+                    attempt, started = started, None
+                    await attempt
+                else:
+                    await self.decode(instance, remote, resume)
                 return
             except Unreached as unreached:
                 failure = unreached
             except Broken as broken:
                 if out.finished:
-                    await self._finish()
+                    await self.finish()
                     return  # only the final result was lost
                 if self.recovery.migrate(instance, broken, out.completion_tokens) is None:
                     if not self.responses.sent:
@@ -212,17 +233,17 @@ class RequestRun:
         except asyncio.CancelledError:
             call.cancel()
             if cancelled_from_outside():
-                self._abort(instance, "prefill", "client cancelled")
+                self.abort(instance, "prefill", "client cancelled")
                 raise
-            self._abort(instance, "prefill", "re-routed")
+            self.abort(instance, "prefill", "re-routed")
             if watch.fired:  # nothing reached the client yet: another path takes it
-                raise Unreached(self._stalled(instance, "prefill", watch), "stalled") from None
+                raise Unreached(self.stalled(instance, "prefill", watch), "stalled") from None
             raise Unreached(cancelled_under_us(instance, "prefill"), "channel_closed") from None
         except grpc.aio.AioRpcError as exc:
-            error = self._failed(instance, "prefill", exc)
+            error = self.failed(instance, "prefill", exc)
             reason = unreached_reason(exc) or fault_reason(exc)
             if reason is not None:  # nothing went to the client yet: another instance may
-                self._abort(instance, "prefill", "re-routed")
+                self.abort(instance, "prefill", "re-routed")
                 raise Unreached(error, reason) from None
             raise error from None
         self.prefill_resp = resp
@@ -243,7 +264,7 @@ class RequestRun:
         )
 
     # -- decode ------------------------------------------------------------------------------
-    async def _decode(
+    async def decode(
         self, instance: Instance, remote: Remote, resume: list[engine_pb2.ResumedSequence],
     ) -> None:
         """One Decode call, streamed through. Raises Unreached (re-route it) or Broken
@@ -282,7 +303,7 @@ class RequestRun:
                 raise
             if watch.fired:  # hung: migrate, as after a crash
                 self._cleanup_after_decode(instance, remote, "no progress")
-                raise Broken(self._stalled(instance, "decode", watch), "stalled") from None
+                raise Broken(self.stalled(instance, "decode", watch), "stalled") from None
             # Not this request's task: the call itself was cancelled under it (its channel
             # closed). The stream broke on this side; the instance may be fine.
             self._cleanup_after_decode(instance, remote, "decode call cancelled")
@@ -305,7 +326,7 @@ class RequestRun:
                 self.ctx.cleanup.release_kv(self.plan.prefill, req.request_id,
                                             remote.kv.transfer_id,
                                             "KV load failed; recomputed on decode")
-        await self._finish(result)
+        await self.finish(result)
 
     async def _decode_failed(self, instance: Instance, remote: Remote,
                              exc: grpc.aio.AioRpcError, answered: bool) -> None:
@@ -319,11 +340,11 @@ class RequestRun:
                 raise error from None
             await self._fail_after_output(str(error))
             return
-        error = self._failed(instance, "decode", exc)
+        error = self.failed(instance, "decode", exc)
         reason = unreached_reason(exc)
         if not answered and reason is not None:
             # The KV stays leased for the next decode instance; only this one forgets it.
-            self._abort(instance, "decode", "re-routed")
+            self.abort(instance, "decode", "re-routed")
             raise Unreached(error, reason) from None
         self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
         if is_instance_fault(exc):
@@ -333,14 +354,14 @@ class RequestRun:
         await self._fail_after_output(str(error))
 
     # -- failures and cleanup ----------------------------------------------------------------
-    def _failed(self, instance: Instance, what: str, exc: grpc.aio.AioRpcError) -> RouteError:
+    def failed(self, instance: Instance, what: str, exc: grpc.aio.AioRpcError) -> RouteError:
         """What a failed call means to the client; an instance at fault leaves routing."""
         if is_instance_fault(exc):
             self.ctx.pool.mark_failed(
                 instance, f"{what} failed: {exc.code().name} {exc.details()}")
         return instance_error(instance, what, exc)
 
-    def _stalled(self, instance: Instance, what: str, watch: CallWatch) -> RouteError:
+    def stalled(self, instance: Instance, what: str, watch: CallWatch) -> RouteError:
         """A call on `instance` fired its progress watchdog: the instance leaves routing (a
         poll that finds its core answering brings it back)."""
         quiet = watch.fired_after_s or 0.0
@@ -366,11 +387,16 @@ class RequestRun:
             "pdmesh.prefill.address": prefill.address, "pdmesh.kv.failure_reason": reason,
         })
 
-    def _abort(self, instance: Instance, role: str, reason: str) -> None:
+    def abort(self, instance: Instance, role: str, reason: str) -> None:
         self.ctx.cleanup.abort(instance, role, self.req.request_id, reason)
 
     def _cleanup_after_decode(self, decode: Instance, remote: Remote, reason: str) -> None:
-        self._abort(decode, "decode", reason)
+        if self.superseded:
+            # A streamed Decode call stopped by the streamed path (router/streamed_prefill.py):
+            # its stopper awaits the abort, and the transfer is not this call's to release:
+            # either the prefill's own end releases it, or a fresh Decode call takes it over.
+            return
+        self.abort(decode, "decode", reason)
         if remote is not None and self.plan.prefill is not None:
             self.ctx.cleanup.release_kv(self.plan.prefill, self.req.request_id,
                                         remote.kv.transfer_id, reason)

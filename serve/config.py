@@ -70,6 +70,7 @@ class MeshConfig:
     # The router's.
     routing_policy: str = field_like(RouterConfig, "routing_policy")
     local_prefill_threshold: int = field_like(RouterConfig, "local_prefill_threshold")
+    kv_stream_chunks: bool = field_like(RouterConfig, "kv_stream_chunks")
     max_queue_delay_s: float = field_like(RouterConfig, "max_queue_delay_s")
     goodput: tuple[str, ...] = field_like(RouterConfig, "goodput")
     generation_config: str = field_like(RouterConfig, "generation_config")

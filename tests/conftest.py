@@ -66,6 +66,7 @@ def nothing_left_behind():
 
     from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR
     from pdmesh.kvstore.transfer.backends.shm import PREFIX
+    from pdmesh.leftovers import KV_SEGMENT
 
     before = {n for n in os.listdir(DEFAULT_SHM_DIR) if n.startswith(PREFIX)}
     yield
@@ -78,9 +79,10 @@ def nothing_left_behind():
             continue
         if "pdmesh" in cmdline or "redis-server" in cmdline:
             orphans.append(f"{child.pid}: {cmdline[:120]}")
-    leftover = sorted(
+    leftover = sorted(  # a name of another shape is no segment of ours: not judged here
         n for n in os.listdir(DEFAULT_SHM_DIR)
-        if n.startswith(PREFIX) and n not in before and not psutil.pid_exists(int(n.split("-")[3]))
+        if n not in before and (m := KV_SEGMENT.fullmatch(n)) is not None
+        and not psutil.pid_exists(int(m.group(2)))
     )
     assert not orphans, f"service processes left running after the suite: {orphans}"
     assert not leftover, f"KV shm segments of dead processes left behind: {leftover}"

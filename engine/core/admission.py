@@ -12,10 +12,20 @@ One path for every request (engine/engine_request.py), in two moves:
    `skip_one_draw`), then each token is committed as if sampled here: its grammar accepts it
    (or the request is refused), stop checks see it, and it counts as output. A sample they
    end is finished at once and never continued.
+
+A *streamed* source (`KVSource.streamed`: the prefill is still computing the prompt) is pulled
+batch by batch: the blocks arrive as the sender's progress (`stream_progress`), each batch of
+newly ready blocks this core lacks is pulled on the connector's threads while the core keeps
+stepping, and the request is placed once the export is sealed, every block has landed and
+checked, and its first tokens came (`stream_first_tokens`). A stream that fails (the sender's
+export failed, a batch failed its checks or deadline) frees its blocks at once and, when the
+first tokens come, recomputes the prompt here like any failed pull. The stream's own
+bookkeeping (progress taken, batches, failure) is engine/core/pull_streams.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -24,15 +34,17 @@ from dataclasses import dataclass
 import torch
 
 from pdmesh.engine.core.output_commit import OutputCommit
+from pdmesh.engine.core.pull_streams import PullStream, failure_reason
 from pdmesh.engine.core.request_state import CoreRequest, SampleMaker
-from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.engine_request import EngineRequest, check_given_tokens
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.scheduling.sequence import Sequence, SequenceStatus
+from pdmesh.engine.worker.models.llama import ModelConfig
 from pdmesh.engine.worker.sampler import skip_one_draw
 from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.connector.source import LoadResult
-from pdmesh.kvstore.transfer.errors import KVTransferError, failure_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +56,31 @@ class Loading:
     state: CoreRequest
     parent: Sequence
     request: EngineRequest
-    future: Future[int]
+    future: Future[int] | None  # a stream waiting for its next blocks: None
     reused: int
     pulled: int
     started: float
     abandoned: bool = False
+    stream: PullStream | None = None
+
+
+def check_kv_import(request: EngineRequest, mc: ModelConfig, kv_manager: KVCacheManager,
+                    block_size: int, connector: KVConnector | None) -> None:
+    """ValueError for imported KV this core cannot take: a tensor `kv` not shaped like the
+    prompt's blocks of this model, a `kv_source` without a connector or not covering the
+    prompt (the source's own checks are the connector's)."""
+    if request.kv is not None:
+        nb = kv_manager.num_blocks_for(len(request.prompt_token_ids))
+        expected = (mc.num_layers, 2, nb, block_size, mc.num_kv_heads, mc.head_dim)
+        if tuple(request.kv.shape) != expected:
+            raise ValueError(f"kv: shape {tuple(request.kv.shape)} does not match {expected}")
+    if request.kv_source is not None:
+        if connector is None:
+            raise ValueError("kv_source: this engine has no KV connector")
+        connector.check_source(request.kv_source)
+        if request.kv_source.num_tokens != len(request.prompt_token_ids):
+            raise ValueError(f"kv_source: covers {request.kv_source.num_tokens} tokens, "
+                             f"the prompt has {len(request.prompt_token_ids)}")
 
 
 class Admission:
@@ -157,12 +189,81 @@ class Admission:
                                               hits, cache=False):
             state.kv_load = LoadResult(reused_blocks=len(hits), reason="no_free_blocks",
                                        error="no free KV blocks for the prompt right now")
+            if request.kv_source.streamed:  # it still waits for its first tokens
+                stream = PullStream(request.kv_source, [], 0, error=state.kv_load.error,
+                                    reason=state.kv_load.reason, blocks_freed=True)
+                self.loading[request.request_id] = Loading(state, parent, request, None, 0, 0,
+                                                           started, stream=stream)
+                return True
             return False
         dst = self.kv_manager.block_ids(parent.seq_id)[len(hits):]
+        if request.kv_source.streamed:
+            stream = PullStream.opened(request.kv_source,
+                                       self.kv_manager.block_ids(parent.seq_id), len(hits))
+            self.loading[request.request_id] = Loading(state, parent, request, None, len(hits),
+                                                       len(dst), started, stream=stream)
+            return True
         future = self.connector.start_load(request.kv_source, len(hits), dst)
         self.loading[request.request_id] = Loading(state, parent, request, future, len(hits),
                                                    len(dst), started)
         return True
+
+    # -- streamed pulls ----------------------------------------------------------------------
+    def stream_progress(self, request_id: str, progress: ExportProgress) -> bool:
+        """The sender's export grew (or sealed, or failed); False if no streamed pull of
+        `request_id` is waiting for it (aborted, or already failed and placed)."""
+        loading = self.loading.get(request_id)
+        if loading is None or loading.stream is None or loading.abandoned:
+            return False
+        loading.stream.take_progress(progress)
+        return True
+
+    def stream_first_tokens(self, request_id: str, given_tokens: list[list[int]],
+                            max_model_len: int) -> bool:
+        """The prefill's first token of each sample (its last message): the request may be
+        placed once its KV has landed. ValueError for tokens it can never take."""
+        loading = self.loading.get(request_id)
+        if loading is None or loading.stream is None or loading.abandoned:
+            return False
+        if loading.stream.given_tokens is not None:
+            raise ValueError(f"request_id: {request_id!r} was given its first tokens already")
+        request = loading.request
+        check_given_tokens(len(request.prompt_token_ids), given_tokens, request.params,
+                           self.vocab_size, max_model_len, first_only=True)
+        loading.stream.given_tokens = [list(t) for t in given_tokens]
+        loading.request = dataclasses.replace(request, given_tokens=loading.stream.given_tokens)
+        return True
+
+    def _advance_stream(self, request_id: str, loading: Loading) -> bool:
+        """Land a streamed pull's finished batch and start the next; True when the request
+        is to be placed now (its KV all landed, or failed, and its first tokens came)."""
+        stream = loading.stream
+        assert stream is not None and self.connector is not None
+        if loading.future is not None:
+            if not loading.future.done():
+                return False
+            stream.batch_landed(loading.future)
+            loading.future = None
+        if loading.abandoned:
+            del self.loading[request_id]
+            if not stream.blocks_freed:
+                self.kv_manager.free(loading.parent.seq_id)
+            return False
+        if stream.error:
+            if not stream.blocks_freed:  # never cached: they go back clean, now
+                self.kv_manager.free(loading.parent.seq_id)
+                stream.blocks_freed = True
+        elif (batch := stream.next_batch()) is not None:
+            first, end = batch
+            loading.future = self.connector.start_load(stream.source, first,
+                                                       stream.block_ids[first:end])
+            return False
+        return bool(stream.error or stream.whole) and stream.given_tokens is not None
+
+    def futures(self) -> list[Future[int]]:
+        """The pulls running on the connector's threads."""
+        return [loading.future for loading in self.loading.values()
+                if loading.future is not None]
 
     def abandon(self, request_id: str) -> bool:
         """The request was aborted while its KV is pulled: its blocks go back once the pull
@@ -179,6 +280,13 @@ class Admission:
         prompt is recomputed. The ids of the requests placed (they owe an output)."""
         placed = []
         for request_id, loading in list(self.loading.items()):
+            if loading.stream is not None:
+                if not self._advance_stream(request_id, loading):
+                    continue
+                self._land_stream(request_id, loading)
+                placed.append(request_id)
+                continue
+            assert loading.future is not None
             if not loading.future.done():
                 continue
             del self.loading[request_id]
@@ -196,20 +304,42 @@ class Admission:
                 self.kv_manager.free(parent.seq_id)  # never cached: the blocks go back clean
                 loading.state.kv_load = LoadResult(
                     reused_blocks=loading.reused, error=f"{type(error).__name__}: {error}",
-                    reason=_failure_reason(error), seconds=seconds)
-            self._place_parent(loading.state, request, parent, error is None)
-            try:
-                for seq, tokens in zip(list(loading.state.seqs), request.given_tokens or [],
-                                       strict=True):
-                    self._replay(seq, tokens)
-            except ValueError as exc:  # cannot happen for the prefill's own first tokens
-                logger.warning("request_id=%s: its given tokens were refused after its KV "
-                               "landed: %s", request_id, exc)
-                for seq in loading.state.seqs:
-                    if not seq.status.is_finished:
-                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    reason=failure_reason(error), seconds=seconds)
+            self._place_and_replay(loading, error is None)
             placed.append(request_id)
         return placed
+
+    def _land_stream(self, request_id: str, loading: Loading) -> None:
+        """A streamed pull is whole (or failed) and its first tokens came: place it."""
+        stream = loading.stream
+        assert stream is not None
+        del self.loading[request_id]
+        seconds = time.monotonic() - loading.started
+        num_prompt = len(loading.request.prompt_token_ids)
+        if not stream.error:
+            self.kv_manager.cache_full_blocks(loading.parent, num_prompt)
+            loading.state.kv_load = LoadResult(
+                loading.reused, loading.pulled, stream.nbytes, seconds, streamed=True,
+                pulled_before_seal=stream.pulled_before_seal)
+        else:
+            loading.state.kv_load = LoadResult(
+                reused_blocks=loading.reused, error=stream.error, reason=stream.reason,
+                seconds=seconds, streamed=True)
+        self._place_and_replay(loading, not stream.error)
+
+    def _place_and_replay(self, loading: Loading, loaded: bool) -> None:
+        request = loading.request
+        self._place_parent(loading.state, request, loading.parent, loaded)
+        try:
+            for seq, tokens in zip(list(loading.state.seqs), request.given_tokens or [],
+                                   strict=True):
+                self._replay(seq, tokens)
+        except ValueError as exc:  # cannot happen for the prefill's own first tokens
+            logger.warning("request_id=%s: its given tokens were refused after its KV "
+                           "landed: %s", request.request_id, exc)
+            for seq in loading.state.seqs:
+                if not seq.status.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def _replay(self, seq: Sequence, given: list[int]) -> None:
         """Commit tokens produced elsewhere as this sample's output (not reported back)."""
@@ -223,7 +353,3 @@ class Admission:
             self.commit.append_token(seq, int(token_id), None, replay=True)
         seq.num_emitted = seq.num_output_tokens
 
-
-def _failure_reason(exc: BaseException) -> str:
-    """The label a failed pull is counted under (the transfer layer's vocabulary)."""
-    return failure_outcome(exc) if isinstance(exc, KVTransferError) else "invalid_source"

@@ -36,6 +36,8 @@ from pdmesh.engine.core_protocol import (
     ExportKV,
     Failed,
     KVSnapshot,
+    KVStream,
+    KVStreamFirstTokens,
     ReadKV,
     ReleaseKV,
     Reply,
@@ -103,6 +105,10 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
         return core.read_kv(cmd.request_id)
     elif isinstance(cmd, ReleaseKV):
         return core.release_kv(cmd.request_id)
+    elif isinstance(cmd, KVStream):
+        return core.kv_stream(cmd.request_id, cmd.progress)
+    elif isinstance(cmd, KVStreamFirstTokens):
+        return core.kv_stream_first_tokens(cmd.request_id, cmd.given_tokens)
     elif isinstance(cmd, KVSnapshot):
         return core.kv_snapshot()
     elif isinstance(cmd, SetGrammarVocabulary):

@@ -27,6 +27,7 @@ import zmq
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.core_loop import CoreLoop
 from pdmesh.engine.core.engine_core import EngineCore
+from pdmesh.engine.core.ranks import exit_on_rank_failure
 from pdmesh.engine.core_protocol import (
     CALL_DECODER,
     ENCODER,
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("engine core: %s torch threads", threads or torch.get_num_threads())
         connector = (None if boot.connector is None
                      else msgspec.convert(boot.connector, KVConnectorConfig))
-        core = EngineCore(config, boot.eos_token_ids, connector)
+        core = EngineCore(config, boot.eos_token_ids, connector,
+                          on_rank_failure=exit_on_rank_failure)
     except Exception as exc:
         logger.exception("engine core failed to start")
         transport.send(Failed([], f"engine core failed to start: {exc}", EngineLoadSnapshot()))

@@ -10,15 +10,17 @@ request that asks for a grammar; the core never loads a tokenizer.
 Every request comes in one way, `add(EngineRequest)`, whether it brings imported KV (the decode
 role) or output tokens produced elsewhere (migration, KV-load fallback); an exporting request
 (the prefill role) leaves after its first token with its KV pinned (`read_kv`, `release_kv`).
-The work is the other modules': start-up sizing (engine/core/startup.py), admission
-(engine/core/admission.py), the step's device side (engine/worker/model_runner.py) and its commit
-(engine/core/output_commit.py). Single-threaded on purpose: whoever drives `step()` owns the core.
+The work is the other modules': start-up sizing (engine/core/startup.py; its tensor-parallel
+ranks: engine/core/ranks.py), admission (engine/core/admission.py), the step's device side
+(engine/worker/model_runner.py) and its commit (engine/core/output_commit.py), the load it
+reports (engine/core/load_snapshot.py). Single-threaded on purpose: whoever drives `step()` owns
+the core.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any
@@ -27,11 +29,14 @@ import msgspec
 import torch
 
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.core.admission import Admission
+from pdmesh.engine.core.admission import Admission, check_kv_import
 from pdmesh.engine.core.kv_exports import KVExports
+from pdmesh.engine.core.kv_offload import KVOffload
+from pdmesh.engine.core.load_snapshot import load_snapshot
 from pdmesh.engine.core.output_commit import OutputCommit
+from pdmesh.engine.core.ranks import set_up_with_ranks
 from pdmesh.engine.core.request_state import CoreRequest, SampleMaker
-from pdmesh.engine.core.startup import core_info, set_up_engine
+from pdmesh.engine.core.startup import core_info, with_connector
 from pdmesh.engine.core_types import CoreInfo, CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.engine_request import (
     EngineRequest,
@@ -43,7 +48,7 @@ from pdmesh.engine.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from pdmesh.engine.scheduling.sequence import SequenceStatus
+from pdmesh.engine.scheduling.sequence import Sequence, SequenceStatus
 from pdmesh.engine.scheduling.step_budget import ItlTarget, min_prefill_tokens
 from pdmesh.engine.scheduling.step_cost import (
     PredictionStats,
@@ -67,6 +72,7 @@ from pdmesh.engine.worker.step_sampling import StepSampler
 from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
+from pdmesh.kvstore.connector.export_info import ExportProgress
 
 
 def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int,
@@ -91,11 +97,14 @@ def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_
 
 class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_ids: Collection[int],
-                 connector: KVConnectorConfig | None = None) -> None:
+                 connector: KVConnectorConfig | None = None,
+                 on_rank_failure: Callable[[str], None] | None = None) -> None:
         """`connector`: lend and pull KV blocks from this core (the engine services' roles);
-        None for an engine that only generates (offline `LLM`)."""
+        None for an engine that only generates (offline `LLM`). With tensor parallelism the
+        core starts its other ranks first (engine/core/ranks.py); `on_rank_failure` is called
+        when one exits or a step fails with the ranks out of step."""
         self.eos_token_ids = set(eos_token_ids)
-        setup = set_up_engine(config, connector)
+        config, self.ranks, setup = set_up_with_ranks(config, connector, on_rank_failure)
         # The accelerator paths checked on a probe before anything is built on them; what
         # failed is off in the config the runner is built from (engine/worker/selfcheck.py).
         selfcheck = engine_selfcheck(config, setup.model, setup.device)
@@ -106,8 +115,11 @@ class EngineCore:
             setup.model, setup.model_config, setup.hf_config)
         self.scheme, self.kv_cache = setup.scheme, setup.kv_cache
         self.max_model_len, self.capacity_summary = setup.max_model_len, setup.capacity_summary
+        host_bytes, disk_bytes = config.kv_offload_sizes()
+        self.kv_offload = KVOffload(self.kv_cache, host_bytes, config.kv_offload_disk_dir,
+                                    disk_bytes) if host_bytes else None
         self.kv_manager = KVCacheManager(setup.num_blocks, self.scheme,
-                                         config.enable_prefix_caching)
+                                         config.enable_prefix_caching, tier=self.kv_offload)
         self.scheduler = build_scheduler(config, self.kv_manager, self.max_model_len,
                                          self.model_config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -122,6 +134,7 @@ class EngineCore:
             sampling=StepSampler(self.sampler, self.eos_token_ids, self.device),
             async_scheduling=self.async_scheduling,
             max_model_len=self.max_model_len,
+            channel=self.ranks.channel if self.ranks is not None else None,
         )
         if (ops := fallback_layer_ops(selfcheck.fallbacks)) is not None:
             self.runner.model.ops = ops
@@ -131,7 +144,7 @@ class EngineCore:
                               self._grammar_matcher, self.device)
         self.commit = OutputCommit(self.requests, self.scheduler, self.kv_manager, samples,
                                    self.eos_token_ids, self.max_model_len)
-        self.scheduler.on_preempt = self.commit.on_preempt
+        self.scheduler.on_preempt = self._on_preempt
         self.connector: KVConnector | None = None
         if connector is not None:
             self.connector = KVConnector(connector, self.kv_cache, setup.cache_file)
@@ -146,14 +159,9 @@ class EngineCore:
         self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
         self.scheduled_tokens = 0
         self.step_cost_stats = PredictionStats()
-        self._info = msgspec.structs.replace(
+        self._info = with_connector(msgspec.structs.replace(
             core_info(setup, config.block_size), selfcheck=selfcheck.summary(),
-            selfcheck_fallbacks=selfcheck.fallbacks)
-        if self.connector is not None:
-            self._info = msgspec.structs.replace(
-                self._info, kv_cache_file=self.connector.cache_file_name,
-                kv_block_server=self.connector.block_server_address,
-                kv_cache_ipc=self.connector.cache_ipc)
+            selfcheck_fallbacks=selfcheck.fallbacks), self.connector)
 
     def info(self) -> CoreInfo:
         return self._info
@@ -175,16 +183,13 @@ class EngineCore:
         samples' state (a given token may have finished one) at the next step."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if self.ranks is not None and (request.kv is not None or request.kv_source is not None
+                                       or request.export_kv):
+            raise ValueError("KV import and export are not supported with tensor parallelism "
+                             "yet (tensor_parallel_size > 1)")
         check_request(request, self.model_config.vocab_size, self.max_model_len)
-        if request.kv is not None:
-            self._check_kv_shape(len(request.prompt_token_ids), request.kv)
-        if request.kv_source is not None:
-            if self.connector is None:
-                raise ValueError("kv_source: this engine has no KV connector")
-            self.connector.check_source(request.kv_source)
-            if request.kv_source.num_tokens != len(request.prompt_token_ids):
-                raise ValueError(f"kv_source: covers {request.kv_source.num_tokens} tokens, "
-                                 f"the prompt has {len(request.prompt_token_ids)}")
+        check_kv_import(request, self.model_config, self.kv_manager, self.config.block_size,
+                        self.connector)
         if not request.export_kv:  # an export only ever holds its prompt, which is bounded
             self.check_kv_capacity(len(request.prompt_token_ids), request.params)
         state = CoreRequest(request.request_id, list(request.prompt_token_ids), request.params,
@@ -192,6 +197,8 @@ class EngineCore:
         self.requests[request.request_id] = state
         try:  # from here on, any failure frees whatever the request holds
             self.admission.place(state, request)
+            if request.stream_kv:
+                self.exports.open_stream(state)
         except BaseException:
             self.abort_request(request.request_id)
             raise
@@ -199,17 +206,11 @@ class EngineCore:
             self._pending_outputs.add(request.request_id)  # (a pull owes its output on landing)
         return state
 
-    def _check_kv_shape(self, num_prompt_tokens: int, kv: torch.Tensor) -> None:
-        mc = self.model_config
-        nb = self.kv_manager.num_blocks_for(num_prompt_tokens)
-        expected = (mc.num_layers, 2, nb, self.config.block_size, mc.num_kv_heads, mc.head_dim)
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"kv: shape {tuple(kv.shape)} does not match {expected}")
-
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; every block it holds is returned (a lent export's
         too: its lease is then over)."""
         released = self.exports.release(request_id) if request_id in self.exports.lent else False
+        self.exports.drop_stream(request_id)
         state = self.requests.pop(request_id, None)
         self._pending_outputs.discard(request_id)
         if state is None:
@@ -248,7 +249,21 @@ class EngineCore:
 
     def loads_in_flight(self) -> list[Future[int]]:
         """The KV pulls running on the connector's threads (the loop wakes when one ends)."""
-        return [loading.future for loading in self.admission.loading.values()]
+        return self.admission.futures()
+
+    def kv_stream(self, request_id: str, progress: ExportProgress) -> bool:
+        """A streamed source grew (the sender's `CoreOutput.kv_stream`, relayed by the
+        serving processes); False if the request no longer waits for it."""
+        return self.admission.stream_progress(request_id, progress)
+
+    def kv_stream_first_tokens(self, request_id: str, given_tokens: list[list[int]]) -> bool:
+        """A streamed request's first tokens (its prefill ended): it decodes once its KV has
+        landed; False if it no longer waits for them."""
+        return self.admission.stream_first_tokens(request_id, given_tokens, self.max_model_len)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        self.commit.on_preempt(seq)
+        self.exports.fail_stream(seq.request_id, "preempted")  # its blocks were freed
 
     # -- structured output ----------------------------------------------------------------------
     def _grammar_matcher(self, spec: StructuredOutput) -> GrammarMatcher:
@@ -289,6 +304,11 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close()
             self.connector = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+        if self.kv_offload is not None:
+            self.kv_offload.close()
 
     # -- KV export (the prefill role: engine/core/kv_exports.py)
     # -------------------------------------
@@ -319,7 +339,8 @@ class EngineCore:
         if sched.is_empty:
             if previous is None:
                 self._check_progress()
-            return self.commit.update_from_output(touched, previous=previous)
+            return self.exports.with_progress(self.commit.update_from_output(
+                touched, previous=previous))
         self.num_steps += 1
         work = work_of([(s.seq.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled])
         predicted = self.scheduler.step_cost.predict(work)
@@ -333,7 +354,7 @@ class EngineCore:
         self.scheduled_tokens += sched.num_batched_tokens
         if predicted is not None:
             self.step_cost_stats.add(predicted, seconds)
-        return outputs
+        return self.exports.with_progress(outputs)
 
     def _check_progress(self) -> None:
         """Nothing was scheduled and nothing is in flight: only pinned KV may hold it up."""
@@ -355,28 +376,16 @@ class EngineCore:
         """Everything cached right now as one batch (drops the events it supersedes)."""
         self.take_kv_events()
         hashes = tuple(self.kv_manager.pool.cached.keys())
-        return [AllBlocksCleared(), BlockStored(hashes)] if hashes else [AllBlocksCleared()]
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if hashes:
+            events.append(BlockStored(hashes))
+        if self.kv_offload is not None:
+            events += [BlockStored(tuple(held), None, medium)
+                       for medium, held in self.kv_offload.held_hashes().items() if held]
+        return events
 
     def load(self) -> EngineLoadSnapshot:
-        pinned = self.exports.pinned_blocks()
-        stats = self.kv_manager.stats
-        return EngineLoadSnapshot(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.admission.loading),
-            num_free_blocks=self.num_free_blocks,
-            num_total_blocks=self.num_total_blocks,
-            num_pinned_blocks=pinned,
-            prefix_hit_tokens=stats.hits,
-            prefix_query_tokens=stats.queries,
-            num_steps=self.num_steps,
-            step_seconds=self.step_seconds,
-            scheduled_tokens=self.scheduled_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_predicted_steps=self.step_cost_stats.steps,
-            predicted_step_seconds=self.step_cost_stats.predicted_s,
-            predicted_steps_actual_seconds=self.step_cost_stats.actual_s,
-            itl_target_seconds=self.scheduler.itl_target_s,
-        )
+        return load_snapshot(self)  # (engine/core/load_snapshot.py)
 
     @property
     def num_free_blocks(self) -> int:

@@ -145,7 +145,7 @@ def profile_kv_cache(model: LlamaForCausalLM, lengths: list[int], block_size: in
     """The temporary KV cache the profiling step writes: just the blocks it needs."""
     cfg = model.cfg
     return torch.zeros((cfg.num_layers, 2, blocks_for(lengths, block_size), block_size,
-                        cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device)
+                        model.shard.kv_heads.size, cfg.head_dim), dtype=dtype, device=device)
 
 
 @torch.inference_mode()

@@ -9,6 +9,11 @@ is the budget. The budget gives the number of blocks; `max_model_len` is then th
 context that both the model and the cache hold, unless one was asked for (which must fit
 both). The cache is one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` whose
 host pages are committed only as blocks are first used (engine/core/memory.py).
+
+With tensor parallelism every rank runs this same set-up on its own shard (engine/core/ranks.py),
+side by side: each loads its slice, profiles (CUDA) and budgets its own memory for a cache of
+its own KV heads; the ranks then agree on the smallest block count, since one scheduler hands
+out the same block ids on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import torch
 
@@ -38,9 +44,11 @@ from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
 from pdmesh.engine.worker.model_loader import load_hf_config, load_model
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +75,8 @@ class EngineSetup:
         return int(self.kv_cache.shape[2])
 
 
-def set_up_engine(config: EngineConfig,
-                  connector: KVConnectorConfig | None = None) -> EngineSetup:
+def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = None,
+                  tp: TensorParallel = SINGLE) -> EngineSetup:
     """Load the model and allocate its KV cache (ValueError when the budget does not hold
     two blocks or the asked max_model_len). With a KV connector that shares the cache, a CPU
     cache lives in a shm file that peer cores on the host copy blocks out of. Leaves the
@@ -85,15 +93,18 @@ def set_up_engine(config: EngineConfig,
     torch.manual_seed(config.seed)
     max_positions = model_max_positions(model_dir, config.max_model_len)
     model, model_config, hf_config = load_model(
-        model_dir, dtype, device, max_positions, load_format=config.load_format)
+        model_dir, dtype, device, max_positions, load_format=config.load_format, tp=tp)
     scheme = HashScheme(block_size=config.block_size, algorithm=config.hash_algorithm,
                         root_seed=config.hash_root_seed)
     mc = model_config
-    bytes_per_block = (mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim
+    kv_heads = model.shard.kv_heads.size  # this rank's (all of them without tensor parallelism)
+    bytes_per_block = (mc.num_layers * 2 * config.block_size * kv_heads * mc.head_dim
                        * dtype.itemsize)
     budget, profile = kv_budget_bytes(config, model, device, start, max_positions)
     num_blocks = num_kv_blocks(budget, bytes_per_block, free_memory(device))
-    shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+    if tp.world_size > 1:
+        num_blocks = int(tp.all_reduce(torch.tensor([num_blocks], device=device), "min").item())
+    shape = (mc.num_layers, 2, num_blocks, config.block_size, kv_heads, mc.head_dim)
     cache_file = None
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if connector is not None and connector.shared_cache and device.type == "cpu":
@@ -224,6 +235,19 @@ def resolve_max_model_len(wanted: int | None, max_positions: int, capacity: int)
             "raise kv_cache_memory or lower max_model_len"
         )
     return wanted if wanted is not None else min(max_positions, capacity)
+
+
+def with_connector(info: CoreInfo, connector: KVConnector | None) -> CoreInfo:
+    """`info` with where peers reach the core's KV connector (its cache file, block server,
+    IPC handle, UCX address) and its checksum algorithm; as is without a connector."""
+    if connector is None:
+        return info
+    return msgspec.structs.replace(
+        info, kv_cache_file=connector.cache_file_name,
+        kv_block_server=connector.block_server_address,
+        kv_cache_ipc=connector.cache_ipc,
+        kv_ucx_server=connector.ucx_address,
+        kv_checksum_algo=str(connector.algo))
 
 
 def core_info(setup: EngineSetup, block_size: int) -> CoreInfo:

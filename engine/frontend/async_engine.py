@@ -8,7 +8,9 @@ commands to the core and their answers (engine/frontend/core_calls.py) and the r
 with
 the output processor behind them (engine/frontend/request_streams.py); this class is the API over
 them
-and the order of one request's life (open its stream, add it, yield, abort if left).
+and the order of one request's life (open its stream, add it, yield, abort if left). Its KV
+commands (the prefill role's exports and their leases, the decode role's streamed pulls) are
+engine/frontend/kv_commands.py's `KVCommands`, which it mixes in.
 
 Lifetimes are tied to consumers: a stream whose consumer stops iterating (client cancelled)
 aborts its request so its blocks are freed. If a step fails, every request in flight fails
@@ -33,17 +35,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from pdmesh.engine.core_protocol import (
     Abort,
     Add,
     Batch,
     Call,
-    ExportKV,
     Failed,
     KVSnapshot,
-    ReadKV,
     ReleaseKV,
     Reply,
     Result,
@@ -56,6 +54,7 @@ from pdmesh.engine.frontend.core_calls import CoreCalls, EngineError
 from pdmesh.engine.frontend.core_client import ProcessCoreLink
 from pdmesh.engine.frontend.core_liveness import CoreLiveness
 from pdmesh.engine.frontend.grammar_vocabulary import GrammarVocabularyOnce
+from pdmesh.engine.frontend.kv_commands import KVCommands
 from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.frontend.request_streams import RequestStreams
 from pdmesh.engine.model_store import model_dir_for
@@ -66,7 +65,6 @@ from pdmesh.engine.tokenizing import (
     load_tokenizer,
     tokenize_prompt,
 )
-from pdmesh.kvstore.connector.export_info import ExportInfo
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +85,10 @@ PROBE_REQUEST_ID = "\x00pdmesh-liveness-probe"
 between two steps without touching anything."""
 
 
-class AsyncEngine:
+class AsyncEngine(KVCommands):
     """Create inside a running event loop: `AsyncEngine(llm_engine)` drives an in-process
-    engine's core on a thread; `await AsyncEngine.spawn(config)` starts the core's process."""
+    engine's core on a thread; `await AsyncEngine.spawn(config)` starts the core's process.
+    Its KV commands (`prefill_export`, `export_kv`, `kv_stream`, ...) are `KVCommands`'."""
 
     def __init__(self, engine: LLMEngine | None = None, *, name: str = "engine",
                  _link: Any = None, _tokenizer: Any = None,
@@ -208,47 +207,26 @@ class AsyncEngine:
                                   prompt_text=text):
             yield out
 
-    async def prefill_export(
-        self,
-        request_id: str,
-        prompt: str | dict,
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestOutput:
-        """Prefill role: run the prompt, sample the first token(s), keep the KV pinned.
-
-        The result has `kv_export` set; the caller must eventually `release_kv` (or `abort`).
-        Cancelling the awaiting task aborts the request.
-        """
-        text, ids = tokenize_prompt(self.tokenizer, prompt)
-        request = EngineRequest(request_id, ids, params, priority, cache_salt, export_kv=True)
-        last: RequestOutput | None = None
-        async for out in self.add(request, prompt_text=text):
-            last = out
-        if last is None or last.kv_export is None:
-            raise EngineError(f"request {request_id!r} finished without exported KV")
-        return last
-
     async def add(
         self,
         request: EngineRequest,
         *,
         prompt_text: str | None = None,
         given_logprobs: list[list[TokenLogprobs | None]] | None = None,
+        added: asyncio.Event | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The one way in: queue a request (a prompt, imported KV, tokens produced elsewhere:
         engine/engine_request.py) and yield cumulative outputs until one has `finished`.
         Outputs carry its given tokens too, with `given_logprobs` if any. `KVCacheFullError`
         and validation errors surface from the first iteration, before any output. A request
-        with a `kv_source` says in `RequestOutput.kv_load` what the core's pull did."""
+        with a `kv_source` says in `RequestOutput.kv_load` what the core's pull did. `added`
+        is set once the core took the request (a streamed source's progress may follow)."""
         given, n = request.given_tokens, request.params.n
         if given is not None and len(given) != n:
             given = given_logprobs = None  # the core refuses the request
         elif given is not None and given_logprobs is not None:
             check_given_logprobs(given, given_logprobs, n)
-        async for out in self._stream(request, prompt_text, given, given_logprobs):
+        async for out in self._stream(request, prompt_text, given, given_logprobs, added):
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -260,23 +238,6 @@ class AsyncEngine:
         """Fire-and-forget abort, usable from `finally` blocks and callbacks."""
         self.streams.end(request_id, EngineError(f"request {request_id!r} was aborted"))
         self.calls.send(Abort(request_id))
-
-    async def read_kv(self, request_id: str) -> torch.Tensor:
-        """A copy of an exported request's KV blocks."""
-        return await self.calls.call(ReadKV(request_id))  # type: ignore[no-any-return]
-
-    async def export_kv(self, request_id: str) -> ExportInfo:
-        """Lend an exported request's blocks to the core's KV connector (peers pull them
-        straight from its cache until `release_kv`); their per-block checksums."""
-        value = await self.calls.call(ExportKV(request_id))
-        return value if isinstance(value, ExportInfo) else msgspec.convert(value, ExportInfo)
-
-    async def release_kv(self, request_id: str) -> bool:
-        return bool(await self.calls.call(ReleaseKV(request_id)))
-
-    def release_kv_nowait(self, request_id: str) -> None:
-        """Thread-safe (transfer leases end on other threads)."""
-        self.calls.send(ReleaseKV(request_id))
 
     # -- KV events -------------------------------------------------------------------------------
     async def take_kv_events(self) -> list[KVEvent]:
@@ -305,6 +266,7 @@ class AsyncEngine:
     async def _stream(
         self, request: EngineRequest, prompt: str | None, given: list[list[int]] | None,
         given_logprobs: list[list[TokenLogprobs | None]] | None,
+        added: asyncio.Event | None = None,
     ) -> AsyncIterator[RequestOutput]:
         request_id, params = request.request_id, request.params
         if request_id in self.streams:
@@ -330,6 +292,8 @@ class AsyncEngine:
             raise
         if stopped:
             self.calls.send(StopSequences(request_id, stopped))
+        if added is not None:
+            added.set()
         finished = False
         try:
             while True:

@@ -24,8 +24,11 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (model, block_size, max_num_seqs,
     max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching,
-    generation_config, ...). Calls that pass no SamplingParams sample with the model's
-    generation config (`get_default_sampling_params`), as vLLM's `LLM` does.
+    generation_config, tensor_parallel_size, ...). Calls that pass no SamplingParams sample
+    with the model's generation config (`get_default_sampling_params`), as vLLM's `LLM` does.
+    With `tensor_parallel_size=N` the engine starts N-1 rank processes
+    (engine/core/ranks.py); `llm.engine.core.close()` stops them (at the latest they are
+    killed when this process exits).
     """
 
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:

@@ -120,6 +120,16 @@ class OutputProcessor:
         interval = max(self.stream_interval, params.stream_interval or 1)
         req = _Request(request_id, prompt, list(prompt_token_ids), params, export_kv, interval)
         self.requests[request_id] = req
+        return self.give(request_id, given, given_logprobs)
+
+    def give(self, request_id: str, given: list[list[int]] | None,
+             given_logprobs: list[list[TokenLogprobs | None]] | None = None) -> list[int]:
+        """Sample i's output tokens produced elsewhere, `given[i]`, as its first output (at
+        `add_request`, or later for a streamed P/D request whose prefill ended after it was
+        added); the samples a given token already stopped by stop string."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
         stopped: list[int] = []
         for i in range(len(given) if given else 1):
             sample = self._sample(req, i)

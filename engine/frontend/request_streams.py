@@ -3,20 +3,25 @@
 The core reports only new token ids per step; the output processor (text, stop strings,
 logprobs) turns them into cumulative `RequestOutput`s here, on the event loop, and each goes
 to its request's stream. The KV cache events that ride along the batches are kept for the
-service's presence (`take_events`).
+service's presence (`take_events`); a streamed export's progress goes to whoever watches it
+(`watch_export`: the prefill service, which publishes it to the KV control plane).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pdmesh.engine.core_protocol import Batch, events_from_wire
+from pdmesh.engine.core_types import CoreOutput
 from pdmesh.engine.frontend.core_liveness import CoreLiveness
 from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.kv_events import KVEvent
 from pdmesh.engine.outputs import RequestOutput
+from pdmesh.kvstore.connector.export_info import ExportProgress
+
+ExportWatcher = Callable[[ExportProgress], None]
 
 
 class RequestStream:
@@ -63,6 +68,7 @@ class RequestStreams:
         self.kv_events_ready = asyncio.Event()
         self._events: list[KVEvent] = []
         self._streams: dict[str, RequestStream] = {}
+        self._export_watchers: dict[str, ExportWatcher] = {}
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -81,6 +87,13 @@ class RequestStreams:
         self._streams[request_id] = stream
         self.liveness.unprefilled[request_id] = num_prefill_tokens
         return stream
+
+    def watch_export(self, request_id: str, watcher: ExportWatcher | None) -> None:
+        """Hand `request_id`'s streamed-export progress to `watcher` (None: stop)."""
+        if watcher is None:
+            self._export_watchers.pop(request_id, None)
+        else:
+            self._export_watchers[request_id] = watcher
 
     def drop(self, request_id: str) -> None:
         """A request the core never took: forget it without failing anyone."""
@@ -105,7 +118,7 @@ class RequestStreams:
     def deliver(self, batch: Batch) -> list[tuple[str, list[int]]]:
         """A step's outputs to their streams; the stop strings found ((request, sample
         indices) the core must stop)."""
-        outputs, stops = self.processor.process(batch.outputs)
+        outputs, stops = self.processor.process(self._take_progress(batch.outputs))
         for out in outputs:
             self.liveness.unprefilled.pop(out.request_id, None)
             stream = self._streams.get(out.request_id)
@@ -118,6 +131,24 @@ class RequestStreams:
             self._events.extend(events_from_wire(batch.events))
             self.kv_events_ready.set()
         return stops
+
+    def _take_progress(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """Streamed-export progress to its watchers; the outputs that carry more than that."""
+        if all(out.kv_stream is None for out in outputs):
+            return outputs
+        rest = []
+        for out in outputs:
+            progress = out.kv_stream
+            if progress is not None:
+                watcher = self._export_watchers.get(out.request_id)
+                if progress.sealed or progress.failed:
+                    self._export_watchers.pop(out.request_id, None)
+                if watcher is not None:
+                    watcher(progress)
+                if out == CoreOutput(out.request_id, kv_stream=progress):
+                    continue  # progress only (a preempted prefill's failure)
+            rest.append(out)
+        return rest
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

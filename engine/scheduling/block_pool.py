@@ -5,6 +5,10 @@ allocator needs it: free blocks queue in LRU order and are evicted from the head
 cached free block is hit again it leaves the *middle* of the queue, so the queue is an
 intrusive doubly-linked list with sentinels (O(1) removal). Every change to what is findable
 is recorded as a KV event for the cluster-wide index.
+
+With an offload tier (engine/scheduling/kv_tier.py) an evicted cached block is first saved to
+the tier, and a hash the cache misses but the tier holds is restored into a fresh block
+(`restore`), which then serves as an ordinary cached block.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from pdmesh.engine.block_hash import BlockHash
 from pdmesh.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdmesh.engine.scheduling.kv_tier import KVTier
 
 
 class KVBlock:
@@ -74,7 +79,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 tier: KVTier | None = None) -> None:
+        """`tier`: where evicted cached blocks go and come back from; None = they are lost."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -83,6 +90,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        self.tier = tier if enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,10 +154,28 @@ class BlockPool:
         if stored:
             self._events.append(BlockStored(tuple(stored), parent))
 
+    def restore(self, block_hash: BlockHash, parent: BlockHash | None) -> KVBlock | None:
+        """A free, cached block holding `block_hash` copied back from the tier; None when there
+        is no tier, it lacks the hash (or fails its checksum), or no block is free. The block
+        joins the tail of the LRU queue like any freed cached block."""
+        if self.tier is None or self.num_free_blocks == 0 or block_hash in self.cached:
+            return None
+        if self.tier.holds(block_hash) is None:
+            return None
+        (block,) = self.allocate(1)  # may save the LRU head to the tier first
+        if not self.tier.restore(block_hash, block.block_id):
+            self.free([block])
+            return None
+        self.cache_blocks([block], [block_hash], parent)
+        self.free([block])
+        return block
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
+            if self.tier is not None:
+                self.tier.save(block.block_id, block.block_hash)
             del self.cached[block.block_hash]
             self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash = None
@@ -161,9 +187,15 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.tier is not None:
+            self.tier.clear()
+            self.tier.take_events()  # superseded by the clear
         self._events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
+        """The pool's events, then the tier's (each medium's own events stay in order)."""
         events, self._events = self._events, []
+        if self.tier is not None:
+            events += self.tier.take_events()
         return events

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdmesh.engine.block_hash import BlockHash, HashScheme, hash_token_blocks
 from pdmesh.engine.scheduling.block_pool import BlockPool, KVBlock
+from pdmesh.engine.scheduling.kv_tier import KVTier
 from pdmesh.engine.scheduling.sequence import Sequence
 
 
@@ -29,13 +30,18 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, scheme: HashScheme, enable_prefix_caching: bool = True
+        self, num_blocks: int, scheme: HashScheme, enable_prefix_caching: bool = True,
+        tier: KVTier | None = None,
     ) -> None:
+        """`tier`: the offload tier behind the paged cache (engine/scheduling/kv_tier.py):
+        evicted prefixes are saved there and a prefix walk continues through its hits."""
         self.block_size = scheme.block_size
         self.scheme = scheme
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, tier=tier)
         self.stats = PrefixCacheStats()
+        # Prompt tokens whose KV came back from the offload tier instead of being recomputed.
+        self.tier_restored_tokens = 0
         self._blocks: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
@@ -75,18 +81,37 @@ class KVCacheManager:
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Longest run of cached blocks at the start of `seq`, leaving >= 1 token to compute."""
+        """Longest run of cached blocks at the start of `seq`, leaving >= 1 token to compute.
+
+        With an offload tier the run goes on through blocks the tier holds: each is restored
+        into a free block here (its bytes copied back before this returns), so to the caller
+        it is an ordinary cached hit and its tokens are not recomputed.
+        """
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             # Prompt logprobs need logits for every prompt position, so no skipping.
             return []
         hashes = self._seq_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in hashes[:max_blocks]:
+        held: list[KVBlock] = []  # hits referenced while restores allocate (none evicts them)
+        restoring = False
+        for i, block_hash in enumerate(hashes[:max_blocks]):
             block = self.pool.get_cached_block(block_hash)
+            if block is None and self.pool.tier is not None:
+                if not restoring:
+                    restoring = True
+                    self.pool.tier.prefer(hashes[i:max_blocks])
+                    self.pool.touch(hits)
+                    held = list(hits)
+                block = self.pool.restore(block_hash, hashes[i - 1] if i else None)
+                if block is not None:
+                    self.pool.touch([block])
+                    held.append(block)
+                    self.tier_restored_tokens += self.block_size
             if block is None:
                 break
             hits.append(block)
+        self.pool.free(reversed(held))
         return hits
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:

@@ -26,6 +26,9 @@ OMP_WAIT_POLICY):
 - on a CPU device every CPU it may run on, with a short spin;
 - on CUDA one thread: the device computes, the host prepares small inputs, and every engine
   of a multi-GPU node would otherwise start one thread per CPU (vLLM's workers do the same).
+
+A tensor-parallel engine splits its threads over its ranks (`rank_threads`): the host runs as
+many as one rank would, and each rank's GEMMs are that much smaller.
 """
 
 from __future__ import annotations
@@ -64,3 +67,16 @@ def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
     if not env.get("GOMP_SPINCOUNT") and not env.get("OMP_WAIT_POLICY"):
         env["GOMP_SPINCOUNT"] = SHORT_SPIN
     return env
+
+
+def rank_threads(total: int | None, device_type: str, fallback: int, world_size: int
+                 ) -> int | None:
+    """The torch threads of each rank of a tensor-parallel engine: the engine's threads
+    (`total`, else `fallback`: torch's own count) split evenly over its ranks, so the host
+    runs as many as one engine of the same config would; 1 each on CUDA. A single rank
+    keeps `total`."""
+    if world_size == 1:
+        return total
+    if device_type == "cuda":
+        return total or 1
+    return max(1, (total or fallback) // world_size)

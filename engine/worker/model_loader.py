@@ -13,6 +13,10 @@ On another device (CUDA) each tensor goes to the device, in the model's dtype, a
 and the fused projections are concatenated there: the host never holds more than the pages of
 the tensor being copied, where a host copy of the checkpoint (15 GiB for an 8B model in bf16)
 would outgrow a GPU pod's memory limit.
+
+With tensor parallelism (`tp`, more than one rank) each rank reads only its slices of each
+tensor (safetensors' `get_slice`; which slice: engine/worker/parallel/sharding.py), straight to
+its device in the model's dtype: no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from pdmesh.engine.worker.models.llama import (
     RotaryEmbedding,
     rope_inv_freq,
 )
+from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
+from pdmesh.engine.worker.parallel.sharding import ModelShard
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +237,10 @@ def load_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig, object]:
-    """Our model of the config in `model_dir`, on `device` in `dtype`.
+    """Our model of the config in `model_dir`, on `device` in `dtype`: with `tp`, this rank's
+    shard of it.
 
     `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
     random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
@@ -243,11 +251,15 @@ def load_model(
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+    shard = ModelShard.of(cfg, tp.rank, tp.world_size)
     with meta_without_init():
-        model = LlamaForCausalLM(cfg, None)
+        model = LlamaForCausalLM(cfg, None, shard, tp)
     model.rope = rope
     if load_format == "dummy":
         state = dummy_state(model, dtype, device, seed)
+    elif not shard.is_whole:
+        state = sharded_state(model_dir, model, cfg, shard, device, dtype)
+        model.checkpoint_maps = []  # every tensor read is this rank's own copy
     else:
         state, maps = checkpoint_state(model_dir, model, cfg, device, dtype)
         state = {k: v.to(dtype) for k, v in state.items()}  # no-op off the CPU: converted
@@ -303,6 +315,53 @@ def checkpoint_state(
         if name.endswith("rotary_emb.inv_freq"):
             continue
         state[name.removeprefix("model.")] = tensor
+    return _fused_checked(state, model, cfg, model_dir), maps
+
+
+def sharded_state(
+    model_dir: Path,
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    shard: ModelShard,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """This rank's slices of the checkpoint under our parameter names, on `device` in
+    `dtype`, fused and checked complete. safetensors reads just the slice's bytes of a
+    row slice (a column slice reads the rows' spans)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                key = name.removeprefix("model.")
+                if cfg.tie_word_embeddings and key == "lm_head.weight":
+                    continue
+                state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
+    return _fused_checked(state, model, cfg, model_dir)
+
+
+def _read_slice(fh: object, name: str, key: str, shard: ModelShard) -> torch.Tensor:
+    """Checkpoint tensor `name` (ours: `key`) as this rank holds it."""
+    view = fh.get_slice(name)  # type: ignore[attr-defined]
+    where = shard.checkpoint_slice(key)
+    if where is None:
+        tensor = view[:]
+        return tensor if shard.keeps_whole_bias(key) else torch.zeros_like(tensor)
+    dim, span = where
+    if dim == 0:
+        return view[span.start:span.stop]
+    return view[:, span.start:span.stop]
+
+
+def _fused_checked(state: dict[str, torch.Tensor], model: LlamaForCausalLM, cfg: ModelConfig,
+                   model_dir: Path) -> dict[str, torch.Tensor]:
+    """`state` (our names, q/k/v and gate/up apart) with the fused projections concatenated,
+    checked to be exactly the model's parameters."""
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
         for fused, parts in _FUSED.items():
@@ -320,7 +379,7 @@ def checkpoint_state(
             f"model: checkpoint in {model_dir} does not match the {cfg.model_type} architecture "
             f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
         )
-    return state, maps
+    return state
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

@@ -13,6 +13,12 @@ WARNING, and `graphs_disabled_reason` says why (the start-up self-check reports 
 (engine/worker/step_sampling.py). With async scheduling, a step whose samples need nothing from the
 host is sampled on the device and left in flight (engine/worker/in_flight.py); the engine commits
 what it sampled (engine/core/output_commit.py).
+
+With tensor parallelism the engine core's runner is the first rank's: it sends every step's
+inputs (and block copies) to the other ranks (`channel`, engine/worker/parallel/step_channel.py)
+before its own forward, whose collectives they join; they run `execute` on what they receive.
+Decode steps then run eagerly (no CUDA graphs yet: a graph would have to capture the
+collectives on every rank alike).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pdmesh.engine.worker.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.worker.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.worker.model_loader import drop_file_pages, release_free_heap
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
+from pdmesh.engine.worker.parallel.step_channel import StepChannel
 from pdmesh.engine.worker.step_sampling import Sample, StepSampler, prompt_logprobs
 from pdmesh.kernels.backend import AttentionBackend
 from pdmesh.kernels.layer_ops import select_layer_ops
@@ -71,9 +78,11 @@ class ModelRunner:
         sampling: StepSampler | None = None,
         async_scheduling: bool = False,
         max_model_len: int | None = None,
+        channel: StepChannel | None = None,
     ) -> None:
         """`max_model_len`: the engine's context limit, which sizes the block tables (and so
-        the graphs' decode splits); None: the model's position table."""
+        the graphs' decode splits); None: the model's position table. `channel`: the first
+        rank's line to the other tensor-parallel ranks."""
         if can_pack_linears(device, kv_cache.dtype):
             pack_linears(model)
         if device.type == "cpu":
@@ -90,6 +99,7 @@ class ModelRunner:
         self.block_size = kv_manager.block_size
         self.sampling = sampling  # None: a runner that only computes logits (tests)
         self.async_scheduling = async_scheduling
+        self.channel = channel
         self.batch = InputBatch(
             kv_manager, device, max_num_seqs, max_num_batched_tokens,
             _max_blocks_per_seq(model, kv_manager, max_model_len),
@@ -100,6 +110,8 @@ class ModelRunner:
         self.graphs_disabled_reason: str | None = None
         self.graphs_capture_failed = False
         why_not = graphs_unavailable_reason(device, backend, enforce_eager)
+        if why_not is None and model.tp.world_size > 1:
+            why_not = "tensor parallelism (decode steps run eagerly)"
         if why_not is None:
             self.use_graphs(DecodeGraphs(
                 model, kv_cache, backend, device, max_num_seqs, self.batch.max_blocks_per_seq
@@ -157,6 +169,16 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the model; returns float32 logits `[len(logits_rows), vocab]`."""
         inputs.fill_pending()
+        if self.channel is None:
+            return self._execute(inputs)
+        self.channel.send_step(inputs)
+        try:
+            return self._execute(inputs)
+        except Exception as exc:  # the other ranks may wait in a collective forever
+            self.channel.fail(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _execute(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.cuda_graphs
         bucket = graphs.bucket_for(inputs) if graphs is not None else None
         if graphs is not None and bucket is not None:
@@ -176,6 +198,8 @@ class ModelRunner:
         """Copy whole blocks (all layers, K and V): copy-on-write when a sequence forks."""
         if not pairs:
             return
+        if self.channel is not None:
+            self.channel.send_copies(pairs)
         src = torch.tensor([p[0] for p in pairs], device=self.kv_cache.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.kv_cache.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

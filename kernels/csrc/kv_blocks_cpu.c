@@ -5,7 +5,13 @@
  * digest is XXH64 (seed 0) of its pieces streamed in (layer, K/V) order: the value
  * `xxhash.xxh64()` gives when updated piece by piece, so Python can check any digest made here.
  * Calling Python once per piece (60 per block for a 30-layer model) cost more than hashing the
- * bytes; here a whole list of blocks is one call, spread over OpenMP threads by block.
+ * bytes; here a whole list of blocks is one call, spread over threads by block.
+ *
+ * Those threads are short-lived pthreads, not OpenMP's: a pull runs on a connector thread,
+ * which would start an OpenMP team of its own beside the model's, and libgomp's workers spin
+ * after every parallel region before they sleep (~10 ms by default, ~0.3 ms under a core's
+ * GOMP_SPINCOUNT), taking a core from what runs next: the peer core's pull, the control plane.
+ * Starting a thread costs tens of microseconds against milliseconds of copying.
  *
  * XXH64 as its public specification describes it (Yann Collet, xxhash.com doc/xxhash_spec.md):
  * four 64-bit lanes eat 32-byte stripes, merged and then fed the < 32-byte tail, then avalanched.
@@ -13,6 +19,7 @@
  *
  * Return codes: 0 ok, 1 bad shape, 3 a block id outside its cache, 4 unsupported build.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -235,34 +242,99 @@ static int ids_in_range(const int64_t *ids, int64_t n, int64_t num_blocks) {
     return 1;
 }
 
+/* Work over [0, count) cut into contiguous ranges, one per thread: the caller runs the first,
+ * a pthread each of the others, all joined before it returns (a thread that cannot be started
+ * has its range run by the caller). At most MAX_WORKERS threads, each with at least
+ * MIN_ITEMS_PER_WORKER items: the copy is bound by memory bandwidth long before a big host's
+ * last core, and each thread started costs the caller tens of microseconds. */
+#define MAX_WORKERS 16
+#define MIN_ITEMS_PER_WORKER 2
+typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
+typedef struct {
+    range_fn fn;
+    const void *ctx;
+    int64_t begin, end;
+} range_task;
+
+static void *range_main(void *arg) {
+    const range_task *t = arg;
+    t->fn(t->ctx, t->begin, t->end);
+    return NULL;
+}
+
+static void parallel_ranges(range_fn fn, const void *ctx, int64_t count, int64_t workers) {
+    if (workers > count / MIN_ITEMS_PER_WORKER) workers = count / MIN_ITEMS_PER_WORKER;
+    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
+    if (workers <= 1) {
+        if (count > 0) fn(ctx, 0, count);
+        return;
+    }
+    range_task tasks[MAX_WORKERS];
+    pthread_t threads[MAX_WORKERS];
+    int started[MAX_WORKERS];
+    for (int64_t w = 0; w < workers; w++)
+        tasks[w] = (range_task){fn, ctx, count * w / workers, count * (w + 1) / workers};
+    for (int64_t w = 1; w < workers; w++)
+        started[w] = pthread_create(&threads[w], NULL, range_main, &tasks[w]) == 0;
+    fn(ctx, tasks[0].begin, tasks[0].end);
+    for (int64_t w = 1; w < workers; w++) {
+        if (started[w])
+            pthread_join(threads[w], NULL);
+        else
+            fn(ctx, tasks[w].begin, tasks[w].end);
+    }
+}
+
+typedef struct {
+    uint8_t *dst;
+    size_t dst_stride;
+    const uint8_t *src;
+    size_t src_stride;
+    int64_t num_pieces;
+    size_t piece_bytes;
+    const int64_t *dst_ids, *src_ids;
+    int64_t n;
+    uint64_t *out;
+} blocks_job;
+
+/* Groups [begin, end) of GROUP blocks (piece_bytes a multiple of 32). */
+static void grouped_range(const void *ctx, int64_t begin, int64_t end) {
+    const blocks_job *j = ctx;
+    for (int64_t g = begin; g < end; g++)
+        hash_group(j->dst, j->dst_stride, j->src, j->src_stride, j->num_pieces, j->piece_bytes,
+                   j->dst_ids, j->src_ids, g * GROUP, j->n, j->out);
+}
+
+/* Blocks [begin, end) one at a time (pieces of any length). */
+static void single_range(const void *ctx, int64_t begin, int64_t end) {
+    const blocks_job *j = ctx;
+    for (int64_t i = begin; i < end; i++) {
+        xxh64_state st;
+        xxh64_reset(&st, 0);
+        const uint8_t *from = j->src + (size_t)j->src_ids[i] * j->piece_bytes;
+        uint8_t *to = j->dst != NULL ? j->dst + (size_t)j->dst_ids[i] * j->piece_bytes : NULL;
+        for (int64_t p = 0; p < j->num_pieces; p++) {
+            if (to != NULL)
+                xxh64_copy_update(&st, to + (size_t)p * j->dst_stride,
+                                  from + (size_t)p * j->src_stride, j->piece_bytes);
+            else
+                xxh64_update(&st, from + (size_t)p * j->src_stride, j->piece_bytes);
+        }
+        j->out[i] = xxh64_digest(&st);
+    }
+}
+
 /* out[i] = XXH64 of src block src_ids[i], its pieces in order; when dst is not NULL the block
  * is also copied to dst block dst_ids[i] in the same pass, and out[i] names what was written. */
 static void blocks_xxh64(uint8_t *dst, size_t dst_stride, const uint8_t *src, size_t src_stride,
                          int64_t num_pieces, size_t piece_bytes, const int64_t *dst_ids,
                          const int64_t *src_ids, int64_t n, uint64_t *out, int64_t threads) {
-    if (piece_bytes % 32 == 0) {
-        const int64_t groups = (n + GROUP - 1) / GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads) if (groups > 1 && threads > 1)
-        for (int64_t g = 0; g < groups; g++)
-            hash_group(dst, dst_stride, src, src_stride, num_pieces, piece_bytes, dst_ids,
-                       src_ids, g * GROUP, n, out);
-        return;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1 && threads > 1)
-    for (int64_t i = 0; i < n; i++) {
-        xxh64_state st;
-        xxh64_reset(&st, 0);
-        const uint8_t *from = src + (size_t)src_ids[i] * piece_bytes;
-        uint8_t *to = dst != NULL ? dst + (size_t)dst_ids[i] * piece_bytes : NULL;
-        for (int64_t p = 0; p < num_pieces; p++) {
-            if (to != NULL)
-                xxh64_copy_update(&st, to + (size_t)p * dst_stride,
-                                  from + (size_t)p * src_stride, piece_bytes);
-            else
-                xxh64_update(&st, from + (size_t)p * src_stride, piece_bytes);
-        }
-        out[i] = xxh64_digest(&st);
-    }
+    const blocks_job job = {dst, dst_stride, src, src_stride, num_pieces, piece_bytes,
+                            dst_ids, src_ids, n, out};
+    if (piece_bytes % 32 == 0)
+        parallel_ranges(grouped_range, &job, (n + GROUP - 1) / GROUP, threads);
+    else
+        parallel_ranges(single_range, &job, n, threads);
 }
 
 /* out[i] = XXH64 of block ids[i] of `cache`, its pieces in order. */

@@ -6,8 +6,10 @@ gRPC, metrics, traces) and never touches KV bytes. Modules: `blocks.py` (block r
 per-block checksums), `config.py`, `source.py` (what a load is told), `cache_file.py` (a CPU
 cache a peer core on the host can map) and `cuda_ipc.py` (its GPU form), `exports.py` (what
 the core lends; `export_info.py`, what the serving process publishes of it), `grant_mac.py`
-(the serving process's word that a pull was granted), one module per transport
-(`shm_peer.py`, `tcp_blocks.py`, `dist_blocks.py`), and `connector.py`, the core's façade.
+(the serving process's word that a pull was granted) and `grant_ledger.py` (each block
+once per grant, across the core's block servers), one module per transport
+(`shm_peer.py`, `tcp_blocks.py`, `dist_blocks.py`, `ucx_blocks.py`), and `connector.py`, the
+core's façade.
 The serving process imports only the torch-free ones (`config.py`, `source.py`,
 `export_info.py`, `grant_mac.py`).
 

@@ -24,6 +24,10 @@ class KVConnectorConfig:
         "bind address of the core's block server"))
     tcp_advertise_host: str = field(default="", metadata=about(
         "address peers dial for blocks (default: tcp_host)"))
+    ucx: bool = field(default=False, metadata=about(
+        "serve blocks over UCX (ucxx) from the core too, where the package is installed: host "
+        "or device memory, no staging copy (its listener's address is advertised like "
+        "tcp_advertise_host)"))
     tcp_connections: int = field(default=2, metadata=about(
         "parallel TCP connections per pull"))
     io_timeout_s: float = field(default=30.0, metadata=about(

@@ -13,11 +13,16 @@ The core asks it two things between steps on the core's own thread:
   GIL), so the core keeps stepping its running requests while a prompt's KV arrives; the core
   lands a finished load between two steps.
 
+A *streamed* export (`open_stream`, `extend_stream`) is registered while its prompt is
+computed and grows by the blocks each step filled; only those are served, and a receiver pulls
+them batch by batch (`start_load` per batch of a `KVSource.streamed`).
+
 What the serving process needs to grant a pull — the cache file's name, the block server's
 address — is fixed at start-up and reported in `CoreInfo`; what it needs per export (the
 checksums) is the answer to `export`. Transports: `shm_peer.py` (same host: one copy out of the
-sender's cache file on CPU, device to device through a CUDA IPC handle on GPU) and
-`tcp_blocks.py` (any host: streamed from and into the caches).
+sender's cache file on CPU, device to device through a CUDA IPC handle on GPU),
+`tcp_blocks.py` (any host: streamed from and into the caches) and `ucx_blocks.py` (UCX through
+ucxx, host or device memory, where the package is installed).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
 from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
+from pdmesh.kvstore.connector.grant_ledger import GrantLedger
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource, check_params
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
@@ -54,14 +60,20 @@ class KVConnector:
         self.cache_file = cache_file
         self.algo = algo or default_block_algo(cache)
         self.exports = ExportRegistry()
+        self.grants = GrantLedger(self.exports)  # one for every block server of this core
         self._shm = ShmPeerTransport(config.shm_dir)
         self._server = None
         self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
         self.block_server_address = ""
+        self._ucx = None
+        self.ucx_address = ""  # the core's ucxx listener (`ucx_blocks.py`); empty: none
         self.cache_ipc = share(cache) if cache.device.type == "cuda" else ""  # CUDA IPC
 
     def start(self) -> None:
-        """Start the block server (when TCP is on); the address goes into `CoreInfo`."""
+        """Start the block server (when TCP is on) and the ucxx listener (when UCX is on and
+        the package imports); their addresses go into `CoreInfo`."""
+        if self.config.ucx:
+            self._start_ucx()
         if not self.config.tcp:
             return
         if not self.config.grant_secret:
@@ -69,8 +81,26 @@ class KVConnector:
                              "its serving process signs pulls with (grant_secret)")
         from pdmesh.kvstore.connector.tcp_blocks import BlockServer
 
-        self._server = BlockServer(self.cache, self.exports, self.config)
+        self._server = BlockServer(self.cache, self.exports, self.config, self.grants)
         self.block_server_address = self._server.start()
+
+    def _start_ucx(self) -> None:
+        from pdmesh.kvstore.connector import ucx_blocks
+
+        reason = ucx_blocks.unavailable_reason()
+        if reason is not None:  # not offered: the serving process sees no ucxx address
+            logger.info("no UCX block server: %s", reason)
+            return
+        if not self.config.grant_secret:
+            raise ValueError("a KV connector that serves blocks over UCX needs the grant key "
+                             "its serving process signs pulls with (grant_secret)")
+        server = ucx_blocks.UcxBlockServer(self.cache, self.exports, self.config, self.grants)
+        try:
+            self.ucx_address = server.start()
+        except Exception:  # a UCX that cannot listen here: the transport is not offered
+            logger.warning("the UCX block server did not start", exc_info=True)
+            return
+        self._ucx = server
 
     @property
     def cache_file_name(self) -> str:
@@ -80,6 +110,18 @@ class KVConnector:
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> ExportInfo:
         self.exports.add(Export(request_id, tuple(block_ids), num_tokens))
         return ExportInfo(block_checksums(self.algo, self.cache, block_ids), str(self.algo))
+
+    def open_stream(self, request_id: str, num_tokens: int) -> None:
+        """A streamed export (its prefill just admitted): registered with no block ready."""
+        self.exports.add(Export(request_id, (), num_tokens))
+
+    def extend_stream(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """Checksum a streamed export's newly filled blocks, then serve them; their checksums.
+        On a device cache the checksum waits for the steps that wrote the blocks (it reads
+        them on the core's stream and answers host integers), so nothing is served early."""
+        sums = block_checksums(self.algo, self.cache, block_ids)
+        self.exports.extend(request_id, block_ids)
+        return sums
 
     def release(self, request_id: str) -> None:
         self.exports.remove(request_id)
@@ -96,7 +138,8 @@ class KVConnector:
         if source.backend not in WORKER_BACKENDS:
             raise ValueError(f"kv_source: unknown transport {source.backend!r}")
         expected = -(-source.num_tokens // block_size)
-        if len(source.block_checksums) != expected:
+        count = len(source.block_checksums)  # a growing export's: those ready so far
+        if count > expected or (count != expected and not source.streamed):
             raise ValueError(f"kv_source: {len(source.block_checksums)} block checksums for "
                              f"{source.num_tokens} tokens ({expected} blocks)")
         parse_algo(source.checksum_algo)
@@ -132,6 +175,17 @@ class KVConnector:
                 deadline=Deadline.after(max(source.deadline_s, 0.001)), via=source.backend,
             )
             actual = block_checksums(algo, self.cache, dst_ids)
+        elif source.backend == "ucxx":
+            from pdmesh.kvstore.connector import ucx_blocks
+
+            p = source.params
+            check_params(p, ("address", "transfer", "grant", "mac"))
+            nbytes = ucx_blocks.pull_blocks(
+                p["address"], request_id=p.get("request", ""), transfer_id=p["transfer"],
+                grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,
+                dst_ids=dst_ids, config=self.config,
+                deadline=Deadline.after(max(source.deadline_s, 0.001)))
+            actual = block_checksums(algo, self.cache, dst_ids)
         else:
             raise KVBackendUnavailable(f"no worker transport {source.backend!r}")
         expected = source.block_checksums[first_block:first_block + len(dst_ids)]
@@ -148,6 +202,8 @@ class KVConnector:
         self._loads.shutdown(wait=True)  # every load is bounded by its deadline
         if self._server is not None:
             self._server.close()
+        if self._ucx is not None:
+            self._ucx.close()
         self._shm.close()
         if self.cache_file is not None:
             self.cache_file.close()

@@ -1,7 +1,9 @@
 """What an engine core lends: the pinned blocks of each exported request, by request id.
 
 The core registers an export when a request finishes its prefill with `export_kv` and removes
-it when the serving process releases it (the lease ended). The block server reads it from its
+it when the serving process releases it (the lease ended). A streamed export is registered
+when its request is admitted and grows after each step by the blocks its prefill has filled
+(`extend`); only those are served. The block server reads it from its
 own threads, so every access takes the lock; a pull that races a release may stream blocks
 being reused, which the receiving connector's per-block checksums catch (it then recomputes).
 """
@@ -12,10 +14,12 @@ import threading
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass
 class Export:
     request_id: str
     block_ids: tuple[int, ...]
+    """The blocks ready to serve, in prompt order; a streamed export's only ever grows (the
+    tuple is replaced whole, so a reader's snapshot is always a ready prefix)."""
     num_tokens: int
 
 
@@ -27,6 +31,13 @@ class ExportRegistry:
     def add(self, export: Export) -> None:
         with self._lock:
             self._exports[export.request_id] = export
+
+    def extend(self, request_id: str, block_ids: list[int]) -> None:
+        """A streamed export's next ready blocks (no-op once it was removed)."""
+        with self._lock:
+            export = self._exports.get(request_id)
+            if export is not None:
+                export.block_ids = (*export.block_ids, *block_ids)
 
     def remove(self, request_id: str) -> None:
         with self._lock:

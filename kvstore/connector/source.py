@@ -12,8 +12,8 @@ import msgspec
 
 from pdmesh.kvstore.transfer.errors import KVWireError
 
-WORKER_BACKENDS = ("shm", "tcp", "torch_dist")
-"""Transports an engine core runs itself (ucxx is still staged through the serving process)."""
+WORKER_BACKENDS = ("shm", "tcp", "torch_dist", "ucxx")
+"""Transports an engine core runs itself."""
 
 
 class KVSource(msgspec.Struct, frozen=True):
@@ -25,6 +25,10 @@ class KVSource(msgspec.Struct, frozen=True):
     kv_shape: tuple[int, int, int, int]  # (layers, block_size, kv_heads, head_dim)
     kv_dtype: str
     deadline_s: float = 30.0      # for the whole load, from when the core starts it
+    streamed: bool = False
+    """The export still grows (its prefill is running): `block_checksums` (and an shm
+    source's `blocks`) cover only the blocks ready so far; the rest arrive as
+    `ExportProgress` (`EngineCore.kv_stream`), and the first tokens once the prefill ends."""
 
 
 class LoadResult(msgspec.Struct):
@@ -37,6 +41,8 @@ class LoadResult(msgspec.Struct):
     seconds: float = 0.0
     error: str = ""
     reason: str = ""              # a low-cardinality label for a failure
+    streamed: bool = False        # pulled from a growing export, batch by batch
+    pulled_before_seal: int = 0   # blocks whose pull started before the prefill ended
 
 
 def check_params(params: dict[str, str], names: tuple[str, ...]) -> None:

@@ -46,7 +46,8 @@ from pdmesh.grpc_common import TLSConfig
 from pdmesh.kvstore.connector import dist_blocks, grant_mac
 from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, on_device_of, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.exports import Export, ExportRegistry
+from pdmesh.kvstore.connector.exports import ExportRegistry
+from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused
 from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -99,10 +100,12 @@ class BlockServer:
     """Runs in the sender engine core: a listener thread + one thread per connection."""
 
     def __init__(self, cache: torch.Tensor, exports: ExportRegistry,
-                 config: KVConnectorConfig) -> None:
+                 config: KVConnectorConfig, ledger: GrantLedger | None = None) -> None:
+        """`ledger`: the grants served so far, shared with the core's other block servers."""
         if not cache.is_contiguous():
             raise ValueError("the block server needs a contiguous KV cache")
-        self._cache, self._exports, self._config = cache, exports, config
+        self._cache, self._config = cache, config
+        self._ledger = ledger or GrantLedger(exports)
         self._tls = server_context(_tls_config(config))
         if config.tls_enabled and self._tls is None:  # a CA alone: never serve plaintext
             raise ValueError("the block server's TLS needs a certificate and a key")
@@ -112,9 +115,6 @@ class BlockServer:
         self._closed = False
         self._lock = threading.Lock()
         self._conns: dict[threading.Thread, socket.socket] = {}
-        # (request id, grant) -> the export it was for and the export indices already served.
-        self._served: dict[tuple[str, str], tuple[Export, set[int]]] = {}
-        self._prune_at = 64
 
     def start(self) -> str:
         host = self._config.tcp_host.strip("[]")
@@ -223,27 +223,10 @@ class BlockServer:
         if req.layout != self._layout or req.dtype != dtype:
             raise _Refusal(REFUSED, f"layout mismatch: the pull expects {req.layout} "
                                     f"{req.dtype}, this cache is {self._layout} {dtype}")
-        export = self._exports.get(req.request_id)
-        if export is None:
-            raise _Refusal(DENIED, f"no export for request {req.request_id!r}")
-        end = req.first + req.count
-        if end > len(export.block_ids):
-            raise _Refusal(DENIED, f"blocks [{req.first}, {end}) are outside the export's "
-                                   f"{len(export.block_ids)}")
-        with self._lock:
-            if len(self._served) >= self._prune_at:  # forget released exports (amortized)
-                for key, (exp, _) in list(self._served.items()):
-                    if self._exports.get(key[0]) is not exp:
-                        del self._served[key]
-                self._prune_at = max(64, 2 * len(self._served))
-            entry = self._served.get((req.request_id, req.grant))
-            if entry is None or entry[0] is not export:
-                entry = self._served[(req.request_id, req.grant)] = (export, set())
-            wanted = range(req.first, end)
-            if not entry[1].isdisjoint(wanted):
-                raise _Refusal(DENIED, "these blocks were already served under this grant")
-            entry[1].update(wanted)
-        return export.block_ids[req.first:end]
+        try:
+            return self._ledger.admit(req.request_id, req.grant, req.first, req.count)
+        except GrantRefused as exc:
+            raise _Refusal(DENIED, str(exc)) from None
 
 
 def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, mac: str,

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from pdmesh.auth import ClusterToken
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.transfer.backends.base import DataPlaneServer
 from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -262,6 +263,28 @@ class ControlClient:
         )
         reply = await self._call(self._stub.CancelTransfer, request, handle, deadline)
         return _state(reply.state)
+
+    async def watch(self, handle: KVHandle, deadline: Deadline, traceparent: str = ""
+                    ) -> AsyncIterator[ExportProgress]:
+        """A started streamed transfer's progress (WatchTransfer) until its last report;
+        raises a `KVTransferError` when the stream breaks (the sender died) or ends early."""
+        request = pb.WatchTransferRequest(transfer_id=handle.transfer_id,
+                                          request_id=handle.request_id, traceparent=traceparent)
+        call = self._stub.WatchTransfer(request, timeout=max(deadline.remaining(), 0.001))
+        try:
+            async for msg in call:
+                progress = ExportProgress(msg.first_index, list(msg.block_ids),
+                                          list(msg.block_checksums), str(handle.checksum_algo),
+                                          sealed=msg.sealed, failed=msg.failed)
+                yield progress
+                if progress.sealed or progress.failed:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, handle) from exc
+        finally:
+            call.cancel()
+        raise KVTransferFailed("the sender's progress stream ended before its seal",
+                               transfer_id=handle.transfer_id, request_id=handle.request_id)
 
     @staticmethod
     async def _call(method: Any, request: Any, handle: KVHandle, deadline: Deadline) -> Any:

@@ -61,9 +61,12 @@ class CorePulls:
         backend: str,
         traceparent: str = "",
         capability: TransferCapability | None = None,
+        start_deadline: Deadline | None = None,
     ) -> Pull:
         """Start a transfer whose bytes this process's engine core pulls itself (an export:
-        `handle.is_export`); the lease is kept alive until `finish`. Raises like `fetch`."""
+        `handle.is_export`); the lease is kept alive until `finish` (or `deadline`). Raises
+        like `fetch`. `start_deadline`: a tighter bound for StartTransfer itself (a streamed
+        pull's lease outlives the fetch timeout, its start does not)."""
         started = time.monotonic()
         deadline = Deadline.coerce(deadline)
         span = transfer_span(handle, traceparent)
@@ -75,7 +78,7 @@ class CorePulls:
             proof = (self.receiver.host_proof(handle) or "") if backend == "shm" else ""
             reply = await control.start(
                 handle, backend, proof, deadline.remaining() + self.receiver.config.lease_margin_s,
-                deadline, span_traceparent(span), capability,
+                start_deadline or deadline, span_traceparent(span), capability,
             )
         except BaseException as exc:
             outcome = failure_outcome(exc)

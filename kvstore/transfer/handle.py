@@ -40,10 +40,13 @@ class KVHandle:
     checksum: int
     block_checksums: tuple[int, ...] = ()
     """An export lent by the sender's core (worker transports): one checksum per block."""
+    streamed: bool = False
+    """The export still grows (its prefill runs): `block_checksums` are those ready so far,
+    the rest come through `WatchTransfer`."""
 
     @property
     def is_export(self) -> bool:
-        return bool(self.block_checksums)
+        return bool(self.block_checksums) or self.streamed
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,12 +72,13 @@ class KVHandle:
         if not isinstance(self.layout, KVLayout):
             raise KVHandleError("layout must be a KVLayout")
         algo = parse_algo(str(self.checksum_algo))
-        if not self.block_checksums and algo not in PAYLOAD_ALGOS:
+        if not self.is_export and algo not in PAYLOAD_ALGOS:
             raise KVHandleError(f"checksum {algo} checks blocks, and this handle has none")
         if not isinstance(self.checksum, int) or not 0 <= self.checksum < 1 << 64:
             raise KVHandleError(f"checksum must be an unsigned 64-bit int, got {self.checksum!r}")
-        if self.block_checksums:
-            if len(self.block_checksums) != self.layout.num_blocks:
+        if self.block_checksums or self.streamed:
+            if len(self.block_checksums) > self.layout.num_blocks or (
+                    len(self.block_checksums) != self.layout.num_blocks and not self.streamed):
                 raise KVHandleError(f"{len(self.block_checksums)} block checksums for "
                                     f"{self.layout.num_blocks} blocks")
             if any(not isinstance(c, int) or not 0 <= c < 1 << 64
@@ -104,6 +108,7 @@ class KVHandle:
             checksum_algo=str(self.checksum_algo),
             checksum=self.checksum,
             block_checksums=list(self.block_checksums),
+            streamed=self.streamed,
         )
 
     @classmethod
@@ -131,6 +136,7 @@ class KVHandle:
             checksum_algo=parse_algo(msg.checksum_algo),
             checksum=msg.checksum,
             block_checksums=tuple(msg.block_checksums),
+            streamed=msg.streamed,
         )
 
     # -- dict (JSON-safe) --------------------------------------------------------------------
@@ -157,6 +163,7 @@ class KVHandle:
             # A string: JSON numbers above 2**53 lose precision in many parsers.
             "checksum": f"{self.checksum:016x}",
             "block_checksums": [f"{c:016x}" for c in self.block_checksums],
+            "streamed": self.streamed,
         }
 
     @classmethod
@@ -190,6 +197,7 @@ class KVHandle:
                 checksum=int(_str(data["checksum"]), 16),
                 block_checksums=tuple(int(_str(c), 16)
                                       for c in data.get("block_checksums", ())),
+                streamed=data.get("streamed", False) is True,
             )
         except KeyError as exc:
             raise KVHandleError(f"handle misses field {exc}") from None

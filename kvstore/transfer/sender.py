@@ -6,6 +6,10 @@
     # ... hand `handle` to the router; decode pulls it; later, exactly once:
     # free_pinned_blocks(request_id, ReleaseReason.ACKED | FAILED | EXPIRED | CANCELLED | SHUTDOWN)
 
+A growing export (`publish_stream`, Prefill.PrefillStream) is published before its prompt runs;
+`stream_progress` records what the core made ready, which the receiver that started the
+transfer follows with WatchTransfer (`export_streams.py`).
+
 `on_release` may run on any thread (gRPC loop, a data-plane thread, the caller of `cancel`);
 keep it short and thread-safe. `publish` and `cancel` are thread-safe too, so an engine
 thread can call them while the control plane runs on the sender's event loop.
@@ -29,7 +33,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,7 @@ import grpc
 from pdmesh import grpc_common
 from pdmesh.auth import ClusterToken, server_interceptors
 from pdmesh.grpc_common import TLSConfig
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.transfer.backends import (
     TLS_SAFE_BACKENDS,
     DataPlaneConfig,
@@ -48,11 +53,13 @@ from pdmesh.kvstore.transfer.backends.base import DEFAULT_SHM_DIR, format_host
 from pdmesh.kvstore.transfer.backends.hostid import host_key
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, tensor_checksum
 from pdmesh.kvstore.transfer.control import KVTransferService, channel_options
-from pdmesh.kvstore.transfer.errors import KVTransferError
+from pdmesh.kvstore.transfer.errors import KVTransferError, KVTransferNotFound
+from pdmesh.kvstore.transfer.export_streams import StreamedExports
 from pdmesh.kvstore.transfer.handle import KVHandle, check_request_id, log_id
 from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable, ReleaseCallback
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
+from pdmesh.kvstore.transfer.ucx_plane import UcxPlane
 from pdmesh.kvstore.transfer.wire import WireHeader, encode_header
 from pdmesh.kvstore.transfer.worker_planes import (
     BlockServerPlane,
@@ -116,6 +123,24 @@ class _ObservedService(KVTransferService):
         self._sender._pull_completed(request)
         return await super().CompleteTransfer(request, context)
 
+    async def WatchTransfer(self, request: pb.WatchTransferRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.TransferProgress]:
+        """A streamed export's progress, to the receiver that started its transfer."""
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "KV sender is shutting down")
+        try:
+            reports = self._sender._watch(request.transfer_id, request.request_id)
+            async for progress in reports:
+                yield pb.TransferProgress(
+                    first_index=progress.first_index, block_ids=progress.block_ids,
+                    block_checksums=progress.block_checksums, sealed=progress.sealed,
+                    failed=progress.failed)
+        except KVTransferError as exc:
+            code = (grpc.StatusCode.NOT_FOUND if isinstance(exc, KVTransferNotFound)
+                    else grpc.StatusCode.FAILED_PRECONDITION)
+            await context.abort(code, str(exc))
+
 
 class KVSender:
     def __init__(
@@ -147,6 +172,7 @@ class KVSender:
         self.config = config
         self.core = core
         self._exports = Exports()
+        self._streams = StreamedExports(self._exports)  # growing exports (PrefillStream)
         self.sender_id = uuid.uuid4().hex
         self._credentials = server_credentials
         self._token = token
@@ -184,6 +210,7 @@ class KVSender:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._streams.loop = self._loop
         self._wake = asyncio.Event()
         for name in self.config.backends:
             server = self._worker_plane(name) or make_server(name, self._table, self._plane)
@@ -217,6 +244,8 @@ class KVSender:
             return CacheFilePlane(self.core, self._exports, self.config.shm_dir)
         if name == "torch_dist":
             return GroupPlane(self.core, self._exports)
+        if name == "ucxx":
+            return UcxPlane(self.core, self._exports)
         return BlockServerPlane(self.core, self._exports, self._plane.tls is not None
                                 and self._plane.tls.enabled)
 
@@ -306,6 +335,43 @@ class KVSender:
         self._poke()
         return handle
 
+    def publish_stream(
+        self, request_id: str, layout: KVLayout, checksum_algo: ChecksumAlgo, *,
+        lease_s: float | None = None,
+    ) -> KVHandle:
+        """Offer an export that still grows (its prefill runs, `PrefillStream`): its blocks
+        become pullable as the core reports them (`stream_progress`). The handle has no
+        block checksums yet; a receiver follows them with WatchTransfer. Event loop only."""
+        check_request_id(request_id)
+        offered = tuple(n for n in self._servers if isinstance(
+            self._servers[n], CacheFilePlane | BlockServerPlane))
+        if not offered:
+            raise KVTransferError("this sender serves no engine-core transport")
+        handle = KVHandle(
+            transfer_id=uuid.uuid4().hex, request_id=request_id, sender_address=self.address,
+            backends=offered, host_key=self._host_key, sender_id=self.sender_id,
+            layout=layout, checksum_algo=checksum_algo, checksum=0, streamed=True)
+        self._streams.open(handle.transfer_id)
+        with self._served_lock:
+            self._served[request_id] = _Served(handle.transfer_id, layout.nbytes)
+        self._table.add(handle, None, b"", self.config.lease_s if lease_s is None else lease_s)
+        self._poke()
+        return handle
+
+    def stream_progress(self, handle: KVHandle, progress: ExportProgress) -> KVHandle | None:
+        """The core made more of a streamed export ready (or sealed, or failed it); when
+        sealed, the handle with every block checksum (`StreamedExports.progress`). Event
+        loop only."""
+        return self._streams.progress(handle, progress)
+
+    def _watch(self, transfer_id: str, request_id: str) -> AsyncIterator[ExportProgress]:
+        """A started transfer's progress (NOT_FOUND for one never streamed or released)."""
+        with self._served_lock:
+            served = self._served.get(request_id)
+        if served is None or served.transfer_id != transfer_id or not served.started:
+            raise KVTransferNotFound("no started streamed transfer", transfer_id=transfer_id)
+        return self._streams.log.watch(transfer_id)
+
     def cancel(self, transfer_id: str, detail: str = "cancelled by sender") -> TransferState:
         """Withdraw a transfer (e.g. the request was aborted); in-flight streams are cut."""
         return self._table.cancel(transfer_id, ReleaseReason.CANCELLED, detail=detail)
@@ -358,6 +424,7 @@ class KVSender:
             served = self._served.pop(request_id, None)
         if served is not None:
             self._exports.pop(served.transfer_id)
+            self._streams.end(served.transfer_id, f"transfer ended: {reason.name.lower()}")
         try:
             if served is not None:
                 self._observe(served, reason)

@@ -40,19 +40,25 @@ class CoreCache:
     block_server: str     # host:port; empty: off
     grant_key: str
     cache_ipc: str = ""   # a device cache's CUDA IPC description; empty: none
+    ucx_server: str = ""  # host:port of the core's ucxx listener; empty: off
 
     def backends(self) -> tuple[str, ...]:
-        return core_backends(self.cache_file, self.block_server, self.cache_ipc)
+        return core_backends(self.cache_file, self.block_server, self.cache_ipc,
+                             self.ucx_server)
 
 
-def core_backends(cache_file: str, block_server: str, cache_ipc: str = "") -> tuple[str, ...]:
+def core_backends(cache_file: str, block_server: str, cache_ipc: str = "",
+                  ucx_server: str = "") -> tuple[str, ...]:
     """The transports an engine core with these `CoreInfo` facts runs itself: shm needs a
-    shared cache (a file on CPU, a CUDA IPC handle on GPU), tcp its block server."""
+    shared cache (a file on CPU, a CUDA IPC handle on GPU), tcp its block server, ucxx its
+    ucxx listener (`ucx_plane.py`; started only where the package imports)."""
     names = ["shm"] if cache_file or cache_ipc else []
     if block_server:
         names.append("tcp")
         if dist_available():
             names.append("torch_dist")
+    if ucx_server:
+        names.append("ucxx")
     return tuple(names)
 
 
@@ -66,6 +72,13 @@ class Exports:
     def add(self, transfer_id: str, block_ids: tuple[int, ...]) -> None:
         with self._lock:
             self._blocks[transfer_id] = block_ids
+
+    def extend(self, transfer_id: str, block_ids: list[int]) -> None:
+        """A streamed export's newly ready blocks (an shm StartTransfer answers those
+        ready by then; the rest reach the receiver through WatchTransfer)."""
+        with self._lock:
+            if transfer_id in self._blocks:
+                self._blocks[transfer_id] = (*self._blocks[transfer_id], *block_ids)
 
     def pop(self, transfer_id: str) -> None:
         with self._lock:

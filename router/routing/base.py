@@ -59,6 +59,14 @@ class Candidate:
     instance_id: str
     load: LoadSnapshot
     cached_blocks: int = 0  # leading prompt blocks the instance holds (prefix index)
+    # Of those, the blocks it holds only in its host / disk offload tier (restored by a copy
+    # before they serve; kvstore/prefix_index.py PrefixHits); the rest are in its paged cache.
+    host_blocks: int = 0
+    disk_blocks: int = 0
+
+    @property
+    def paged_blocks(self) -> int:
+        return max(0, self.cached_blocks - self.host_blocks - self.disk_blocks)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.transfer.backends.availability import ucxx_unavailable_reason
 from pdmesh.serve import Child, LocalMesh, MeshConfig
 from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
@@ -50,10 +51,14 @@ def blocks_loaded(child: Child) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module", params=["auto", "tcp", "torch_dist"])
+@pytest.fixture(scope="module", params=[
+    "auto", "tcp", "torch_dist",
+    pytest.param("ucxx", marks=pytest.mark.skipif(ucxx_unavailable_reason() is not None,
+                                                  reason="needs the ucxx package"))])
 def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
     """auto: same host, so the decode core copies out of the prefill core's cache file (shm);
-    tcp: the prefill core's block server; torch_dist: a gloo group per pull."""
+    tcp: the prefill core's block server; torch_dist: a gloo group per pull; ucxx: the
+    prefill core's ucxx listener."""
     config = MeshConfig(model="smollm2", num_prefill=1, num_decode=1, kv_cache_memory="64MiB",
                         local_prefill_threshold=0, kv_backend=request.param)
     local = LocalMesh(config, router_args=["--poll-interval-s", "0.2"])

@@ -72,3 +72,19 @@ def test_a_setting_some_child_refuses_stops_serve_before_anything_starts() -> No
         MeshConfig(max_queue_delay_s=-1)
     with pytest.raises(ValueError, match="--routing-policy must be one of"):
         MeshConfig(routing_policy="nope")
+
+
+def test_a_flag_takes_its_vllm_short_alias_and_renders_back_as_the_long_flag() -> None:
+    config = parse_config(DecodeConfig, ["-tp", "2", "--role", "colocated"], prog="decode",
+                          env={})
+    assert config.engine.tensor_parallel_size == 2
+    argv = config_argv(config.engine)
+    assert flag(argv, "--tensor-parallel-size") == "2" and "-tp" not in argv
+
+
+@pytest.mark.parametrize(("cls", "argv"), [(PrefillConfig, []), (DecodeConfig, [])])
+def test_a_disaggregated_role_refuses_tensor_parallelism_until_kv_handoff_exists(
+        cls: type, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(cls, ["--tensor-parallel-size", "2", *argv], prog="engine", env={})
+    assert "not supported for the" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from pdmesh.engine.kv_events import (
 from pdmesh.kvstore.instance_registry import InstanceInfo, InstanceRegistry
 from pdmesh.kvstore.prefix_index import (
     ApplyStatus,
+    PrefixHits,
     PrefixIndex,
     decode_prefix_reply,
     encode_events,
@@ -93,8 +94,11 @@ def test_encode_events_flattens_ops_and_hex_hashes() -> None:
 
 @pytest.mark.fast
 def test_decode_prefix_reply_pairs() -> None:
-    assert decode_prefix_reply(["a", 3, "b", 1]) == {"a": 3, "b": 1}
+    assert decode_prefix_reply(["a", 3, 2, 1, 0, "b", 1, 0, 0, 1]) == {
+        "a": PrefixHits(2, 1, 0), "b": PrefixHits(0, 0, 1)}
     assert decode_prefix_reply([]) == {}
+    with pytest.raises(ValueError):
+        decode_prefix_reply(["a", 4, 2, 1, 0])
 
 
 @pytest.mark.redis
@@ -143,10 +147,11 @@ async def test_lookup_is_one_round_trip_and_stops_at_first_miss(
         after = await commandstats(raw)
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         assert delta["evalsha"] == 1  # one round trip, whatever the prompt length
-        # Server side: SMEMBERS of block 0, then SMISMEMBER for blocks 1, 2 (hits) and
-        # 3 (the miss); nothing past the first miss is read.
-        assert delta["smembers"] == 1
-        assert delta["smismember"] == 3
+        # Server side: SMEMBERS of block 0 in each of the 3 media (paged, host and disk
+        # tiers), then SMISMEMBER in each medium for blocks 1, 2 (hits) and 3 (the miss);
+        # nothing past the first miss is read.
+        assert delta["smembers"] == 3
+        assert delta["smismember"] == 3 * 3
         unexpected = {
             k: v
             for k, v in delta.items()

@@ -423,6 +423,7 @@ def test_engine_info_and_load_round_trip() -> None:
             "Prefill",
             {
                 "Prefill": False,
+                "PrefillStream": True,
                 "ReleaseKV": False,
                 "Abort": False,
                 "GetLoad": False,
@@ -432,7 +433,8 @@ def test_engine_info_and_load_round_trip() -> None:
         (
             engine_pb2,
             "Decode",
-            {"Decode": True, "Abort": False, "GetLoad": False, "GetInfo": False},
+            {"Decode": True, "PrefillDone": False, "Abort": False, "GetLoad": False,
+             "GetInfo": False},
         ),
     ],
 )

@@ -5,6 +5,12 @@ batch (no padding), projections run as single GEMMs over all tokens, and attenti
 through a pluggable paged-attention backend. Q/K/V and gate/up are fused at load time so a
 layer costs four GEMMs; everything between them goes through the fused layer ops
 (kernels/layer_ops.py: add+RMSNorm, in-place RoPE, SiLU-and-mul), Triton kernels on CUDA.
+
+With tensor parallelism each rank builds the model of its `ModelShard`
+(engine/worker/parallel/sharding.py): QKV and gate/up hold this rank's heads and MLP columns
+(column-parallel), o_proj and down_proj the matching input columns (row-parallel, one
+all-reduce each), embedding and LM head a span of the vocabulary (engine/worker/parallel/vocab.py).
+A single rank's shard is the whole model and its collectives are no-ops.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
+from pdmesh.engine.worker.parallel.sharding import ModelShard
+from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 
@@ -164,15 +173,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            shard.q_heads.size,
+            shard.kv_heads.size,
             cfg.head_dim,
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.tp = tp
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
@@ -195,40 +205,50 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         ops.rope_(q, k, *cos_sin)  # in place, inside the QKV output
         out = backend.forward(q, k, v, kv_layer, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = shard.intermediate.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder stack + LM head. `forward` returns final hidden states of every step token."""
+    """Decoder stack + LM head. `forward` returns final hidden states of every step token.
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None) -> None:
+    `shard`/`tp`: the slice this rank holds and its group (tensor parallelism); by default
+    the whole model on one rank."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None,
+                 shard: ModelShard | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard if shard is not None else ModelShard.whole(cfg)
+        self.tp = tp
+        vocab = self.shard.vocab.size
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = rope
         self.ops: LayerOps = TorchLayerOps()  # the model runner picks the device's best
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -242,7 +262,8 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         assert self.rope is not None, "the loader sets the model's RoPE tables"
-        residual = self.embed_tokens(input_ids)  # the residual stream, updated in place
+        # The residual stream, updated in place.
+        residual = embed(self.embed_tokens.weight, input_ids, self.shard.vocab, self.tp)
         cos_sin = self.rope.lookup(positions, residual.dtype)
         out: torch.Tensor | None = None  # the last block's output, not yet added
         for i, layer in enumerate(self.layers):
@@ -262,4 +283,6 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits `[rows, vocab]` (with tensor parallelism: on the first rank; the
+        others get their own vocabulary columns)."""
+        return gather_logits(self.lm_head(hidden).float(), self.shard.vocab_widths, self.tp)

@@ -51,8 +51,9 @@ unavailable_reason = ucxx_unavailable_reason
 
 
 @functools.cache
-def _ucxx() -> Any:
-    """Import and initialise UCX once per process, on first use (it starts worker threads)."""
+def ucxx_runtime() -> Any:
+    """Import and initialise UCX once per process, on first use (it starts worker threads);
+    the engine core's own UCX transport (`connector/ucx_blocks.py`) shares it."""
     import ucxx
 
     options = {"WARN_UNUSED_ENV_VARS": "n"}  # ucxx itself sets UCX_MEMTYPE_CACHE
@@ -73,7 +74,7 @@ class Server(DataPlaneServer):
     name = "ucxx"
 
     async def start(self) -> None:
-        ucxx = _ucxx()
+        ucxx = ucxx_runtime()
         self._loop = asyncio.get_running_loop()
         self._streams = asyncio.Semaphore(self.config.max_streams)
         self._listener = ucxx.create_listener(self._serve, port=0)
@@ -125,7 +126,7 @@ class Client(DataPlaneClient):
         out: torch.Tensor,
         deadline: Deadline,
     ) -> None:
-        ucxx = _ucxx()
+        ucxx = ucxx_runtime()
         host, port = params["host"], int(params["port"])
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), deadline.remaining())

@@ -142,6 +142,28 @@ class PrefillResponse(_message.Message):
     instance_id: str
     def __init__(self, request_id: _Optional[str] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
+class PrefillProgress(_message.Message):
+    __slots__ = ("kv", "done")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    kv: _kv_transfer_pb2.KVHandle
+    done: PrefillResponse
+    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., done: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillDoneRequest(_message.Message):
+    __slots__ = ("request_id", "remote_prefill")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    remote_prefill: RemotePrefill
+    def __init__(self, request_id: _Optional[str] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+
+class PrefillDoneResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -159,16 +181,18 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class RemotePrefill(_message.Message):
-    __slots__ = ("kv", "first", "cached_prompt_tokens", "capability")
+    __slots__ = ("kv", "first", "cached_prompt_tokens", "capability", "streamed")
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_transfer_pb2.KVHandle
     first: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceDelta]
     cached_prompt_tokens: int
     capability: _kv_transfer_pb2.TransferCapability
-    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., capability: _Optional[_Union[_kv_transfer_pb2.TransferCapability, _Mapping]] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., capability: _Optional[_Union[_kv_transfer_pb2.TransferCapability, _Mapping]] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "remote_prefill", "resume")

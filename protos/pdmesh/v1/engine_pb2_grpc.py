@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdmesh.v1.Prefill/PrefillStream',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillProgress.FromString,
+                _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdmesh.v1.Prefill/ReleaseKV',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
@@ -68,6 +73,19 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Computes the prompt's KV and first token(s), and holds the KV for one decode pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """The same, with the KV lent while the prompt is computed (chunked prefill): the first
+        message carries the handle of the growing export (published under a lease once the
+        engine reports the prompt's first ready blocks; a decode instance may start the transfer and pull each
+        chunk's blocks as they are ready, following KVTransfer.WatchTransfer), the last one the
+        PrefillResponse (first tokens, its `kv` the sealed handle with every block checksum).
+        A failure before the last message (the prefill was preempted, aborted, the instance died)
+        ends the call with an error: the export serves nothing more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +126,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillProgress.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -158,6 +181,33 @@ class Prefill:
             '/pdmesh.v1.Prefill/Prefill',
             pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdmesh.v1.Prefill/PrefillStream',
+            pdmesh_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.PrefillProgress.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,6 +342,11 @@ class DecodeStub:
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.PrefillDone = channel.unary_unary(
+                '/pdmesh.v1.Decode/PrefillDone',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillDoneRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillDoneResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdmesh.v1.Decode/Abort',
                 request_serializer=pdmesh_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -316,6 +371,15 @@ class DecodeServicer:
     def Decode(self, request, context):
         """Generates the rest of the output. The stream carries SequenceDeltas, then exactly one
         DecodeResult as its last message. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillDone(self, request, context):
+        """The first tokens of a Decode call whose RemotePrefill is `streamed` (its prefill ended).
+        The request decodes once they came and its KV has landed; a streamed Decode call that is
+        never given them waits until it is cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -349,6 +413,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.SerializeToString,
+            ),
+            'PrefillDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillDone,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.PrefillDoneRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.PrefillDoneResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -394,6 +463,33 @@ class Decode:
             '/pdmesh.v1.Decode/Decode',
             pdmesh_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
             pdmesh_dot_v1_dot_engine__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Decode/PrefillDone',
+            pdmesh_dot_v1_dot_engine__pb2.PrefillDoneRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.PrefillDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,

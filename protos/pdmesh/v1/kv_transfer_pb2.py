@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdmesh/v1/kv_transfer.proto\x12\tpdmesh.v1\"\xa5\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12!\n\x05\x64type\x18\x06 \x01(\x0e\x32\x12.pdmesh.v1.KVDType\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"\xe9\x01\n\x08KVHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0esender_address\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x04 \x03(\t\x12\x10\n\x08host_key\x18\x05 \x01(\t\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12#\n\x06layout\x18\x07 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\x12\x15\n\rchecksum_algo\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\x06\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\"O\n\x12TransferCapability\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x04\x12\x0b\n\x03mac\x18\x03 \x01(\t\"\xc5\x01\n\x14StartTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x19\n\x11receiver_host_key\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x31\n\ncapability\x18\x07 \x01(\x0b\x32\x1d.pdmesh.v1.TransferCapability\"\xc5\x01\n\x12StartTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\x12\x39\n\x06params\x18\x02 \x03(\x0b\x32).pdmesh.v1.StartTransferReply.ParamsEntry\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x88\x01\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x14\n\x0cpulled_bytes\x18\x06 \x01(\x04\"B\n\x15\x43ompleteTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\"e\n\x12\x45xtendLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"Y\n\x10\x45xtendLeaseReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\x12\x1a\n\x12lease_remaining_ms\x18\x02 \x01(\r\"e\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"@\n\x13\x43\x61ncelTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState*\xf1\x01\n\x0fKVTransferState\x12!\n\x1dKV_TRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_TRANSFER_STATE_PENDING\x10\x01\x12\"\n\x1eKV_TRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1a\n\x16KV_TRANSFER_STATE_DONE\x10\x03\x12\x1c\n\x18KV_TRANSFER_STATE_FAILED\x10\x04\x12\x1d\n\x19KV_TRANSFER_STATE_EXPIRED\x10\x05\x12\x1f\n\x1bKV_TRANSFER_STATE_CANCELLED\x10\x06*f\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x32\xd6\x02\n\nKVTransfer\x12O\n\rStartTransfer\x12\x1f.pdmesh.v1.StartTransferRequest\x1a\x1d.pdmesh.v1.StartTransferReply\x12X\n\x10\x43ompleteTransfer\x12\".pdmesh.v1.CompleteTransferRequest\x1a .pdmesh.v1.CompleteTransferReply\x12I\n\x0b\x45xtendLease\x12\x1d.pdmesh.v1.ExtendLeaseRequest\x1a\x1b.pdmesh.v1.ExtendLeaseReply\x12R\n\x0e\x43\x61ncelTransfer\x12 .pdmesh.v1.CancelTransferRequest\x1a\x1e.pdmesh.v1.CancelTransferReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdmesh/v1/kv_transfer.proto\x12\tpdmesh.v1\"\xa5\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12!\n\x05\x64type\x18\x06 \x01(\x0e\x32\x12.pdmesh.v1.KVDType\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"\xfb\x01\n\x08KVHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0esender_address\x18\x03 \x01(\t\x12\x10\n\x08\x62\x61\x63kends\x18\x04 \x03(\t\x12\x10\n\x08host_key\x18\x05 \x01(\t\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12#\n\x06layout\x18\x07 \x01(\x0b\x32\x13.pdmesh.v1.KVLayout\x12\x15\n\rchecksum_algo\x18\x08 \x01(\t\x12\x10\n\x08\x63hecksum\x18\t \x01(\x06\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\x12\x10\n\x08streamed\x18\x0b \x01(\x08\"O\n\x12TransferCapability\x12\x13\n\x0breceiver_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x04\x12\x0b\n\x03mac\x18\x03 \x01(\t\"\xc5\x01\n\x14StartTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x19\n\x11receiver_host_key\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x31\n\ncapability\x18\x07 \x01(\x0b\x32\x1d.pdmesh.v1.TransferCapability\"\xc5\x01\n\x12StartTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\x12\x39\n\x06params\x18\x02 \x03(\x0b\x32).pdmesh.v1.StartTransferReply.ParamsEntry\x12\x1a\n\x12lease_remaining_ms\x18\x03 \x01(\r\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x88\x01\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x14\n\x0cpulled_bytes\x18\x06 \x01(\x04\"B\n\x15\x43ompleteTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\"e\n\x12\x45xtendLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"Y\n\x10\x45xtendLeaseReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\x12\x1a\n\x12lease_remaining_ms\x18\x02 \x01(\r\"e\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"@\n\x13\x43\x61ncelTransferReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.pdmesh.v1.KVTransferState\"T\n\x14WatchTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"s\n\x10TransferProgress\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x62lock_checksums\x18\x03 \x03(\x06\x12\x0e\n\x06sealed\x18\x04 \x01(\x08\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\t*\xf1\x01\n\x0fKVTransferState\x12!\n\x1dKV_TRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_TRANSFER_STATE_PENDING\x10\x01\x12\"\n\x1eKV_TRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1a\n\x16KV_TRANSFER_STATE_DONE\x10\x03\x12\x1c\n\x18KV_TRANSFER_STATE_FAILED\x10\x04\x12\x1d\n\x19KV_TRANSFER_STATE_EXPIRED\x10\x05\x12\x1f\n\x1bKV_TRANSFER_STATE_CANCELLED\x10\x06*f\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x32\xa7\x03\n\nKVTransfer\x12O\n\rStartTransfer\x12\x1f.pdmesh.v1.StartTransferRequest\x1a\x1d.pdmesh.v1.StartTransferReply\x12X\n\x10\x43ompleteTransfer\x12\".pdmesh.v1.CompleteTransferRequest\x1a .pdmesh.v1.CompleteTransferReply\x12I\n\x0b\x45xtendLease\x12\x1d.pdmesh.v1.ExtendLeaseRequest\x1a\x1b.pdmesh.v1.ExtendLeaseReply\x12R\n\x0e\x43\x61ncelTransfer\x12 .pdmesh.v1.CancelTransferRequest\x1a\x1e.pdmesh.v1.CancelTransferReply\x12O\n\rWatchTransfer\x12\x1f.pdmesh.v1.WatchTransferRequest\x1a\x1b.pdmesh.v1.TransferProgress0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._loaded_options = None
   _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_KVTRANSFERSTATE']._serialized_start=1498
-  _globals['_KVTRANSFERSTATE']._serialized_end=1739
-  _globals['_KVDTYPE']._serialized_start=1741
-  _globals['_KVDTYPE']._serialized_end=1843
+  _globals['_KVTRANSFERSTATE']._serialized_start=1719
+  _globals['_KVTRANSFERSTATE']._serialized_end=1960
+  _globals['_KVDTYPE']._serialized_start=1962
+  _globals['_KVDTYPE']._serialized_end=2064
   _globals['_KVLAYOUT']._serialized_start=43
   _globals['_KVLAYOUT']._serialized_end=208
   _globals['_KVHANDLE']._serialized_start=211
-  _globals['_KVHANDLE']._serialized_end=444
-  _globals['_TRANSFERCAPABILITY']._serialized_start=446
-  _globals['_TRANSFERCAPABILITY']._serialized_end=525
-  _globals['_STARTTRANSFERREQUEST']._serialized_start=528
-  _globals['_STARTTRANSFERREQUEST']._serialized_end=725
-  _globals['_STARTTRANSFERREPLY']._serialized_start=728
-  _globals['_STARTTRANSFERREPLY']._serialized_end=925
-  _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._serialized_start=880
-  _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._serialized_end=925
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=928
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1064
-  _globals['_COMPLETETRANSFERREPLY']._serialized_start=1066
-  _globals['_COMPLETETRANSFERREPLY']._serialized_end=1132
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=1134
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=1235
-  _globals['_EXTENDLEASEREPLY']._serialized_start=1237
-  _globals['_EXTENDLEASEREPLY']._serialized_end=1326
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1328
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1429
-  _globals['_CANCELTRANSFERREPLY']._serialized_start=1431
-  _globals['_CANCELTRANSFERREPLY']._serialized_end=1495
-  _globals['_KVTRANSFER']._serialized_start=1846
-  _globals['_KVTRANSFER']._serialized_end=2188
+  _globals['_KVHANDLE']._serialized_end=462
+  _globals['_TRANSFERCAPABILITY']._serialized_start=464
+  _globals['_TRANSFERCAPABILITY']._serialized_end=543
+  _globals['_STARTTRANSFERREQUEST']._serialized_start=546
+  _globals['_STARTTRANSFERREQUEST']._serialized_end=743
+  _globals['_STARTTRANSFERREPLY']._serialized_start=746
+  _globals['_STARTTRANSFERREPLY']._serialized_end=943
+  _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._serialized_start=898
+  _globals['_STARTTRANSFERREPLY_PARAMSENTRY']._serialized_end=943
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=946
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1082
+  _globals['_COMPLETETRANSFERREPLY']._serialized_start=1084
+  _globals['_COMPLETETRANSFERREPLY']._serialized_end=1150
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=1152
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=1253
+  _globals['_EXTENDLEASEREPLY']._serialized_start=1255
+  _globals['_EXTENDLEASEREPLY']._serialized_end=1344
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1346
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1447
+  _globals['_CANCELTRANSFERREPLY']._serialized_start=1449
+  _globals['_CANCELTRANSFERREPLY']._serialized_end=1513
+  _globals['_WATCHTRANSFERREQUEST']._serialized_start=1515
+  _globals['_WATCHTRANSFERREQUEST']._serialized_end=1599
+  _globals['_TRANSFERPROGRESS']._serialized_start=1601
+  _globals['_TRANSFERPROGRESS']._serialized_end=1716
+  _globals['_KVTRANSFER']._serialized_start=2067
+  _globals['_KVTRANSFER']._serialized_end=2490
 # @@protoc_insertion_point(module_scope)

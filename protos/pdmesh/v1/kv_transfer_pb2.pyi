@@ -54,7 +54,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "sender_address", "backends", "host_key", "sender_id", "layout", "checksum_algo", "checksum", "block_checksums")
+    __slots__ = ("transfer_id", "request_id", "sender_address", "backends", "host_key", "sender_id", "layout", "checksum_algo", "checksum", "block_checksums", "streamed")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class KVHandle(_message.Message):
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     sender_address: str
@@ -75,7 +76,8 @@ class KVHandle(_message.Message):
     checksum_algo: str
     checksum: int
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., host_key: _Optional[str] = ..., sender_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., backends: _Optional[_Iterable[str]] = ..., host_key: _Optional[str] = ..., sender_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksum_algo: _Optional[str] = ..., checksum: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class TransferCapability(_message.Message):
     __slots__ = ("receiver_id", "expires_unix_ms", "mac")
@@ -181,3 +183,27 @@ class CancelTransferReply(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: KVTransferState
     def __init__(self, state: _Optional[_Union[KVTransferState, str]] = ...) -> None: ...
+
+class WatchTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "traceparent")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    traceparent: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class TransferProgress(_message.Message):
+    __slots__ = ("first_index", "block_ids", "block_checksums", "sealed", "failed")
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    first_index: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    sealed: bool
+    failed: str
+    def __init__(self, first_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., failed: _Optional[str] = ...) -> None: ...

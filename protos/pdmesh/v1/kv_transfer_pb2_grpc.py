@@ -54,6 +54,11 @@ class KVTransferStub:
                 request_serializer=pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferReply.FromString,
                 _registered_method=True)
+        self.WatchTransfer = channel.unary_stream(
+                '/pdmesh.v1.KVTransfer/WatchTransfer',
+                request_serializer=pdmesh_dot_v1_dot_kv__transfer__pb2.WatchTransferRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_kv__transfer__pb2.TransferProgress.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -83,6 +88,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTransfer(self, request, context):
+        """Follow a started transfer of a streamed export: every progress so far, then each as it
+        comes, until the export is sealed (the last message) or fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +118,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferRequest.FromString,
                     response_serializer=pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferReply.SerializeToString,
+            ),
+            'WatchTransfer': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTransfer,
+                    request_deserializer=pdmesh_dot_v1_dot_kv__transfer__pb2.WatchTransferRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_kv__transfer__pb2.TransferProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +233,33 @@ class KVTransfer:
             '/pdmesh.v1.KVTransfer/CancelTransfer',
             pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferRequest.SerializeToString,
             pdmesh_dot_v1_dot_kv__transfer__pb2.CancelTransferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdmesh.v1.KVTransfer/WatchTransfer',
+            pdmesh_dot_v1_dot_kv__transfer__pb2.WatchTransferRequest.SerializeToString,
+            pdmesh_dot_v1_dot_kv__transfer__pb2.TransferProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,258 @@
+"""A prompt's KV streamed chunk by chunk between two engine cores on one host (issue 23).
+
+The prefill core lends each block as soon as its chunk has filled it (`stream_kv`, reported in
+`CoreOutput.kv_stream`); the decode core pulls each batch of ready blocks while the prefill
+computes the next chunk and decodes once the export is sealed, every block has landed and
+the first token came. Here the test relays the progress the serving processes relay in
+production, and steps the two cores in turn, so that the overlap is deterministic.
+
+Real weights (SmolLM2), in-thread cores, `max_num_batched_tokens=32`: two blocks per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import wait
+
+import msgspec
+import pytest
+
+from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.core.engine_core import EngineCore
+from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.frontend.llm_engine import LLMEngine
+from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.export_info import ExportProgress
+from pdmesh.kvstore.connector.grant_mac import new_key, sign
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
+
+pytestmark = [pytest.mark.slow, pytest.mark.weights]
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith "
+          "in Mainz combined movable metal type, oil-based ink and a screw press into a system "
+          "that could reproduce pages quickly and cheaply. Within fifty years the new craft had "
+          "spread to more than two hundred towns across Europe, and printers in Venice, Paris "
+          "and London competed to publish grammars, calendars, sermons and the classics of "
+          "Greek and Roman authors in editions that scholars could afford. As books became "
+          "cheaper, literacy spread beyond the clergy and the universities, and")
+MAX_TOKENS = 10
+CHUNK = 32
+BLOCK = 16
+
+
+def engine(chunk: int) -> LLMEngine:
+    config = EngineConfig(model="smollm2", kv_cache_memory="24MiB", block_size=BLOCK,
+                          max_num_batched_tokens=chunk, scheduling_policy="priority",
+                          engine_core_process=False)
+    return LLMEngine(config, KVConnectorConfig(tcp=True, grant_secret=new_key()))
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    prefill, decode = engine(CHUNK), engine(2048)
+    yield prefill, decode
+    prefill.core.close()
+    decode.core.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(pair) -> list[int]:
+    """What an undisturbed greedy run of PROMPT decodes."""
+    prefill, _ = pair
+    ids = prefill.tokenize(PROMPT)[1]
+    reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="24MiB",
+                                       engine_core_process=False))
+    reference.add(EngineRequest("ref", ids, greedy()))
+    tokens: list[int] = []
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            tokens = list(out.outputs[0].token_ids)
+    reference.core.close()
+    return tokens
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def shm_source(core: EngineCore, num_tokens: int) -> KVSource:
+    """What the decode service hands its core for a growing export on this host: the cache
+    file, no block yet (they come with the progress)."""
+    facts = core.info()
+    assert core.connector is not None
+    params = {"cache": facts.kv_cache_file, "num_blocks": str(facts.num_total_blocks),
+              "blocks": ""}
+    return KVSource("shm", params, [], str(core.connector.algo), num_tokens, facts.kv_shape,
+                    facts.kv_dtype, streamed=True)
+
+
+def tcp_source(core: EngineCore, rid: str, num_tokens: int) -> KVSource:
+    assert core.connector is not None
+    grant, transfer = "g" * 32, "t" * 32
+    return msgspec.structs.replace(shm_source(core, num_tokens), backend="tcp", params={
+        "address": core.connector.block_server_address, "request": rid, "transfer": transfer,
+        "grant": grant, "mac": sign(core.connector.config.grant_secret, rid, transfer, grant)})
+
+
+def land_pulls(decode: EngineCore) -> None:
+    """Let the decode core start pulls for what it was told, and wait for them to finish (the
+    next step lands them)."""
+    decode.step()
+    wait(decode.loads_in_flight())
+
+
+def stream_prefill(prefill: EngineCore, decode: EngineCore, prid: str, drid: str,
+                   before_each_step: Callable[[int], None] = lambda steps: None,
+                   ) -> tuple[int | None, int]:
+    """Step the prefill core until its request's export is sealed or failed, relaying each
+    progress to the decode core and letting it pull before the next chunk computes. Its
+    first token (None if the stream failed) and the prefill steps it took."""
+    steps, first = 0, None
+    while True:
+        before_each_step(steps)
+        outputs = prefill.step()
+        steps += 1
+        progress: ExportProgress | None = None
+        for out in outputs:
+            if out.request_id != prid:
+                continue
+            if out.samples and out.samples[0].new_token_ids:
+                first = out.samples[0].new_token_ids[0]
+            progress = out.kv_stream or progress
+        if progress is not None:
+            assert decode.kv_stream(drid, progress)
+            land_pulls(decode)
+            if progress.sealed:
+                return first, steps
+            if progress.failed:
+                return None, steps
+
+
+def decode_rest(decode: EngineCore, rid: str) -> tuple[list[int], LoadResult]:
+    """Step the decode core until `rid` finishes: its output tokens and how its KV came."""
+    tokens: list[int] = []
+    load = None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.request_id != rid:
+                continue
+            load = out.kv_load or load
+            for delta in out.samples:
+                tokens += delta.new_token_ids
+    assert load is not None
+    return tokens, load
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_streamed_pull_overlaps_the_prefill_and_equals_colocated(pair, colocated,
+                                                                 transport) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize(PROMPT)[1]
+    n_blocks = -(-len(ids) // BLOCK)
+    assert len(ids) > 3 * CHUNK  # several chunks
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prid, drid = f"p-{transport}", f"d-{transport}"
+    prefill.core.add(EngineRequest(prid, ids, greedy(), cache_salt=prid, export_kv=True,
+                                   stream_kv=True))
+    source = (shm_source(prefill.core, len(ids)) if transport == "shm"
+              else tcp_source(prefill.core, prid, len(ids)))
+    decode.core.add(EngineRequest(drid, ids, greedy(), cache_salt=drid, kv_source=source))
+
+    first, steps = stream_prefill(prefill.core, decode.core, prid, drid)
+    assert first is not None and steps >= 3
+    assert decode.core.kv_stream_first_tokens(drid, [[first]])
+    tokens, load = decode_rest(decode.core, drid)
+
+    assert not load.error, load.error
+    assert load.streamed and (load.reused_blocks, load.pulled_blocks) == (0, n_blocks)
+    # Every chunk's blocks were pulled while the next chunk computed; only the last chunk's
+    # (and the partial last block) after the seal.
+    assert load.pulled_before_seal >= n_blocks - CHUNK // BLOCK - 1 > 0
+    assert [first, *tokens] == colocated
+    # The sealed export is lent like any other: its lease ends with a release.
+    assert prefill.core.export_kv(prid).block_checksums  # the serving process's ExportKV
+    assert prefill.core.release_kv(prid)
+    assert prefill.num_free_blocks == free[0]
+    assert not decode.core.admission.loading and drid not in decode.core.requests
+    assert decode.num_free_blocks == free[1]  # the prompt stays cached, in free blocks
+
+
+def test_a_prefill_aborted_mid_stream_falls_back_to_recompute(pair, colocated) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize(PROMPT)[1]
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prefill.core.add(EngineRequest("p-abort", ids, greedy(), cache_salt="p-abort",
+                                   export_kv=True, stream_kv=True))
+    decode.core.add(EngineRequest("d-abort", ids, greedy(), cache_salt="d-abort",
+                                  kv_source=shm_source(prefill.core, len(ids))))
+    for _ in range(2):  # two chunks computed, streamed and pulled
+        out = [o for o in prefill.core.step() if o.kv_stream is not None]
+        assert out and not out[0].kv_stream.sealed
+        assert decode.core.kv_stream("d-abort", out[0].kv_stream)
+        land_pulls(decode.core)
+    assert prefill.core.abort_request("p-abort")  # the prefill dies between two chunks
+    assert prefill.num_free_blocks == free[0]  # nothing more is served, nothing pinned
+    assert prefill.core.connector.exports.get("p-abort") is None
+    # The decode service learns it from the broken stream; the router re-plans and hands the
+    # first token computed elsewhere (here: the colocated run's).
+    assert decode.core.kv_stream("d-abort", ExportProgress(4, failed="aborted"))
+    decode.core.step()
+    assert decode.core.kv_stream_first_tokens("d-abort", [[colocated[0]]])
+    tokens, load = decode_rest(decode.core, "d-abort")
+    assert load.reason == "export_failed" and load.streamed
+    assert [colocated[0], *tokens] == colocated  # recomputed here: the same tokens
+    assert decode.num_free_blocks == free[1] and not decode.core.admission.loading
+
+
+def test_a_prefill_preempted_mid_stream_fails_its_export_and_the_pull_recomputes(
+        pair, colocated) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize(PROMPT)[1]
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prefill.core.add(EngineRequest("p-pre", ids, greedy(), cache_salt="p-pre",
+                                   export_kv=True, stream_kv=True))
+    decode.core.add(EngineRequest("d-pre", ids, greedy(), cache_salt="d-pre",
+                                  kv_source=shm_source(prefill.core, len(ids))))
+
+    def preempt_after_two_chunks(steps: int) -> None:
+        if steps == 2:  # a more important prompt that needs every free block and one more
+            urgent = list(range(1000, 1000 + prefill.num_free_blocks * BLOCK + 1))
+            prefill.core.add(EngineRequest("urgent", urgent, SamplingParams(
+                temperature=0.0, max_tokens=1), priority=-1))
+
+    first, _ = stream_prefill(prefill.core, decode.core, "p-pre", "d-pre",
+                              preempt_after_two_chunks)
+    assert first is None  # the stream failed: its blocks went to the urgent prompt
+    assert prefill.core.scheduler.num_preemptions >= 1
+    assert decode.core.kv_stream_first_tokens("d-pre", [[colocated[0]]])
+    tokens, load = decode_rest(decode.core, "d-pre")
+    assert load.reason == "export_failed" and "preempted" in load.error
+    assert [colocated[0], *tokens] == colocated
+    # The prefill goes on as a plain export (its serving process releases it).
+    while prefill.has_unfinished_requests():
+        prefill.core.step()
+    assert prefill.core.release_kv("p-pre")
+    assert prefill.num_free_blocks == free[0]
+    assert decode.num_free_blocks == free[1] and not decode.core.admission.loading
+
+
+def test_a_decode_aborted_while_waiting_for_blocks_frees_them(pair) -> None:
+    prefill, decode = pair
+    ids = prefill.tokenize("Rivers carve valleys over thousands of years; " * 6)[1]
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prefill.core.add(EngineRequest("p-gone", ids, greedy(), cache_salt="p-gone",
+                                   export_kv=True, stream_kv=True))
+    decode.core.add(EngineRequest("d-gone", ids, greedy(), cache_salt="d-gone",
+                                  kv_source=shm_source(prefill.core, len(ids))))
+    out = [o for o in prefill.core.step() if o.kv_stream is not None]
+    assert decode.core.kv_stream("d-gone", out[0].kv_stream)
+    land_pulls(decode.core)
+    assert decode.num_free_blocks < free[1]
+    assert decode.core.abort_request("d-gone")  # the router cancelled: no first token ever
+    while decode.has_unfinished_requests():
+        decode.core.step()
+    assert decode.num_free_blocks == free[1]
+    assert not decode.core.kv_stream("d-gone", ExportProgress(2, sealed=True))
+    assert prefill.core.abort_request("p-gone")
+    assert prefill.num_free_blocks == free[0]
