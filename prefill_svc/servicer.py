@@ -113,11 +113,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             try:
                 response = await self._prefill(request, context, received, span)
             except BaseException as exc:
-                self.metrics.request_finished(
-                    outcome=failure_outcome(exc), prompt_tokens=len(request.prompt_token_ids),
-                    generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received,
-                    queue_s=None,
-                )
+                self._count_failure(request, exc, received)
                 raise
             return response
 
@@ -248,12 +244,14 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 async for message in prefill_stream(self, request, context, received, span):
                     yield message
             except BaseException as exc:
-                self.metrics.request_finished(
-                    outcome=failure_outcome(exc), prompt_tokens=len(request.prompt_token_ids),
-                    generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received,
-                    queue_s=None,
-                )
+                self._count_failure(request, exc, received)
                 raise
+
+    def _count_failure(self, request: engine_pb2.PrefillRequest, exc: BaseException,
+                       received: float) -> None:
+        self.metrics.request_finished(
+            outcome=failure_outcome(exc), prompt_tokens=len(request.prompt_token_ids),
+            generation_tokens=0, ttft_s=None, e2e_s=time.monotonic() - received, queue_s=None)
 
     async def _publish(self, rid: str, out: RequestOutput) -> kv_transfer_pb2.KVHandle:
         if self.sender is None:

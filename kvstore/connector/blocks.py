@@ -100,6 +100,20 @@ def copy_blocks_checked(algo: ChecksumAlgo, dst: torch.Tensor, dst_ids: Sequence
     return block_checksums(algo, dst, dst_ids)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_mismatch(cache: torch.Tensor, layout: tuple[int, ...], dtype: str) -> str | None:
+    """Why a pull that expects blocks of `layout` (layers, block size, KV heads, head dim)
+    and `dtype` cannot be served from `cache`, or None when it can."""
+    ours, our_dtype = (cache.shape[0], *cache.shape[3:]), dtype_name(cache.dtype)
+    if tuple(layout) != ours or dtype != our_dtype:
+        return (f"layout mismatch: the pull expects {tuple(layout)} {dtype}, this cache is "
+                f"{ours} {our_dtype}")
+    return None
+
+
 def block_nbytes(cache: torch.Tensor) -> int:
     """Bytes of one block across every layer."""
     layers, _, _, block_size, heads, head_dim = cache.shape

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import threading
 
+from pdmesh.kvstore.connector import grant_mac
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
+
+
+def signed(secret: str, request_id: str, transfer_id: str, grant: str, mac: str) -> bool:
+    """Whether the serving process signed this pull (a malformed mac or key is not)."""
+    try:  # verify() raises on a non-ASCII mac or a malformed key
+        return grant_mac.verify(secret, request_id, transfer_id, grant, mac)
+    except (TypeError, ValueError):
+        return False
 
 
 class GrantRefused(Exception):

@@ -43,11 +43,18 @@ import msgspec
 import torch
 
 from pdmesh.grpc_common import TLSConfig
-from pdmesh.kvstore.connector import dist_blocks, grant_mac
-from pdmesh.kvstore.connector.blocks import block_nbytes, byte_view, on_device_of, runs
+from pdmesh.kvstore.connector import dist_blocks
+from pdmesh.kvstore.connector.blocks import (
+    block_nbytes,
+    byte_view,
+    dtype_name,
+    layout_mismatch,
+    on_device_of,
+    runs,
+)
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
-from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused
+from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
 from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -109,7 +116,6 @@ class BlockServer:
         self._tls = server_context(_tls_config(config))
         if config.tls_enabled and self._tls is None:  # a CA alone: never serve plaintext
             raise ValueError("the block server's TLS needs a certificate and a key")
-        self._layout = (cache.shape[0], *cache.shape[3:])
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._closed = False
@@ -212,17 +218,11 @@ class BlockServer:
             conn.close()
 
     def _admit(self, req: PullRequest) -> tuple[int, ...]:
-        try:  # verify() raises on a non-ASCII mac or a malformed key
-            signed = grant_mac.verify(self._config.grant_secret, req.request_id,
-                                      req.transfer_id, req.grant, req.mac)
-        except (TypeError, ValueError):
-            signed = False
-        if not signed:
+        if not signed(self._config.grant_secret, req.request_id, req.transfer_id, req.grant,
+                      req.mac):
             raise _Refusal(DENIED, "the pull's grant signature is not valid")
-        dtype = _dtype_name(self._cache.dtype)
-        if req.layout != self._layout or req.dtype != dtype:
-            raise _Refusal(REFUSED, f"layout mismatch: the pull expects {req.layout} "
-                                    f"{req.dtype}, this cache is {self._layout} {dtype}")
+        if (mismatch := layout_mismatch(self._cache, req.layout, req.dtype)) is not None:
+            raise _Refusal(REFUSED, mismatch)
         try:
             return self._ledger.admit(req.request_id, req.grant, req.first, req.count)
         except GrantRefused as exc:
@@ -252,7 +252,7 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     if not dst_ids:
         return 0
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
-                          (dst.shape[0], *dst.shape[3:]), _dtype_name(dst.dtype), via,
+                          (dst.shape[0], *dst.shape[3:]), dtype_name(dst.dtype), via,
                           dst.device.type)
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline)
     connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
@@ -499,10 +499,6 @@ def _recv_into(sock: socket.socket, view: memoryview,
             raise ConnectionError(f"the peer closed the connection after {got} of "
                                   f"{len(view)} bytes")
         got += n
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _tls_config(config: KVConnectorConfig) -> TLSConfig | None:

@@ -51,11 +51,10 @@ import msgspec
 import numpy as np
 import torch
 
-from pdmesh.kvstore.connector import grant_mac
-from pdmesh.kvstore.connector.blocks import block_nbytes, runs
+from pdmesh.kvstore.connector.blocks import block_nbytes, dtype_name, layout_mismatch, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
-from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused
+from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
 from pdmesh.kvstore.transfer.backends.availability import ucxx_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -172,7 +171,6 @@ class UcxBlockServer:
             raise ValueError("the UCX block server needs a contiguous KV cache")
         self._cache, self._config = cache, config
         self._ledger = ledger or GrantLedger(exports)
-        self._layout = (cache.shape[0], *cache.shape[3:])
         self._listener: Any = None
         self._endpoints: set[Any] = set()
         self._idle: asyncio.Event | None = None
@@ -272,17 +270,11 @@ class UcxBlockServer:
         await _bounded(ep.recv(np.empty(1, dtype=np.uint8)), timeout)
 
     def _admit(self, req: UcxPull) -> tuple[int, ...]:
-        try:  # verify() raises on a non-ASCII mac or a malformed key
-            signed = grant_mac.verify(self._config.grant_secret, req.request_id,
-                                      req.transfer_id, req.grant, req.mac)
-        except (TypeError, ValueError):
-            signed = False
-        if not signed:
+        if not signed(self._config.grant_secret, req.request_id, req.transfer_id, req.grant,
+                      req.mac):
             raise _Refusal(DENIED, "the pull's grant signature is not valid")
-        dtype = _dtype_name(self._cache.dtype)
-        if req.layout != self._layout or req.dtype != dtype:
-            raise _Refusal(REFUSED, f"layout mismatch: the pull expects {req.layout} "
-                                    f"{req.dtype}, this cache is {self._layout} {dtype}")
+        if (mismatch := layout_mismatch(self._cache, req.layout, req.dtype)) is not None:
+            raise _Refusal(REFUSED, mismatch)
         if sum(req.dst_runs) != req.count:
             raise _Refusal(REFUSED, f"destination runs of {sum(req.dst_runs)} blocks for "
                                     f"{req.count}")
@@ -313,7 +305,7 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     if not dst_ids:
         return 0
     request = UcxPull(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
-                      (dst.shape[0], *dst.shape[3:]), _dtype_name(dst.dtype),
+                      (dst.shape[0], *dst.shape[3:]), dtype_name(dst.dtype),
                       run_lengths(dst_ids))
     where = f"UCX block pull from {address}"
     try:
@@ -437,7 +429,3 @@ async def _close(ep: Any) -> None:
         await ep.close()
     except Exception as exc:
         logger.debug("ucxx endpoint close: %r", exc)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -309,30 +309,12 @@ class KVSender:
         """Offer blocks the engine core lends (`AsyncEngine.export_kv`) for one pull by a
         receiver's core; only the core's own transports are offered. The blocks stay pinned
         in the core until `on_release` fires for this request."""
-        check_request_id(request_id)
-        offered = tuple(n for n in self._servers if isinstance(
-            self._servers[n], CacheFilePlane | BlockServerPlane))
-        if not offered:
-            raise KVTransferError("this sender serves no engine-core transport")
-        handle = KVHandle(
-            transfer_id=uuid.uuid4().hex,
-            request_id=request_id,
-            sender_address=self.address,
-            backends=offered,
-            host_key=self._host_key,
-            sender_id=self.sender_id,
-            layout=layout,
-            checksum_algo=checksum_algo,
-            checksum=0,
-            block_checksums=tuple(block_checksums),
-        )
         if len(block_ids) != layout.num_blocks:
             raise KVTransferError(f"{len(block_ids)} block ids for {layout.num_blocks} blocks")
+        handle = self._core_handle(request_id, layout, checksum_algo,
+                                   block_checksums=tuple(block_checksums))
         self._exports.add(handle.transfer_id, tuple(block_ids))
-        with self._served_lock:
-            self._served[request_id] = _Served(handle.transfer_id, layout.nbytes)
-        self._table.add(handle, None, b"", self.config.lease_s if lease_s is None else lease_s)
-        self._poke()
+        self._offer(handle, lease_s)
         return handle
 
     def publish_stream(
@@ -342,21 +324,31 @@ class KVSender:
         """Offer an export that still grows (its prefill runs, `PrefillStream`): its blocks
         become pullable as the core reports them (`stream_progress`). The handle has no
         block checksums yet; a receiver follows them with WatchTransfer. Event loop only."""
+        handle = self._core_handle(request_id, layout, checksum_algo, streamed=True)
+        self._streams.open(handle.transfer_id)
+        self._offer(handle, lease_s)
+        return handle
+
+    def _core_handle(self, request_id: str, layout: KVLayout, checksum_algo: ChecksumAlgo, *,
+                     block_checksums: tuple[int, ...] = (), streamed: bool = False) -> KVHandle:
+        """A new handle for blocks the engine core lends: only its own transports offered."""
         check_request_id(request_id)
         offered = tuple(n for n in self._servers if isinstance(
             self._servers[n], CacheFilePlane | BlockServerPlane))
         if not offered:
             raise KVTransferError("this sender serves no engine-core transport")
-        handle = KVHandle(
+        return KVHandle(
             transfer_id=uuid.uuid4().hex, request_id=request_id, sender_address=self.address,
             backends=offered, host_key=self._host_key, sender_id=self.sender_id,
-            layout=layout, checksum_algo=checksum_algo, checksum=0, streamed=True)
-        self._streams.open(handle.transfer_id)
+            layout=layout, checksum_algo=checksum_algo, checksum=0,
+            block_checksums=block_checksums, streamed=streamed)
+
+    def _offer(self, handle: KVHandle, lease_s: float | None) -> None:
+        """Put a core handle under its lease (ReleaseKV and Abort find it by request id)."""
         with self._served_lock:
-            self._served[request_id] = _Served(handle.transfer_id, layout.nbytes)
+            self._served[handle.request_id] = _Served(handle.transfer_id, handle.layout.nbytes)
         self._table.add(handle, None, b"", self.config.lease_s if lease_s is None else lease_s)
         self._poke()
-        return handle
 
     def stream_progress(self, handle: KVHandle, progress: ExportProgress) -> KVHandle | None:
         """The core made more of a streamed export ready (or sealed, or failed it); when
