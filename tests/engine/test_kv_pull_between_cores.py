@@ -158,7 +158,9 @@ def test_a_stalled_pull_does_not_stop_other_requests_and_then_recomputes(pair) -
     prefill, decode = pair
     ids = prefill.tokenize("Snow fell on the mountain pass all night long. " * 5)[1]
     first, shm_source, _ = export(prefill, "p5", ids)
-    source, listener = silent_source(shm_source, deadline_s=3.0)
+    # The deadline must outlast the other request's MAX_TOKENS steps on a loaded machine
+    # (3 s did not, at a load average of 5 on 2 CPUs); the test waits it out once.
+    source, listener = silent_source(shm_source, deadline_s=10.0)
     try:
         state = decode.add(EngineRequest("d5", ids, greedy(), given_tokens=[[first]],
                                          kv_source=source))
