@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdmesh.config import about
-from pdmesh.engine_svc.config import EngineServiceConfig, tp_without_kv_handoff
+from pdmesh.engine_svc.config import EngineServiceConfig
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -26,8 +26,6 @@ class DecodeConfig(EngineServiceConfig):
         super().__post_init__()
         if self.role not in ("decode", "colocated"):
             raise ValueError(f"--role must be decode or colocated, got {self.role!r}")
-        if self.role == "decode" and self.engine.tensor_parallel_size > 1:
-            raise ValueError(tp_without_kv_handoff("decode"))
         if self.kv_fetch_timeout_s <= 0:
             raise ValueError(f"--kv-fetch-timeout-s must be > 0, got {self.kv_fetch_timeout_s}")
         if self.lease_s <= 0:

@@ -94,6 +94,9 @@ class EngineLoadSnapshot(msgspec.Struct, frozen=True, gc=False):
     predicted_step_seconds: float = 0.0
     predicted_steps_actual_seconds: float = 0.0
     itl_target_seconds: float = 0.0
+    model_prefill_tokens_per_s: float = 0.0
+    """The model's predicted prefill throughput in full chunks (0: not fitted yet; the
+    router's queueing-delay rate, router/queue_delay.py)."""
     # The KV offload tiers (engine/core/kv_offload.py; all 0 without one): blocks held now,
     # cumulative blocks saved / spilled / restored per tier, failed restores (counted as
     # misses), and the prompt tokens restored instead of recomputed.
@@ -132,7 +135,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     """The core's intra-op threads (engine/worker/cpu_threads.py)."""
     kv_cache_file: str = ""
     """The shm file holding a CPU cache that peer cores on this host copy blocks out of
-    (its name in the connector's shm directory); empty when the cache is not shared."""
+    (its name in the connector's shm directory); a tensor-parallel core's ranks' files, in
+    rank order, comma-separated; empty when the cache is not shared."""
     kv_block_server: str = ""
     """host:port of the core's block server (cross-host pulls); empty when off."""
     kv_cache_ipc: str = ""

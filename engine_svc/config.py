@@ -116,13 +116,3 @@ class EngineServiceConfig:
     def kv_backends(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """The data planes to offer/accept: the configured one, or `preferred` for auto."""
         return preferred if self.kv_backend == "auto" else (self.kv_backend,)
-
-
-def tp_without_kv_handoff(role: str) -> str:
-    """Why a prefill or decode role refuses tensor parallelism: a tensor-parallel engine core
-    holds each rank's share of the KV heads, and the KV connector does not yet move those
-    slices between instances (engine/worker/parallel/kv_layout.py has the plan), so every
-    handoff would fail. A colocated engine needs no handoff."""
-    return (f"--tensor-parallel-size > 1 is not supported for the {role} role yet (KV handoff "
-            f"between tensor-parallel engines is not built): run it --role colocated, or "
-            f"`pdmesh serve --colocated`")

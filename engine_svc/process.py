@@ -183,6 +183,15 @@ async def serve(
         return 2
     connector = connector_config(config, backends)
     engine = await start_engine(config, role, connector)
+    if (role != "colocated" and config.engine.tensor_parallel_size > 1
+            and not (engine.info.kv_cache_file or engine.info.kv_cache_ipc
+                     or engine.info.kv_block_server)):
+        # A tensor-parallel core moves KV only between caches on one host (rank_caches.py)
+        logger.error("--tensor-parallel-size > 1 for the %s role needs every rank's KV cache "
+                     "shared with the core (shm files on CPU, CUDA IPC on GPUs); this core "
+                     "lends no KV (see its log): run it colocated", role)
+        await engine.shutdown()
+        return 2
     service = EngineService(config, role, engine, kv_backends=backends, connector=connector)
     metrics = engine_metrics(role, model_name=config.model_name)
     role_parts = [make(service, metrics) for make in parts]

@@ -115,6 +115,7 @@ class EngineService:
             max_step_s=self.watchdog.max_step_s(),
             core_silent_s=self.watchdog.silent_s(),
             core_stalled=self.watchdog.stalled,
+            model_prefill_tokens_per_s=snap.model_prefill_tokens_per_s,
         )
 
     def metrics_state(self, index_up: bool | None) -> EngineState:
@@ -138,6 +139,7 @@ class EngineService:
             predicted_step_seconds=snap.predicted_step_seconds,
             predicted_steps_actual_seconds=snap.predicted_steps_actual_seconds,
             itl_target_seconds=snap.itl_target_seconds,
+            model_prefill_tokens_per_s=snap.model_prefill_tokens_per_s,
             kv_offload_block_bytes=snap.kv_offload_block_bytes,
             kv_offload_host_blocks=snap.kv_offload_host_blocks,
             kv_offload_disk_blocks=snap.kv_offload_disk_blocks,

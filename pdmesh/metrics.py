@@ -275,6 +275,7 @@ class EngineState:
     predicted_step_seconds: float = 0.0
     predicted_steps_actual_seconds: float = 0.0
     itl_target_seconds: float = 0.0
+    model_prefill_tokens_per_s: float = 0.0
     selfcheck_fallbacks: dict[str, bool] = field(default_factory=dict)
     """Per feature of the engine core's start-up self-check: True where it fell back."""
     # The KV offload tiers (engine/core/kv_offload.py; block_bytes 0 = no tier): as in the
@@ -383,6 +384,10 @@ class EngineCollector:
         yield gauge("engine_itl_target_seconds", "The step time the scheduler kept the last "
                     "step with running streams to (--itl-target-ms, "
                     "engine/scheduling/step_budget.py); 0 before any", s.itl_target_seconds)
+        yield gauge("engine_model_prefill_tokens_per_second", "Prompt tokens per second the "
+                    "step-cost model predicts in full chunks (max_num_batched_tokens at "
+                    "context 0); the router's queueing-delay rate; 0 before it has fitted",
+                    s.model_prefill_tokens_per_s)
         if s.selfcheck_fallbacks:
             fallback = GaugeMetricFamily(
                 metric_name("engine_selfcheck_fallback"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdmesh.config import about
-from pdmesh.engine_svc.config import EngineServiceConfig, tp_without_kv_handoff
+from pdmesh.engine_svc.config import EngineServiceConfig
 
 
 @dataclass
@@ -18,8 +18,6 @@ class PrefillConfig(EngineServiceConfig):
         super().__post_init__()
         if self.lease_s <= 0:
             raise ValueError(f"--lease-s must be > 0, got {self.lease_s}")
-        if self.engine.tensor_parallel_size > 1:
-            raise ValueError(tp_without_kv_handoff("prefill"))
         if self.max_lease_s < self.lease_s:
             raise ValueError(f"--max-lease-s ({self.max_lease_s}) must be >= --lease-s "
                              f"({self.lease_s})")

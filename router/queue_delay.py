@@ -6,7 +6,7 @@ Instead, before admitting a request the router predicts its time to first token 
 `--max-queue-delay-s`, answers RESOURCE_EXHAUSTED with a retry hint (the gateway's 429 with
 `Retry-After`), so the requests it admits keep their latency.
 
-The prediction, from measured quantities only:
+The prediction:
 
     wait = (backlog + prompt) / rate
 
@@ -15,14 +15,26 @@ The prediction, from measured quantities only:
   engines' polled queues lag and do not say how long their prompts are);
 - `rate`: prompt tokens per second the instances that would prefill it compute: the sum, over
   the healthy prefill instances (decode-capable ones when there is none: they prefill
-  locally), of each instance's best recent rate — the largest scheduled tokens per second of
-  step time between two of its load polls within `RATE_WINDOW_S`. The best interval is the
-  one spent on prefill chunks, which is what the backlog needs; an instance only decoding shows
-  a lower rate, but then there is no backlog to predict for.
+  locally), of each instance's rate:
+  - its *model rate* when it reports one (`EngineLoad.model_prefill_tokens_per_s`): what the
+    engine's learned step-cost model (engine/scheduling/step_cost.py) predicts for back-to-back
+    full chunks, `C / (c + b + a·(C + k·C(C+1)/2))` for a chunk of `C` =
+    `max_num_batched_tokens` tokens at context 0 (c, b, a, k: the model's cost per step, per
+    row, per token and attention's weight per pair). It is a prediction of the prefill speed
+    itself, fitted over hundreds of steps, and there from the engine's first few prefill
+    steps, where a measured rate needs a poll interval spent mostly prefilling;
+  - otherwise (an older engine, or its model not fitted yet) its best measured rate: the
+    largest scheduled tokens per second of step time between two of its load polls within
+    `RATE_WINDOW_S`. The best interval is the one spent on prefill chunks, which is what the
+    backlog needs; an instance only decoding shows a lower rate, but then there is no backlog
+    to predict for.
 
-Before any instance has measured a rate, nothing is refused. Prefix-cache hits are not
-subtracted (the router does not know them at admission), so the prediction errs long for
-prompts that are mostly cached.
+Before any instance reports a model rate or has measured one, nothing is refused. Both rates
+are of the engine's fastest prefill (full chunks at no context; the best interval), so the
+prediction errs short for prompts far longer than a chunk (their later chunks attend over more
+context) and on a colocated instance whose ITL target cuts chunks beside running streams
+(engine/scheduling/step_budget.py); prefix-cache hits are not subtracted (the router does not
+know them at admission), so it errs long for prompts that are mostly cached.
 """
 
 from __future__ import annotations
@@ -70,10 +82,11 @@ class Worker:
     healthy: bool
     scheduled_tokens: int
     step_seconds: float
+    model_rate: float = 0.0  # EngineLoad.model_prefill_tokens_per_s; 0: none reported
 
 
 class QueueDelay:
-    """One router's backlog and the instances' measured rates; one asyncio loop."""
+    """One router's backlog and the instances' rates; one asyncio loop."""
 
     def __init__(self, max_delay_s: float) -> None:
         self.max_delay_s = max_delay_s  # 0: off
@@ -91,11 +104,18 @@ class QueueDelay:
         """Prompt tokens per second the instances that would prefill compute together."""
         live = [w for w in workers if w.healthy]
         prefill = [w for w in live if w.prefills] or live
-        return sum(self._rates[w.instance_id].best() for w in prefill
-                   if w.instance_id in self._rates)
+        return sum(self.instance_rate(w) for w in prefill)
+
+    def instance_rate(self, worker: Worker) -> float:
+        """One instance's prefill rate: its step-cost model's, else its best measured one (0
+        when it has neither yet)."""
+        if worker.model_rate > 0:
+            return worker.model_rate
+        measured = self._rates.get(worker.instance_id)
+        return measured.best() if measured is not None else 0.0
 
     def predict(self, prompt_tokens: int, workers: Iterable[Worker]) -> float | None:
-        """Seconds to this request's first token, or None before any rate was measured."""
+        """Seconds to this request's first token, or None before any instance has a rate."""
         rate = self.rate(workers)
         return (self.backlog_tokens + prompt_tokens) / rate if rate > 0 else None
 

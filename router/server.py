@@ -304,7 +304,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def _workers(self) -> list[Worker]:
         return [Worker(i.address, i.role == "prefill", i.healthy, i.load.scheduled_tokens,
-                       i.load.step_seconds) for i in self.pool.instances()]
+                       i.load.step_seconds, i.load.model_prefill_tokens_per_s)
+                for i in self.pool.instances()]
 
     def _check_model(self, model: str) -> None:
         if model and model != self.config.model_name:

@@ -70,6 +70,8 @@ def engine_placement(kind: str, mesh: MeshConfig, *, redis_url: str, port: int =
                                  "metrics_port": metrics_port, "redis_url": redis_url}
     if kind == "colocated":
         placement["role"] = "colocated"
+    if mesh.tensor_parallel_size(kind) != mesh.engine.tensor_parallel_size:
+        placement["tensor_parallel_size"] = mesh.tensor_parallel_size(kind)
     if cpu_threads is not None:
         placement["cpu_threads"] = cpu_threads
     placement.update(memory or {})

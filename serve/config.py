@@ -39,6 +39,11 @@ class MeshConfig:
         "the name clients ask for (/v1/models id); empty = the model argument"))
     num_prefill: int = field(default=1, metadata=about("prefill processes"))
     num_decode: int = field(default=1, metadata=about("decode processes"))
+    prefill_tensor_parallel_size: int = field(default=0, metadata=about(
+        "ranks of each prefill engine, when they differ from the decode engines' (P/D "
+        "between tensor-parallel sizes); 0 = --tensor-parallel-size"))
+    decode_tensor_parallel_size: int = field(default=0, metadata=about(
+        "ranks of each decode (or colocated) engine; 0 = --tensor-parallel-size"))
     colocated: bool = field(default=False, metadata=about(
         "engines do prefill and decode themselves (no KV moves); --num-decode of them, no "
         "prefill processes"))
@@ -109,6 +114,9 @@ class MeshConfig:
             raise ValueError("--grpc-port must be 0 (a free port) or a port")
         if self.startup_timeout_s <= 0:
             raise ValueError("--startup-timeout-s must be > 0")
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if not 0 <= getattr(self, name) <= 1024:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1024]")
         if self.trust_remote_code:
             raise ValueError("--trust-remote-code is not supported yet: pdmesh runs its own "
                              "model code (Llama-family architectures)")
@@ -120,6 +128,12 @@ class MeshConfig:
         except ValueError as exc:
             raise ValueError(name_flag(str(exc), EngineConfig)) from None
         check_children(self)
+
+    def tensor_parallel_size(self, kind: str) -> int:
+        """The ranks of an engine of `kind` (prefill, decode or colocated)."""
+        own = (self.prefill_tensor_parallel_size if kind == "prefill"
+               else self.decode_tensor_parallel_size)
+        return own or self.engine.tensor_parallel_size
 
     @property
     def http_port(self) -> int:

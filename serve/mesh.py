@@ -121,6 +121,8 @@ class LocalMesh:
         colocated); `endpoint`: the ports a restarted engine keeps."""
         port, metrics_port = (endpoint.port, endpoint.metrics_port) if endpoint else (0, 0)
         threads = None if self.config.engine.cpu_threads is not None else self._cpu_share()
+        if threads is not None:  # a thread for each rank at least (engine/core/ranks.py)
+            threads = max(threads, self.config.tensor_parallel_size(kind))
         memory = engine_memory(self.config, engines_use_cuda(self.config.engine.device))
         placement = engine_placement(kind, self.config, redis_url=self.redis_url, port=port,
                                      metrics_port=metrics_port, cpu_threads=threads,

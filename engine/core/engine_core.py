@@ -73,6 +73,7 @@ from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
 from pdmesh.kvstore.connector.export_info import ExportProgress
+from pdmesh.kvstore.connector.rank_caches import RankCaches
 
 
 def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_len: int,
@@ -104,7 +105,8 @@ class EngineCore:
         core starts its other ranks first (engine/core/ranks.py); `on_rank_failure` is called
         when one exits or a step fails with the ranks out of step."""
         self.eos_token_ids = set(eos_token_ids)
-        config, self.ranks, setup = set_up_with_ranks(config, connector, on_rank_failure)
+        config, connector, self.ranks, setup = set_up_with_ranks(config, connector,
+                                                                 on_rank_failure)
         # The accelerator paths checked on a probe before anything is built on them; what
         # failed is off in the config the runner is built from (engine/worker/selfcheck.py).
         selfcheck = engine_selfcheck(config, setup.model, setup.device)
@@ -147,7 +149,13 @@ class EngineCore:
         self.scheduler.on_preempt = self._on_preempt
         self.connector: KVConnector | None = None
         if connector is not None:
-            self.connector = KVConnector(connector, self.kv_cache, setup.cache_file)
+            shared = self.ranks.shared if self.ranks is not None else None
+            self.connector = KVConnector(
+                connector, self.kv_cache, setup.cache_file,
+                ranks=shared.caches if shared else RankCaches((self.kv_cache,),
+                                                              self.model_config),
+                rank_files=shared.files if shared else (),
+                rank_ipcs=shared.ipcs if shared else ())
             self.connector.start()
         self.exports = KVExports(self.requests, self.kv_manager, self.kv_cache, self.connector)
         self.admission = Admission(self.scheduler, self.kv_manager, self.kv_cache, samples,
@@ -183,10 +191,10 @@ class EngineCore:
         samples' state (a given token may have finished one) at the next step."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        if self.ranks is not None and (request.kv is not None or request.kv_source is not None
-                                       or request.export_kv):
-            raise ValueError("KV import and export are not supported with tensor parallelism "
-                             "yet (tensor_parallel_size > 1)")
+        if self.ranks is not None and (request.kv is not None or (
+                request.export_kv and self.connector is None)):
+            raise ValueError("a tensor-parallel engine moves KV through its connector only "
+                             "(kv_source, export_kv with a connector), not as a tensor")
         check_request(request, self.model_config.vocab_size, self.max_model_len)
         check_kv_import(request, self.model_config, self.kv_manager, self.config.block_size,
                         self.connector)

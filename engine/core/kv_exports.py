@@ -58,6 +58,8 @@ class KVExports:
         """KV of an exported request: `[layers, 2, n_blocks, block_size, kv_heads, head_dim]`."""
         state = self._exported(request_id)
         assert state.kv_export is not None
+        if self.connector is not None and self.connector.ranks.world > 1:
+            return self.connector.ranks.canonical(state.kv_export.block_ids)  # every rank's
         ids = torch.tensor(state.kv_export.block_ids, device=self.kv_cache.device)
         return self.kv_cache.index_select(2, ids)
 

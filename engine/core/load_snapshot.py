@@ -36,6 +36,8 @@ def load_snapshot(core: EngineCore) -> EngineLoadSnapshot:
         predicted_step_seconds=core.step_cost_stats.predicted_s,
         predicted_steps_actual_seconds=core.step_cost_stats.actual_s,
         itl_target_seconds=core.scheduler.itl_target_s,
+        model_prefill_tokens_per_s=core.scheduler.step_cost.prefill_tokens_per_s(
+            core.scheduler.config.max_num_batched_tokens),
         **offload_figures(core.kv_offload, core.kv_manager),
     )
 

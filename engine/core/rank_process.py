@@ -21,6 +21,7 @@ import threading
 import msgspec
 
 from pdmesh.engine.core.core_process import engine_config_from
+from pdmesh.engine.core.rank_cache_share import publish
 from pdmesh.engine.core.ranks import RankBoot
 from pdmesh.engine.core.startup import resolve_engine_device, set_up_engine
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -46,7 +47,8 @@ def serve_rank(boot: RankBoot) -> None:
     config = engine_config_from(boot.config)
     device = resolve_engine_device(config)
     tp = join_group(boot.store_path, boot.rank, boot.world_size, device)
-    setup = set_up_engine(config, None, tp)
+    setup = set_up_engine(config, boot.cache_connector(), tp, boot.cache_file)
+    publish(boot.cache_share(), os.path.dirname(boot.store_path), setup, tp)
     kv = KVCacheManager(setup.num_blocks, setup.scheme, False)
     runner = ModelRunner(
         setup.model, setup.kv_cache, kv,

@@ -6,6 +6,10 @@ interpreter, never a fork of one whose torch threads are running), each told its
 engine config in one JSON message on its stdin. All ranks then meet in a private directory's
 file store (`join_group`) and load their shards side by side.
 
+With a KV connector (the prefill and decode roles) every rank hands rank 0 its KV cache at
+start-up (`rank_cache_share.py`: shm files on CPU, CUDA IPC handles on GPUs), so rank 0's
+connector moves every rank's slice of a block itself and the ranks never hear of KV transfer.
+
 A rank that exits while the engine runs is fatal to the engine: a thread per rank waits on
 it and calls `on_failure` (the core process exits non-zero, so its serving process fails the
 streams and the router migrates them, as for a dead core); so is a step that failed on rank 0
@@ -38,6 +42,13 @@ import msgspec
 import torch
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.core.rank_cache_share import (
+    CacheShare,
+    SharedRanks,
+    collect,
+    plan_share,
+    remove_files,
+)
 from pdmesh.engine.core.startup import EngineSetup, resolve_engine_device, set_up_engine
 from pdmesh.engine.worker.cpu_threads import core_environment, rank_threads, usable_cpus
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel, join_group
@@ -60,6 +71,19 @@ class RankBoot(msgspec.Struct):
     store_path: str
     log_level: str = "WARNING"
     die_with_parent: bool = False  # PR_SET_PDEATHSIG: started from the core's main thread
+    cache_file: str = ""  # CPU: the shm file this rank's KV cache lives in; empty: private
+    shm_dir: str = ""
+    share_ipc: bool = False  # CUDA: publish the cache's IPC handle (rank_cache_share.py)
+
+    def cache_connector(self) -> KVConnectorConfig | None:
+        """What the rank's set-up needs to put its cache in the file rank 0 named."""
+        if not self.cache_file:
+            return None
+        return KVConnectorConfig(shm_dir=self.shm_dir, tcp=False)
+
+    def cache_share(self) -> CacheShare:
+        files = (self.cache_file,) if self.cache_file else ()
+        return CacheShare(files, self.shm_dir, self.share_ipc)
 
 
 @dataclass
@@ -84,33 +108,31 @@ def rank_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, cpu_threads=threads)
 
 
-def tensor_parallel_connector(connector: KVConnectorConfig | None) -> None:
-    """The KV connector of a tensor-parallel core: none yet. Each rank holds its heads' slice
-    of every block, and moving them between layouts is the connector's next step (issue 26);
-    until then the core serves colocated only and refuses KV import and export."""
-    if connector is not None:
-        logger.warning("tensor parallelism: this core lends and pulls no KV blocks (KV moves "
-                       "between tensor-parallel engines are not supported yet)")
-    return None
-
-
 def set_up_with_ranks(config: EngineConfig, connector: KVConnectorConfig | None,
                       on_rank_failure: Callable[[str], None] | None,
-                      ) -> tuple[EngineConfig, Ranks | None, EngineSetup]:
+                      ) -> tuple[EngineConfig, KVConnectorConfig | None, Ranks | None,
+                                 EngineSetup]:
     """Rank 0's start-up: with tensor parallelism its other ranks are started first (and
-    killed if its own set-up fails); the config rank 0 runs, its ranks, its set-up."""
+    killed if its own set-up fails); the config rank 0 runs, the connector it runs
+    (`plan_share`), its ranks, its set-up. With a connector rank 0 then reaches every rank's
+    cache (`Ranks.shared`)."""
     ranks: Ranks | None = None
     if config.tensor_parallel_size > 1:
         config = rank_config(config)
-        connector = tensor_parallel_connector(connector)
-        ranks = Ranks(config, resolve_engine_device(config), on_rank_failure)
+        device = resolve_engine_device(config)
+        connector, share_how = plan_share(connector, device, config.tensor_parallel_size)
+        ranks = Ranks(config, device, on_rank_failure, share_how)
     try:
         setup = set_up_engine(config, connector, ranks.tp if ranks else SINGLE)
+        if ranks is not None and ranks.share.active:
+            ranks.shared = collect(ranks.share, ranks.directory, setup, ranks.tp)
+            if ranks.shared is None:
+                connector = None
     except BaseException:
         if ranks is not None:
             ranks.kill()
         raise
-    return config, ranks, setup
+    return config, connector, ranks, setup
 
 
 def rank_device(device: torch.device, rank: int, world_size: int) -> str:
@@ -130,16 +152,20 @@ class Ranks:
     """Ranks 1..N-1 of an engine core, and rank 0's end of the group (`tp`, `channel`)."""
 
     def __init__(self, config: EngineConfig, device: torch.device,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+                 on_failure: Callable[[str], None] | None = None,
+                 share: CacheShare | None = None) -> None:
         """Start the ranks and join the group with them (blocks until they all joined).
         `on_failure(reason)`: called when a rank exits before `close` (on a watcher thread)
-        or a step fails; None only logs it (every later step then raises)."""
+        or a step fails; None only logs it (every later step then raises). `share`: how the
+        ranks hand rank 0 their KV caches (none without a connector)."""
         world = config.tensor_parallel_size
+        self.share = share = share or CacheShare()
+        self.shared: SharedRanks | None = None  # every rank's cache, once `collect` ran
         # 0700: the group's rendezvous, named like a core's socket directory (this pid), so
         # the sweep of a dead process's leftovers removes it after a SIGKILL too
-        self._dir = tempfile.mkdtemp(
+        self.directory = tempfile.mkdtemp(
             prefix=f"{CORE_DIR_PREFIX}{pid_namespace()}-{os.getpid()}-tp")
-        store = os.path.join(self._dir, "store")
+        store = os.path.join(self.directory, "store")
         self._closing = threading.Event()
         self._on_failure = on_failure
         self.dead: tuple[int, int] | None = None  # (rank, exit code) of a rank that died
@@ -151,7 +177,9 @@ class Ranks:
             rank_device(device, world - 1, world)  # enough devices for all of them
             for rank in range(1, world):
                 raw["device"] = rank_device(device, rank, world)
-                boot = RankBoot(dict(raw), rank, world, store, str(level), main_thread)
+                boot = RankBoot(dict(raw), rank, world, store, str(level), main_thread,
+                                share.files[rank - 1] if share.files else "", share.shm_dir,
+                                share.ipc)
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "pdmesh.engine.core.rank_process"],
                     stdin=subprocess.PIPE, env=core_environment(os.environ))
@@ -224,12 +252,14 @@ class Ranks:
         self._release()
 
     def _release(self) -> None:
-        """The ranks are gone: close their stdin pipes, remove the rendezvous directory."""
+        """The ranks are gone: close their stdin pipes, remove the rendezvous directory and
+        their cache files (the mappings rank 0 holds live on until it drops them)."""
         for p in self.procs:
             if p.process.stdin is not None:
                 with contextlib.suppress(OSError):
                     p.process.stdin.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        remove_files(self.share)
 
 
 def exit_on_rank_failure(reason: str) -> None:

@@ -69,6 +69,7 @@ class EngineSetup:
     capacity_summary: str
     cache_file: SharedCache | None = None
     memory_profile: MemoryProfile | None = None  # CUDA sized by --gpu-memory-utilization
+    ranks_share_caches: bool = False  # tensor parallelism: ranks 1..N-1's caches are shm files
 
     @property
     def num_blocks(self) -> int:
@@ -76,11 +77,12 @@ class EngineSetup:
 
 
 def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = None,
-                  tp: TensorParallel = SINGLE) -> EngineSetup:
+                  tp: TensorParallel = SINGLE, cache_name: str = "") -> EngineSetup:
     """Load the model and allocate its KV cache (ValueError when the budget does not hold
     two blocks or the asked max_model_len). With a KV connector that shares the cache, a CPU
-    cache lives in a shm file that peer cores on the host copy blocks out of. Leaves the
-    engine's CUDA device current on the calling thread."""
+    cache lives in a shm file that peer cores on the host copy blocks out of (`cache_name`:
+    the file's name, as rank 0 gave it to its other ranks). Leaves the engine's CUDA device
+    current on the calling thread."""
     model_dir = model_dir_for(config)
     device = resolve_engine_device(config)
     make_device_current(device)
@@ -110,11 +112,16 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
     if connector is not None and connector.shared_cache and device.type == "cpu":
         room = room_for(connector.shm_dir, nbytes)
         if room >= nbytes:
-            cache_file = shared_zeros(shape, dtype, connector.shm_dir, connector.owner_pid)
+            cache_file = shared_zeros(shape, dtype, connector.shm_dir, connector.owner_pid,
+                                      cache_name)
         else:
             logger.warning("the KV cache is not shared: %s has %.0f MiB free for a %.0f MiB "
                            "cache (peers on this host pull over tcp); raise its size, e.g. "
                            "docker --shm-size", connector.shm_dir, room / 2**20, nbytes / 2**20)
+    shared_by_all = cache_file is not None or tp.rank == 0  # rank 0 reads the others'
+    if tp.world_size > 1:  # every rank is past its allocation once this returns
+        shared_by_all = bool(tp.all_reduce(torch.tensor([int(shared_by_all)], device=device),
+                                           "min").item())
     if cache_file is not None:
         kv_cache = cache_file.tensor
     else:
@@ -130,7 +137,7 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
         summary += "; " + profile.describe(config.memory_utilization)
     logger.info(summary)
     return EngineSetup(model_dir, device, dtype, model, model_config, hf_config, scheme,
-                       kv_cache, max_model_len, summary, cache_file, profile)
+                       kv_cache, max_model_len, summary, cache_file, profile, shared_by_all)
 
 
 def engine_device(device: torch.device, current_index: int, device_count: int) -> torch.device:

@@ -283,9 +283,9 @@ class ProcessCoreLink:
             self._actx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
         if self._connector is not None and self.info is not None and self.info.kv_cache_file:
-            with contextlib.suppress(FileNotFoundError):  # a killed core's shared cache
-                os.unlink(os.path.join(os.path.realpath(self._connector.shm_dir),
-                                       self.info.kv_cache_file))
+            for name in self.info.kv_cache_file.split(","):  # a killed core's (ranks') caches
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(os.path.realpath(self._connector.shm_dir), name))
 
     def kill(self) -> None:
         """Tests and emergencies: the core dies at once (the link reports it as dead)."""

@@ -20,6 +20,15 @@ coefficients kept non-negative (a negative cost would let the budget promise tim
 have). It knows nothing until it has seen enough steps, some of them with prefill tokens, and
 says so (`ready`): the scheduler then keeps its fixed token budget.
 
+The fitted model is also exported (`StepCostModel.prefill_tokens_per_s`, in each load report):
+the prompt tokens per second of back-to-back full chunks (`max_num_batched_tokens` tokens in one
+row at context 0), from which the router predicts how long the prompts queued ahead of a request
+take to prefill (router/queue_delay.py). One number suffices there: the router predicts a
+backlog of many prompts, which the engine computes in full chunks, so the per-step overhead is
+spread over a chunk as this rate spreads it. The coefficients themselves would add only the
+time of a lone short prompt, which the router never refuses, and would need the chunk size
+beside them.
+
 Costs are the steps' host wall time (`EngineCore.step`), which on a GPU with async scheduling
 is the device's step time in the steady state. One model per engine core: it is the engine's
 own hardware, model and batch shape that it learns, which is why nothing is configured.
@@ -116,6 +125,14 @@ class StepCost:
             return int(left / lin) if lin > 0 else 1 << 30
         return int((-lin + (lin * lin + 4 * quad * left) ** 0.5) / (2 * quad))
 
+    def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
+        """Prompt tokens per second of prefill steps of one `chunk_tokens`-token row at
+        context 0 (0 when the cost says nothing, e.g. every coefficient fitted to 0)."""
+        if chunk_tokens <= 0:
+            return 0.0
+        seconds = self.seconds(work_of([(0, chunk_tokens)]))
+        return chunk_tokens / seconds if seconds > 0 else 0.0
+
 
 def _fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error for a handful of columns: plain least
@@ -159,6 +176,11 @@ class StepCostModel:
     def predict(self, work: StepWork) -> float | None:
         """Seconds the step should take; None while the model knows too little."""
         return None if self.cost is None else self.cost.seconds(work)
+
+    def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
+        """The predicted prefill throughput in full chunks of `chunk_tokens` (the engine's
+        `max_num_batched_tokens`); 0 while the model knows too little. See the module doc."""
+        return 0.0 if self.cost is None else self.cost.prefill_tokens_per_s(chunk_tokens)
 
     def observe(self, work: StepWork, seconds: float) -> None:
         if work.rows <= 0 or seconds <= 0:

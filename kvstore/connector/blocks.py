@@ -104,10 +104,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_mismatch(cache: torch.Tensor, layout: tuple[int, ...], dtype: str) -> str | None:
+def layout_mismatch(cache: torch.Tensor, layout: tuple[int, ...], dtype: str,
+                    ours: tuple[int, ...] | None = None) -> str | None:
     """Why a pull that expects blocks of `layout` (layers, block size, KV heads, head dim)
-    and `dtype` cannot be served from `cache`, or None when it can."""
-    ours, our_dtype = (cache.shape[0], *cache.shape[3:]), dtype_name(cache.dtype)
+    and `dtype` cannot be served from `cache` (whose blocks are `ours` where it is one rank's
+    of several), or None when it can."""
+    ours = ours or (cache.shape[0], *cache.shape[3:])
+    our_dtype = dtype_name(cache.dtype)
     if tuple(layout) != ours or dtype != our_dtype:
         return (f"layout mismatch: the pull expects {tuple(layout)} {dtype}, this cache is "
                 f"{ours} {our_dtype}")

@@ -53,12 +53,20 @@ class SharedCache:
             os.unlink(self.path)
 
 
+def cache_file_name(owner_pid: int = 0) -> str:
+    """A new cache file's name, after `owner_pid` (default: this process): the process whose
+    death makes it garbage. A tensor-parallel core names its ranks' files before they start."""
+    return f"pdmesh-kv-{pid_namespace()}-{owner_pid or os.getpid()}-{uuid.uuid4().hex}"
+
+
 def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, shm_dir: str,
-                 owner_pid: int = 0) -> SharedCache:
-    """A zero tensor of `shape` backed by a new 0600 file in `shm_dir`, named after
-    `owner_pid` (default: this process): the process whose death makes it garbage."""
+                 owner_pid: int = 0, name: str = "") -> SharedCache:
+    """A zero tensor of `shape` backed by a new 0600 file in `shm_dir`, named `name` (a
+    `cache_file_name`; default: a new one after `owner_pid`)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    name = f"pdmesh-kv-{pid_namespace()}-{owner_pid or os.getpid()}-{uuid.uuid4().hex}"
+    name = name or cache_file_name(owner_pid)
+    if not NAME.fullmatch(name):
+        raise ValueError(f"not a KV cache file name: {name!r}")
     path = os.path.join(os.path.realpath(shm_dir), name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
@@ -104,14 +112,16 @@ def owed_by_caches(shm_dir: str) -> int:
     return owed
 
 
-def open_peer(shm_dir: str, name: str, shape: tuple[int, ...], dtype: torch.dtype
-              ) -> torch.Tensor:
-    """Map a peer core's cache file read-only, after checking what it claims to be."""
+def open_peer(shm_dir: str, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+              writable: bool = False) -> torch.Tensor:
+    """Map a peer core's cache file read-only, after checking what it claims to be.
+    `writable`: a tensor-parallel core's own other ranks' caches, which it loads pulled
+    blocks into (never a peer engine's)."""
     if not NAME.fullmatch(name):
         raise KVWireError(f"not a KV cache file name: {name!r}")
     path = os.path.join(os.path.realpath(shm_dir), name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     except OSError as exc:
         raise KVSenderUnavailable(f"peer KV cache {name} is gone: {exc.strerror}") from None
     try:
@@ -124,9 +134,12 @@ def open_peer(shm_dir: str, name: str, shape: tuple[int, ...], dtype: torch.dtyp
         if st.st_size != max(nbytes, 1):
             raise KVWireError(f"peer KV cache {name} has {st.st_size} bytes, its layout "
                               f"{tuple(shape)} {dtype} needs {nbytes}")
-        buffer = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        buffer = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=prot)
     finally:
         os.close(fd)
+    if writable:
+        return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
     with warnings.catch_warnings():  # read-only on purpose: we never write a peer's cache
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape))

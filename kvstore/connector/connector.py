@@ -13,6 +13,13 @@ The core asks it two things between steps on the core's own thread:
   GIL), so the core keeps stepping its running requests while a prompt's KV arrives; the core
   lands a finished load between two steps.
 
+A tensor-parallel core (rank 0) moves every rank's slice of a block (`rank_caches.py`): its
+ranks' caches are shared-memory files it maps (CUDA IPC handles it opens on GPUs), and peers
+copy each rank's heads straight to the rank(s) of theirs that hold them, whatever the two
+engines' tensor-parallel sizes. Across hosts such a core's block server sends canonical blocks
+(every KV head once) gathered piece by piece, and a tensor-parallel receiver splits what it
+receives over its ranks (tcp; not ucxx or torch_dist, which move one cache's blocks).
+
 A *streamed* export (`open_stream`, `extend_stream`) is registered while its prompt is
 computed and grows by the blocks each step filled; only those are served, and a receiver pulls
 them batch by batch (`start_load` per batch of a `KVSource.streamed`).
@@ -27,6 +34,7 @@ ucxx, host or device memory, where the package is installed).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +48,7 @@ from pdmesh.kvstore.connector.cuda_ipc import share
 from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger
+from pdmesh.kvstore.connector.rank_caches import RankCaches
 from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource, check_params
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
@@ -54,10 +63,17 @@ LOAD_THREADS = 2  # concurrent pulls per core (each may use several TCP connecti
 
 class KVConnector:
     def __init__(self, config: KVConnectorConfig, cache: torch.Tensor,
-                 cache_file: SharedCache | None, algo: ChecksumAlgo | None = None) -> None:
+                 cache_file: SharedCache | None, algo: ChecksumAlgo | None = None,
+                 ranks: RankCaches | None = None, rank_files: tuple[str, ...] = (),
+                 rank_ipcs: tuple[str, ...] = ()) -> None:
+        """`ranks`: every rank's cache of a tensor-parallel core (`cache` is the first);
+        `rank_files` the other ranks' cache file names (CPU), `rank_ipcs` every rank's CUDA
+        IPC description (GPU), in rank order."""
         self.config = config
         self.cache = cache
         self.cache_file = cache_file
+        self.ranks = ranks if ranks is not None else RankCaches((cache,))
+        self.rank_files = rank_files
         self.algo = algo or default_block_algo(cache)
         self.exports = ExportRegistry()
         self.grants = GrantLedger(self.exports)  # one for every block server of this core
@@ -67,12 +83,15 @@ class KVConnector:
         self.block_server_address = ""
         self._ucx = None
         self.ucx_address = ""  # the core's ucxx listener (`ucx_blocks.py`); empty: none
-        self.cache_ipc = share(cache) if cache.device.type == "cuda" else ""  # CUDA IPC
+        # CUDA IPC: one description, or a tensor-parallel core's every rank's as a JSON list
+        self.cache_ipc = (json.dumps(list(rank_ipcs)) if rank_ipcs
+                          else share(cache) if cache.device.type == "cuda"
+                          and self.ranks.world == 1 else "")
 
     def start(self) -> None:
         """Start the block server (when TCP is on) and the ucxx listener (when UCX is on and
         the package imports); their addresses go into `CoreInfo`."""
-        if self.config.ucx:
+        if self.config.ucx and self.ranks.world == 1:  # one cache's blocks only
             self._start_ucx()
         if not self.config.tcp:
             return
@@ -81,7 +100,8 @@ class KVConnector:
                              "its serving process signs pulls with (grant_secret)")
         from pdmesh.kvstore.connector.tcp_blocks import BlockServer
 
-        self._server = BlockServer(self.cache, self.exports, self.config, self.grants)
+        self._server = BlockServer(self.cache, self.exports, self.config, self.grants,
+                                   self.ranks)
         self.block_server_address = self._server.start()
 
     def _start_ucx(self) -> None:
@@ -104,12 +124,16 @@ class KVConnector:
 
     @property
     def cache_file_name(self) -> str:
-        return self.cache_file.name if self.cache_file is not None else ""
+        """What peers map: the cache file's name; a tensor-parallel core's every rank's, in
+        rank order, comma-separated."""
+        if self.cache_file is None:
+            return ""
+        return ",".join((self.cache_file.name, *self.rank_files))
 
     # -- sender ---------------------------------------------------------------------------------
     def export(self, request_id: str, block_ids: list[int], num_tokens: int) -> ExportInfo:
         self.exports.add(Export(request_id, tuple(block_ids), num_tokens))
-        return ExportInfo(block_checksums(self.algo, self.cache, block_ids), str(self.algo))
+        return ExportInfo(self.ranks.checksums(self.algo, block_ids), str(self.algo))
 
     def open_stream(self, request_id: str, num_tokens: int) -> None:
         """A streamed export (its prefill just admitted): registered with no block ready."""
@@ -119,7 +143,7 @@ class KVConnector:
         """Checksum a streamed export's newly filled blocks, then serve them; their checksums.
         On a device cache the checksum waits for the steps that wrote the blocks (it reads
         them on the core's stream and answers host integers), so nothing is served early."""
-        sums = block_checksums(self.algo, self.cache, block_ids)
+        sums = self.ranks.checksums(self.algo, block_ids)
         self.exports.extend(request_id, block_ids)
         return sums
 
@@ -129,7 +153,7 @@ class KVConnector:
     # -- receiver -------------------------------------------------------------------------------
     def check_source(self, source: KVSource) -> None:
         """Refuse a source whose blocks cannot be ours before anything is allocated."""
-        ours = (self.cache.shape[0], *self.cache.shape[3:])  # layers, block, heads, head_dim
+        ours = self.ranks.layout  # layers, block, heads (every rank's), head_dim
         dtype = DTYPE_NAMES.get(self.cache.dtype)
         if tuple(source.kv_shape) != ours or source.kv_dtype != dtype:
             raise ValueError(f"kv_source: layout {tuple(source.kv_shape)} {source.kv_dtype} "
@@ -137,6 +161,9 @@ class KVConnector:
         block_size = ours[1]
         if source.backend not in WORKER_BACKENDS:
             raise ValueError(f"kv_source: unknown transport {source.backend!r}")
+        if self.ranks.world > 1 and source.backend not in ("shm", "tcp"):
+            raise ValueError(f"kv_source: a tensor-parallel engine pulls over shm or tcp, not "
+                             f"{source.backend!r}")
         expected = -(-source.num_tokens // block_size)
         count = len(source.block_checksums)  # a growing export's: those ready so far
         if count > expected or (count != expected and not source.streamed):
@@ -162,7 +189,7 @@ class KVConnector:
         started = time.monotonic()
         algo = parse_algo(source.checksum_algo)
         if source.backend == "shm":  # the copy answers the checksums of what it wrote
-            nbytes, actual = self._shm.load(source, first_block, self.cache, dst_ids, algo)
+            nbytes, actual = self._shm.load(source, first_block, self.ranks, dst_ids, algo)
         elif source.backend in ("tcp", "torch_dist"):
             from pdmesh.kvstore.connector.tcp_blocks import pull_blocks
 
@@ -173,8 +200,9 @@ class KVConnector:
                 grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,
                 dst_ids=dst_ids, config=self.config,
                 deadline=Deadline.after(max(source.deadline_s, 0.001)), via=source.backend,
+                ranks=self.ranks,
             )
-            actual = block_checksums(algo, self.cache, dst_ids)
+            actual = self.ranks.checksums(algo, dst_ids)
         elif source.backend == "ucxx":
             from pdmesh.kvstore.connector import ucx_blocks
 

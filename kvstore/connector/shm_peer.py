@@ -5,21 +5,30 @@ receiving core maps the file read-only (`cache_file.PeerCaches`, kept mapped acr
 copies the blocks it lacks into its own cache, one strided copy per run of block ids: one
 copy of each byte on the host, and no socket. On GPU the reply carries a CUDA IPC handle of
 the sender's cache instead (`cuda_ipc.py`) and the copy is device to device.
+
+A tensor-parallel sender names one file per rank (`cache`: comma-separated, in rank order);
+each of the receiver's ranks gets its KV heads straight from the sender's rank(s) that hold
+them (`rank_caches.copy_across`), whatever the two engines' tensor-parallel sizes.
 """
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_nbytes, copy_blocks_checked
+from pdmesh.engine.worker.parallel.sharding import ModelShard, check_shardable
+from pdmesh.kvstore.connector.blocks import block_nbytes
 from pdmesh.kvstore.connector.cache_file import PeerCaches
 from pdmesh.kvstore.connector.cuda_ipc import PeerDeviceCaches
+from pdmesh.kvstore.connector.rank_caches import RankCaches, copy_across
 from pdmesh.kvstore.connector.source import KVSource, check_params, decode_blocks
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo
 from pdmesh.kvstore.transfer.errors import KVWireError
 from pdmesh.kvstore.transfer.layout import DTYPES_BY_NAME
 
 PARAMS = ("cache", "num_blocks", "blocks")
+MAX_RANKS = 1024  # as tensor_parallel_size
 
 
 class ShmPeerTransport:
@@ -29,34 +38,91 @@ class ShmPeerTransport:
         self.peers = PeerCaches(shm_dir)
         self.device_peers = PeerDeviceCaches()
 
-    def load(self, source: KVSource, first_block: int, dst: torch.Tensor, dst_ids: list[int],
+    def load(self, source: KVSource, first_block: int, dst: RankCaches, dst_ids: list[int],
              algo: ChecksumAlgo) -> tuple[int, list[int]]:
-        """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids; the bytes
-        moved and each copied block's `algo` checksum, as it landed in `dst`."""
+        """Copy export blocks [first_block, first_block + len(dst_ids)) into dst_ids of every
+        rank of `dst`; the bytes moved and each copied block's `algo` checksum (canonical), as
+        it landed."""
         layers, block_size, heads, head_dim = source.kv_shape
         dtype = DTYPES_BY_NAME[source.kv_dtype]
         if "cuda_ipc" in source.params:
             check_params(source.params, ("cuda_ipc", "blocks"))
-            peer = self.device_peers.get(source.params["cuda_ipc"])
-            num_cache_blocks = int(peer.shape[2])
-            if (tuple(peer.shape) != (layers, 2, num_cache_blocks, block_size, heads, head_dim)
-                    or peer.dtype != dtype):
-                raise KVWireError("shm source: the peer's device cache has another layout")
+            src = self._device_ranks(source.params["cuda_ipc"], dst,
+                                     (layers, block_size, heads, head_dim), dtype)
+            num_cache_blocks = int(src.first.shape[2])
         else:
             check_params(source.params, PARAMS)
             try:
                 num_cache_blocks = int(source.params["num_blocks"])
             except ValueError:
                 raise KVWireError("shm source: num_blocks is not an integer") from None
-            shape = (layers, 2, num_cache_blocks, block_size, heads, head_dim)
-            peer = self.peers.get(source.params["cache"], shape, dtype)
+            src = self._peer_ranks(source.params["cache"].split(","), dst,
+                                   (layers, 2, num_cache_blocks, block_size, heads, head_dim),
+                                   dtype)
         src_ids = decode_blocks(source.params["blocks"], num_cache_blocks)
         wanted = src_ids[first_block:first_block + len(dst_ids)]
         if len(wanted) != len(dst_ids):
             raise KVWireError(f"shm source: the export has {len(src_ids)} blocks, "
                               f"{first_block + len(dst_ids)} wanted")
-        sums = copy_blocks_checked(algo, dst, dst_ids, peer, wanted)
-        return len(dst_ids) * block_nbytes(dst), sums
+        sums = copy_across(algo, dst, dst_ids, src, wanted)
+        return sum(len(dst_ids) * block_nbytes(c) for c in dst.caches), sums
+
+    def _device_ranks(self, text: str, ours: RankCaches, layout: tuple[int, int, int, int],
+                      dtype: torch.dtype) -> RankCaches:
+        """The sender's device cache(s) opened: one IPC description, or a tensor-parallel
+        sender's JSON list of every rank's, each checked against its rank's layout."""
+        layers, block_size, heads, head_dim = layout
+        descriptions = [text]
+        if text.startswith("["):
+            try:
+                descriptions = json.loads(text)
+            except ValueError:
+                raise KVWireError("shm source: malformed list of CUDA IPC handles") from None
+            if (not isinstance(descriptions, list) or not 1 <= len(descriptions) <= MAX_RANKS
+                    or not all(isinstance(d, str) for d in descriptions)):
+                raise KVWireError("shm source: malformed list of CUDA IPC handles")
+        world = len(descriptions)
+        if world > 1:
+            if ours.shape is None:
+                raise KVWireError("shm source: a tensor-parallel sender needs the model's "
+                                  "shape on this side")
+            try:
+                check_shardable(ours.shape, world)
+            except ValueError as exc:
+                raise KVWireError(f"shm source: {exc}") from None
+        caches = []
+        for rank, description in enumerate(descriptions):
+            peer = self.device_peers.get(description)
+            rank_heads = (heads if world == 1 or ours.shape is None
+                          else ModelShard.of(ours.shape, rank, world).kv_heads.size)
+            expected = (layers, 2, int(peer.shape[2]), block_size, rank_heads, head_dim)
+            if tuple(peer.shape) != expected or peer.dtype != dtype or (
+                    caches and peer.shape[2] != caches[0].shape[2]):
+                raise KVWireError("shm source: the peer's device cache has another layout")
+            caches.append(peer)
+        return RankCaches(tuple(caches), ours.shape if world > 1 else None)
+
+    def _peer_ranks(self, names: list[str], ours: RankCaches, whole: tuple[int, ...],
+                    dtype: torch.dtype) -> RankCaches:
+        """The sender's rank caches, mapped: rank r's file holds rank r's KV heads of the
+        model (`whole` is the layout of one rank holding all of them)."""
+        if len(names) == 1:
+            return RankCaches((self.peers.get(names[0], whole, dtype),))
+        if len(names) > MAX_RANKS:
+            raise KVWireError(f"shm source: {len(names)} rank caches")
+        shape = ours.shape
+        if shape is None:
+            raise KVWireError("shm source: a tensor-parallel sender needs the model's shape "
+                              "on this side")
+        try:
+            check_shardable(shape, len(names))
+        except ValueError as exc:
+            raise KVWireError(f"shm source: {exc}") from None
+        caches = []
+        for rank, name in enumerate(names):
+            heads = ModelShard.of(shape, rank, len(names)).kv_heads.size
+            caches.append(self.peers.get(name, (*whole[:4], heads, whole[5]), dtype))
+        return RankCaches(tuple(caches), shape)
 
     def close(self) -> None:
         self.peers.clear()

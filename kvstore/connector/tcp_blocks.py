@@ -55,10 +55,12 @@ from pdmesh.kvstore.connector.blocks import (
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
+from pdmesh.kvstore.connector.rank_caches import RankCaches
 from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.backends.tls import client_context, server_context
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
+    KVBackendUnavailable,
     KVSenderUnavailable,
     KVTransferDenied,
     KVTransferError,
@@ -107,11 +109,15 @@ class BlockServer:
     """Runs in the sender engine core: a listener thread + one thread per connection."""
 
     def __init__(self, cache: torch.Tensor, exports: ExportRegistry,
-                 config: KVConnectorConfig, ledger: GrantLedger | None = None) -> None:
-        """`ledger`: the grants served so far, shared with the core's other block servers."""
+                 config: KVConnectorConfig, ledger: GrantLedger | None = None,
+                 ranks: RankCaches | None = None) -> None:
+        """`ledger`: the grants served so far, shared with the core's other block servers;
+        `ranks`: a tensor-parallel core's every rank's cache (`cache` is the first), whose
+        blocks go out canonical (every KV head once), gathered piece by piece."""
         if not cache.is_contiguous():
             raise ValueError("the block server needs a contiguous KV cache")
         self._cache, self._config = cache, config
+        self._ranks = ranks if ranks is not None and ranks.world > 1 else None
         self._ledger = ledger or GrantLedger(exports)
         self._tls = server_context(_tls_config(config))
         if config.tls_enabled and self._tls is None:  # a CA alone: never serve plaintext
@@ -189,7 +195,13 @@ class BlockServer:
             if req.via not in ("tcp", "torch_dist") or (req.via == "torch_dist"
                                                        and not dist_blocks.available()):
                 raise _Refusal(REFUSED, f"this block server does not send over {req.via!r}")
+            if req.via == "torch_dist" and self._ranks is not None:
+                raise _Refusal(REFUSED, "a tensor-parallel core sends over tcp, not torch_dist")
             ids = self._admit(req)
+            if self._ranks is not None:  # canonical blocks, gathered from every rank
+                conn.sendall(_REPLY.pack(b"PDBR", OK, 0, len(ids) * self._ranks.block_nbytes))
+                _move_ranks(self._ranks, ids, conn.sendall, into=False)
+                return
             payload = len(ids) * block_nbytes(self._cache)
             if req.via == "torch_dist":
                 store = dist_blocks.open_store(self._config, self._config.io_timeout_s)
@@ -221,7 +233,8 @@ class BlockServer:
         if not signed(self._config.grant_secret, req.request_id, req.transfer_id, req.grant,
                       req.mac):
             raise _Refusal(DENIED, "the pull's grant signature is not valid")
-        if (mismatch := layout_mismatch(self._cache, req.layout, req.dtype)) is not None:
+        layout = self._ranks.layout if self._ranks is not None else None
+        if (mismatch := layout_mismatch(self._cache, req.layout, req.dtype, layout)) is not None:
             raise _Refusal(REFUSED, mismatch)
         try:
             return self._ledger.admit(req.request_id, req.grant, req.first, req.count)
@@ -231,9 +244,12 @@ class BlockServer:
 
 def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, mac: str,
                 first_block: int, dst: torch.Tensor, dst_ids: list[int],
-                config: KVConnectorConfig, deadline: Deadline, via: str = "tcp") -> int:
+                config: KVConnectorConfig, deadline: Deadline, via: str = "tcp",
+                ranks: RankCaches | None = None) -> int:
     """Receive export blocks [first_block, first_block + len(dst_ids)) of `request_id` from the
     BlockServer at `address` straight into dst[:, :, dst_ids]; returns bytes received.
+    `ranks`: a tensor-parallel receiver's every rank's cache (`dst` is the first): each
+    received piece is split over them (over tcp only).
 
     Up to `config.tcp_connections` connections (the calling thread's and one thread each for
     the others), each a contiguous sub-range. The first failure shuts every socket down, and
@@ -251,10 +267,14 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
                           request_id=request_id)
     if not dst_ids:
         return 0
+    ranks = ranks if ranks is not None and ranks.world > 1 else None
+    if ranks is not None and via != "tcp":
+        raise KVBackendUnavailable(f"a tensor-parallel engine pulls over tcp, not {via}")
+    layout = ranks.layout if ranks is not None else (dst.shape[0], *dst.shape[3:])
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
-                          (dst.shape[0], *dst.shape[3:]), dtype_name(dst.dtype), via,
-                          dst.device.type)
-    pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline)
+                          tuple(layout), dtype_name(dst.dtype), via, dst.device.type)
+    pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks)
+    per_block = ranks.block_nbytes if ranks is not None else block_nbytes(dst)
     connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
     parts = connection_ranges(len(dst_ids), connections)
     threads = [threading.Thread(target=pull.run_on_device, args=part, name="kv-blocks-recv",
@@ -273,9 +293,9 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
                 thread.join()
     if pull.error is not None:
         raise pull.error
-    if pull.nbytes != len(dst_ids) * block_nbytes(dst):  # a thread died of a BaseException
+    if pull.nbytes != len(dst_ids) * per_block:  # a thread died of a BaseException
         raise KVWireError(f"a KV block pull ended with {pull.nbytes} bytes of "
-                          f"{len(dst_ids) * block_nbytes(dst)}", transfer_id=transfer_id,
+                          f"{len(dst_ids) * per_block}", transfer_id=transfer_id,
                           request_id=request_id)
     return pull.nbytes
 
@@ -292,8 +312,10 @@ class _Pull:
     """One pull's shared state: its sockets (to abort them), its first error, its byte count."""
 
     def __init__(self, address: tuple[str, int], request: PullRequest, dst: torch.Tensor,
-                 dst_ids: list[int], config: KVConnectorConfig, deadline: Deadline) -> None:
+                 dst_ids: list[int], config: KVConnectorConfig, deadline: Deadline,
+                 ranks: RankCaches | None = None) -> None:
         self.address, self.request, self.dst, self.dst_ids = address, request, dst, dst_ids
+        self.ranks = ranks
         self.config, self.deadline = config, deadline
         self.tls = client_context(_tls_config(config))
         self.error: KVTransferError | None = None
@@ -377,11 +399,16 @@ class _Pull:
                 return dist_blocks.receive_blocks(
                     sock, self.address[0], int(port), kind, self.dst,
                     self.dst_ids[offset:offset + count], self.deadline)
-            if payload != count * block_nbytes(self.dst):
+            per_block = (self.ranks.block_nbytes if self.ranks is not None
+                         else block_nbytes(self.dst))
+            if payload != count * per_block:
                 raise KVWireError(f"the block server sends {payload} bytes for {count} blocks "
-                                  f"of {block_nbytes(self.dst)}")
+                                  f"of {per_block}")
             ids = self.dst_ids[offset:offset + count]
-            if self.dst.device.type == "cpu" and not isinstance(sock, ssl.SSLSocket):
+            if self.ranks is not None:
+                _move_ranks(self.ranks, ids, lambda view: _recv_into(sock, view, self._timeout),
+                            into=True)
+            elif self.dst.device.type == "cpu" and not isinstance(sock, ssl.SSLSocket):
                 _recv_vectored(sock, _views(self.dst, ids), self._timeout)
             else:
                 _move(self.dst, ids, lambda view: _recv_into(sock, view, self._timeout),
@@ -409,6 +436,31 @@ def _move(cache: torch.Tensor, ids: Sequence[int], io: Callable[[memoryview], ob
                 io(memoryview(host.reshape(-1).view(torch.uint8).numpy()).cast("B"))
                 if stage is not None and into:
                     piece.copy_(host)
+
+
+def _move_ranks(ranks: RankCaches, ids: Sequence[int], io: Callable[[memoryview], object],
+                *, into: bool) -> None:
+    """`_move` for a tensor-parallel core: the same wire order of canonical pieces, each
+    gathered from (or split over) the ranks' caches through a host buffer of a few blocks."""
+    first = ranks.first
+    _, block_size, heads, head_dim = ranks.layout
+    per_block = block_size * heads * head_dim
+    limit = max(1, STAGE_BYTES // (per_block * first.element_size()))
+    stage = torch.empty(min(len(ids), limit) * per_block, dtype=first.dtype,
+                        pin_memory=first.device.type == "cuda")
+    pieces = [(s + i, min(limit, n - i)) for s, _, n in runs(ids, ids) for i in range(0, n, limit)]
+    for layer in range(first.shape[0]):
+        for kv in range(2):
+            for s, n in pieces:
+                host = stage[:n * per_block].view(n, block_size, heads, head_dim)
+                if not into:
+                    ranks.read_piece(layer, kv, s, host)
+                io(memoryview(host.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+                if into:
+                    ranks.write_piece(layer, kv, s, host)
+    if into:
+        for device in {c.device for c in ranks.caches if c.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # landed before a rank's step reads it
 
 
 def _views(cache: torch.Tensor, ids: Sequence[int]) -> list[memoryview]:

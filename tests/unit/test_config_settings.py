@@ -82,9 +82,14 @@ def test_a_flag_takes_its_vllm_short_alias_and_renders_back_as_the_long_flag() -
     assert flag(argv, "--tensor-parallel-size") == "2" and "-tp" not in argv
 
 
-@pytest.mark.parametrize(("cls", "argv"), [(PrefillConfig, []), (DecodeConfig, [])])
-def test_a_disaggregated_role_refuses_tensor_parallelism_until_kv_handoff_exists(
-        cls: type, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        parse_config(cls, ["--tensor-parallel-size", "2", *argv], prog="engine", env={})
-    assert "not supported for the" in capsys.readouterr().err
+@pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig])
+def test_a_disaggregated_role_takes_tensor_parallelism(cls: type) -> None:
+    config = parse_config(cls, ["--tensor-parallel-size", "2"], prog="engine", env={})
+    assert config.engine.tensor_parallel_size == 2
+
+
+def test_serve_gives_prefill_and_decode_engines_their_own_tensor_parallel_sizes() -> None:
+    mesh = MeshConfig(prefill_tensor_parallel_size=2, num_decode=2)
+    assert (mesh.tensor_parallel_size("prefill"), mesh.tensor_parallel_size("decode")) == (2, 1)
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size"):
+        MeshConfig(decode_tensor_parallel_size=-1)

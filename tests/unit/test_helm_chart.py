@@ -218,6 +218,9 @@ def test_values_schema_is_valid_and_accepts_every_variant(schema: dict[str, Any]
         (("decode", "metricsPort"), 0),  # a free port: Prometheus could not find it
         (("router", "metricsPort"), 70000),
         (("prefill", "metricsPort"), "9400"),
+        (("prefill", "gpu"), "all"),  # a count, 0 (CPU) or auto
+        (("decode", "gpu"), "2"),
+        (("decode", "gpu"), -1),
     ],
 )
 def test_values_schema_rejects_bad_values(
@@ -230,6 +233,13 @@ def test_values_schema_rejects_bad_values(
     node[path[-1]] = value
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(values, schema)
+
+
+@pytest.mark.fast
+def test_values_schema_accepts_gpu_auto(schema: dict[str, Any]) -> None:
+    values = load_values("default")
+    values["prefill"]["gpu"], values["decode"]["gpu"] = "auto", 4
+    jsonschema.validate(values, schema)
 
 
 @pytest.mark.fast
@@ -752,6 +762,57 @@ def test_gpu_limits_only_when_asked(render) -> None:
         assert "nvidia.com/gpu" not in router["resources"]["limits"]
 
 
+def engine_pod(manifests: list[Manifest], component: str) -> tuple[Manifest, dict[str, str]]:
+    """A pool's engine container and its resolved environment."""
+    c = containers(workload(manifests, component))[component]
+    return c, resolved_env(c)
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_a_tensor_parallel_gpu_pool_gets_one_gpu_per_rank(render, tmp_path: Path) -> None:
+    """`gpu: auto` asks for the pool's effective tensorParallelSize of GPUs (its own override,
+    else engine.settings'), and the engine gets the same size as --tensor-parallel-size; the
+    real decode parser reads it back. A CPU pool beside it gets no GPU limit."""
+    manifests = render("gpu", "--set", "decode.role=colocated", "--set", "decode.gpu=auto",
+                       "--set", "decode.engine.tensorParallelSize=2", "--set", "prefill.gpu=0")
+    decode, env = engine_pod(manifests, "decode")
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert env["PDMESH_TENSOR_PARALLEL_SIZE"] == "2" and env["PDMESH_DEVICE"] == "cuda"
+    env = with_mounted_files(workload(manifests, "decode"), decode, env, tmp_path)
+    config = parse_config(DecodeConfig, [], prog="decode", env=env)
+    assert (config.engine.tensor_parallel_size, config.engine.device) == (2, "cuda")
+    prefill, env = engine_pod(manifests, "prefill")
+    assert "nvidia.com/gpu" not in prefill["resources"]["limits"]
+    assert env["PDMESH_TENSOR_PARALLEL_SIZE"] == "1" and env["PDMESH_DEVICE"] == "auto"
+    assert not workload(manifests, "prefill")["spec"]["template"]["spec"].get("tolerations")
+    for m in manifests:
+        if m["kind"] == "Deployment":
+            kubernetes_validate.validate(m, KUBE_VERSIONS[-1], strict=True)
+
+    # The shared setting reaches both pools: auto follows it, a count of at least it stays.
+    manifests = render("gpu", "--set", "engine.settings.tensorParallelSize=2",
+                       "--set", "prefill.gpu=auto", "--set", "decode.gpu=3")
+    gpus = {component: engine_pod(manifests, component)[0]["resources"]["limits"]
+            for component in ("prefill", "decode")}
+    assert (gpus["prefill"]["nvidia.com/gpu"], gpus["decode"]["nvidia.com/gpu"]) == (2, 3)
+    for component in ("prefill", "decode"):
+        assert engine_pod(manifests, component)[1]["PDMESH_TENSOR_PARALLEL_SIZE"] == "2"
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_a_tensor_parallel_cpu_pool_asks_for_no_gpu(render) -> None:
+    """gpu: 0 is a CPU pool whatever its tensorParallelSize: no GPU limit, no GPU toleration,
+    the device left to the engine; its ranks split the engine's CPU threads."""
+    manifests = render("default", "--set", "engine.settings.tensorParallelSize=2")
+    for component in ("prefill", "decode"):
+        c, env = engine_pod(manifests, component)
+        assert "nvidia.com/gpu" not in c["resources"]["limits"]
+        assert not workload(manifests, component)["spec"]["template"]["spec"].get("tolerations")
+        assert env["PDMESH_TENSOR_PARALLEL_SIZE"] == "2" and env["PDMESH_DEVICE"] == "auto"
+
+
 @pytest.mark.processes
 @pytest.mark.slow
 def test_redis_built_in_or_external(render) -> None:
@@ -909,6 +970,12 @@ def test_pods_run_unprivileged_with_memory_limits(render, variant: str) -> None:
         (["--set", "decode.role=colocated", "--set", "decode.metricsPort=50052"],
          "decode.kvPort and decode.metricsPort"),
         (["--set", "prefill.metricsPort=0"], "metricsPort"),
+        # fewer GPUs than tensor-parallel ranks, set on the pool or shared
+        (["--set", "decode.gpu=1", "--set", "decode.engine.tensorParallelSize=2"],
+         "decode.gpu (1) is less than its tensorParallelSize (2)"),
+        (["--set", "prefill.gpu=2", "--set", "engine.settings.tensorParallelSize=4"],
+         "prefill.gpu (2) is less than its tensorParallelSize (4)"),
+        (["--set", "prefill.gpu=all"], "gpu"),
     ],
 )
 def test_bad_values_fail_with_a_message(helm: str, args: list[str], message: str) -> None:

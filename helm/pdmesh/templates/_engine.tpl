@@ -10,7 +10,7 @@ registry, which is how the router finds it; a restarted pod re-registers with a 
 {{- $v := .values }}
 {{- $isPrefill := eq .component "prefill" }}
 {{- $servesKV := or $isPrefill (eq (toString $v.role) "colocated") }}
-{{- $gpu := int $v.gpu }}
+{{- $gpu := int (include "pdmesh.engineGpus" .) }}
 {{- $ports := dict (printf "%s.port" .component) $v.port (printf "%s.metricsPort" .component) $v.metricsPort }}
 {{- if $servesKV }}
 {{- $_ := set $ports (printf "%s.kvPort" .component) $v.kvPort }}
@@ -176,7 +176,7 @@ as pdmesh.engineDeployment.
 */}}
 {{- define "pdmesh.engineSettingsEnv" -}}
 {{- $settings := merge (deepCopy (.values.engine | default dict)) (deepCopy .root.Values.engine.settings) }}
-{{- if gt (int .values.gpu) 0 }}
+{{- if gt (int (include "pdmesh.engineGpus" .)) 0 }}
 {{- $_ := set $settings "device" "cuda" }}
 {{- end }}
 {{- range $key := keys $settings | sortAlpha }}
@@ -185,5 +185,26 @@ as pdmesh.engineDeployment.
 - name: PDMESH_{{ $key | snakecase | upper }}
   value: {{ $value | quote }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The GPUs of one pod of a pool (its nvidia.com/gpu limit; 0 = a CPU pool). An engine with
+tensor parallelism runs one rank per GPU, so `gpu: auto` asks for the pool's
+tensorParallelSize of them, and an explicit count below it fails here rather than in a pod
+that cannot start. Takes the same dict as pdmesh.engineDeployment.
+*/}}
+{{- define "pdmesh.engineGpus" -}}
+{{- $v := .values }}
+{{- /* the pool's value, else the shared one, as pdmesh.engineSettingsEnv merges them */}}
+{{- $tp := int (coalesce (get ($v.engine | default dict) "tensorParallelSize") .root.Values.engine.settings.tensorParallelSize 1) }}
+{{- if eq (toString $v.gpu) "auto" }}
+{{- $tp }}
+{{- else }}
+{{- $gpu := int $v.gpu }}
+{{- if and (gt $gpu 0) (lt $gpu $tp) }}
+{{- fail (printf "pdmesh: %s.gpu (%d) is less than its tensorParallelSize (%d): an engine runs one rank per GPU; set %s.gpu to %d or auto (= tensorParallelSize), or 0 for a CPU pool" .component $gpu $tp .component $tp) }}
+{{- end }}
+{{- $gpu }}
 {{- end }}
 {{- end }}

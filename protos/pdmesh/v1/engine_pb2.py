@@ -26,53 +26,53 @@ from pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 from pdmesh.v1 import kv_transfer_pb2 as pdmesh_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/engine.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x1bpdmesh/v1/kv_transfer.proto\"\xfc\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x17hash_scheme_fingerprint\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bkv_backends\x18\x08 \x03(\t\x12\x11\n\tselfcheck\x18\t \x01(\t\x12\x1b\n\x13selfcheck_fallbacks\x18\n \x03(\t\"\x10\n\x0eGetInfoRequest\"\xf2\x03\n\nEngineLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x08 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfers_sent\x18\r \x01(\x04\x12\x1d\n\x15kv_transfers_received\x18\x0e \x01(\x04\x12\x11\n\tnum_steps\x18\x0f \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x10 \x01(\x01\x12\x18\n\x10scheduled_tokens\x18\x11 \x01(\x04\x12\x12\n\nmax_step_s\x18\x12 \x01(\x02\x12\x15\n\rcore_silent_s\x18\x13 \x01(\x02\x12\x14\n\x0c\x63ore_stalled\x18\x14 \x01(\x08\"\x10\n\x0eGetLoadRequest\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xf7\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x66irst\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.SequenceDelta\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"l\n\x0fPrefillProgress\x12!\n\x02kv\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KVHandleH\x00\x12*\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.pdmesh.v1.PrefillResponseH\x00\x42\n\n\x08progress\"Z\n\x12PrefillDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x0eremote_prefill\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.RemotePrefill\"\'\n\x13PrefillDoneResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"K\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xbc\x01\n\rRemotePrefill\x12\x1f\n\x02kv\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\'\n\x05\x66irst\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.SequenceDelta\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x31\n\ncapability\x18\x04 \x01(\x0b\x32\x1d.pdmesh.v1.TransferCapability\x12\x10\n\x08streamed\x18\x05 \x01(\x08\"\xee\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x30\n\x0eremote_prefill\x18\x06 \x01(\x0b\x32\x18.pdmesh.v1.RemotePrefill\x12*\n\x06resume\x18\x07 \x03(\x0b\x32\x1a.pdmesh.v1.ResumedSequence\"S\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"\xa5\x01\n\x0e\x44\x65\x63odeResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.SequenceDeltaH\x00\x12)\n\x06result\x18\x02 \x01(\x0b\x32\x17.pdmesh.v1.DecodeResultH\x00\x12\x34\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.PromptLogprobsH\x00\x42\x07\n\x05\x65vent\"\xb3\x01\n\x0c\x44\x65\x63odeResult\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x18\n\x10kv_load_fallback\x18\x05 \x01(\t*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x93\x03\n\x07Prefill\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillProgress0\x01\x12\x46\n\tReleaseKV\x12\x1b.pdmesh.v1.ReleaseKVRequest\x1a\x1c.pdmesh.v1.ReleaseKVResponse\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pdmesh.v1.GetLoadRequest\x1a\x15.pdmesh.v1.EngineLoad\x12;\n\x07GetInfo\x12\x19.pdmesh.v1.GetInfoRequest\x1a\x15.pdmesh.v1.EngineInfo2\xcd\x02\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12L\n\x0bPrefillDone\x12\x1d.pdmesh.v1.PrefillDoneRequest\x1a\x1e.pdmesh.v1.PrefillDoneResponse\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pdmesh.v1.GetLoadRequest\x1a\x15.pdmesh.v1.EngineLoad\x12;\n\x07GetInfo\x12\x19.pdmesh.v1.GetInfoRequest\x1a\x15.pdmesh.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/engine.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x1bpdmesh/v1/kv_transfer.proto\"\xfc\x01\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x17hash_scheme_fingerprint\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bkv_backends\x18\x08 \x03(\t\x12\x11\n\tselfcheck\x18\t \x01(\t\x12\x1b\n\x13selfcheck_fallbacks\x18\n \x03(\t\"\x10\n\x0eGetInfoRequest\"\x96\x04\n\nEngineLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x08 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfers_sent\x18\r \x01(\x04\x12\x1d\n\x15kv_transfers_received\x18\x0e \x01(\x04\x12\x11\n\tnum_steps\x18\x0f \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x10 \x01(\x01\x12\x18\n\x10scheduled_tokens\x18\x11 \x01(\x04\x12\x12\n\nmax_step_s\x18\x12 \x01(\x02\x12\x15\n\rcore_silent_s\x18\x13 \x01(\x02\x12\x14\n\x0c\x63ore_stalled\x18\x14 \x01(\x08\x12\"\n\x1amodel_prefill_tokens_per_s\x18\x15 \x01(\x02\"\x10\n\x0eGetLoadRequest\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xf7\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x66irst\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.SequenceDelta\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"l\n\x0fPrefillProgress\x12!\n\x02kv\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KVHandleH\x00\x12*\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.pdmesh.v1.PrefillResponseH\x00\x42\n\n\x08progress\"Z\n\x12PrefillDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x0eremote_prefill\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.RemotePrefill\"\'\n\x13PrefillDoneResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"K\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xbc\x01\n\rRemotePrefill\x12\x1f\n\x02kv\x18\x01 \x01(\x0b\x32\x13.pdmesh.v1.KVHandle\x12\'\n\x05\x66irst\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.SequenceDelta\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x31\n\ncapability\x18\x04 \x01(\x0b\x32\x1d.pdmesh.v1.TransferCapability\x12\x10\n\x08streamed\x18\x05 \x01(\x08\"\xee\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x30\n\x0eremote_prefill\x18\x06 \x01(\x0b\x32\x18.pdmesh.v1.RemotePrefill\x12*\n\x06resume\x18\x07 \x03(\x0b\x32\x1a.pdmesh.v1.ResumedSequence\"S\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"\xa5\x01\n\x0e\x44\x65\x63odeResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.SequenceDeltaH\x00\x12)\n\x06result\x18\x02 \x01(\x0b\x32\x17.pdmesh.v1.DecodeResultH\x00\x12\x34\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.PromptLogprobsH\x00\x42\x07\n\x05\x65vent\"\xb3\x01\n\x0c\x44\x65\x63odeResult\x12\x1f\n\x05usage\x18\x01 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x18\n\x10kv_load_fallback\x18\x05 \x01(\t*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x93\x03\n\x07Prefill\x12@\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse\x12H\n\rPrefillStream\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillProgress0\x01\x12\x46\n\tReleaseKV\x12\x1b.pdmesh.v1.ReleaseKVRequest\x1a\x1c.pdmesh.v1.ReleaseKVResponse\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pdmesh.v1.GetLoadRequest\x1a\x15.pdmesh.v1.EngineLoad\x12;\n\x07GetInfo\x12\x19.pdmesh.v1.GetInfoRequest\x1a\x15.pdmesh.v1.EngineInfo2\xcd\x02\n\x06\x44\x65\x63ode\x12?\n\x06\x44\x65\x63ode\x12\x18.pdmesh.v1.DecodeRequest\x1a\x19.pdmesh.v1.DecodeResponse0\x01\x12L\n\x0bPrefillDone\x12\x1d.pdmesh.v1.PrefillDoneRequest\x1a\x1e.pdmesh.v1.PrefillDoneResponse\x12:\n\x05\x41\x62ort\x12\x17.pdmesh.v1.AbortRequest\x1a\x18.pdmesh.v1.AbortResponse\x12;\n\x07GetLoad\x12\x19.pdmesh.v1.GetLoadRequest\x1a\x15.pdmesh.v1.EngineLoad\x12;\n\x07GetInfo\x12\x19.pdmesh.v1.GetInfoRequest\x1a\x15.pdmesh.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2590
-  _globals['_ROLE']._serialized_end=2673
+  _globals['_ROLE']._serialized_start=2626
+  _globals['_ROLE']._serialized_end=2709
   _globals['_ENGINEINFO']._serialized_start=91
   _globals['_ENGINEINFO']._serialized_end=343
   _globals['_GETINFOREQUEST']._serialized_start=345
   _globals['_GETINFOREQUEST']._serialized_end=361
   _globals['_ENGINELOAD']._serialized_start=364
-  _globals['_ENGINELOAD']._serialized_end=862
-  _globals['_GETLOADREQUEST']._serialized_start=864
-  _globals['_GETLOADREQUEST']._serialized_end=880
-  _globals['_ABORTREQUEST']._serialized_start=882
-  _globals['_ABORTREQUEST']._serialized_end=932
-  _globals['_ABORTRESPONSE']._serialized_start=934
-  _globals['_ABORTRESPONSE']._serialized_end=964
-  _globals['_PREFILLREQUEST']._serialized_start=967
-  _globals['_PREFILLREQUEST']._serialized_end=1112
-  _globals['_PREFILLRESPONSE']._serialized_start=1115
-  _globals['_PREFILLRESPONSE']._serialized_end=1362
-  _globals['_PREFILLPROGRESS']._serialized_start=1364
-  _globals['_PREFILLPROGRESS']._serialized_end=1472
-  _globals['_PREFILLDONEREQUEST']._serialized_start=1474
-  _globals['_PREFILLDONEREQUEST']._serialized_end=1564
-  _globals['_PREFILLDONERESPONSE']._serialized_start=1566
-  _globals['_PREFILLDONERESPONSE']._serialized_end=1605
-  _globals['_RELEASEKVREQUEST']._serialized_start=1607
-  _globals['_RELEASEKVREQUEST']._serialized_end=1682
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1684
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1721
-  _globals['_REMOTEPREFILL']._serialized_start=1724
-  _globals['_REMOTEPREFILL']._serialized_end=1912
-  _globals['_DECODEREQUEST']._serialized_start=1915
-  _globals['_DECODEREQUEST']._serialized_end=2153
-  _globals['_RESUMEDSEQUENCE']._serialized_start=2155
-  _globals['_RESUMEDSEQUENCE']._serialized_end=2238
-  _globals['_DECODERESPONSE']._serialized_start=2241
-  _globals['_DECODERESPONSE']._serialized_end=2406
-  _globals['_DECODERESULT']._serialized_start=2409
-  _globals['_DECODERESULT']._serialized_end=2588
-  _globals['_PREFILL']._serialized_start=2676
-  _globals['_PREFILL']._serialized_end=3079
-  _globals['_DECODE']._serialized_start=3082
-  _globals['_DECODE']._serialized_end=3415
+  _globals['_ENGINELOAD']._serialized_end=898
+  _globals['_GETLOADREQUEST']._serialized_start=900
+  _globals['_GETLOADREQUEST']._serialized_end=916
+  _globals['_ABORTREQUEST']._serialized_start=918
+  _globals['_ABORTREQUEST']._serialized_end=968
+  _globals['_ABORTRESPONSE']._serialized_start=970
+  _globals['_ABORTRESPONSE']._serialized_end=1000
+  _globals['_PREFILLREQUEST']._serialized_start=1003
+  _globals['_PREFILLREQUEST']._serialized_end=1148
+  _globals['_PREFILLRESPONSE']._serialized_start=1151
+  _globals['_PREFILLRESPONSE']._serialized_end=1398
+  _globals['_PREFILLPROGRESS']._serialized_start=1400
+  _globals['_PREFILLPROGRESS']._serialized_end=1508
+  _globals['_PREFILLDONEREQUEST']._serialized_start=1510
+  _globals['_PREFILLDONEREQUEST']._serialized_end=1600
+  _globals['_PREFILLDONERESPONSE']._serialized_start=1602
+  _globals['_PREFILLDONERESPONSE']._serialized_end=1641
+  _globals['_RELEASEKVREQUEST']._serialized_start=1643
+  _globals['_RELEASEKVREQUEST']._serialized_end=1718
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1720
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1757
+  _globals['_REMOTEPREFILL']._serialized_start=1760
+  _globals['_REMOTEPREFILL']._serialized_end=1948
+  _globals['_DECODEREQUEST']._serialized_start=1951
+  _globals['_DECODEREQUEST']._serialized_end=2189
+  _globals['_RESUMEDSEQUENCE']._serialized_start=2191
+  _globals['_RESUMEDSEQUENCE']._serialized_end=2274
+  _globals['_DECODERESPONSE']._serialized_start=2277
+  _globals['_DECODERESPONSE']._serialized_end=2442
+  _globals['_DECODERESULT']._serialized_start=2445
+  _globals['_DECODERESULT']._serialized_end=2624
+  _globals['_PREFILL']._serialized_start=2712
+  _globals['_PREFILL']._serialized_end=3115
+  _globals['_DECODE']._serialized_start=3118
+  _globals['_DECODE']._serialized_end=3451
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("instance_id", "role", "num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_total_blocks", "num_pinned_blocks", "prefix_hit_tokens", "prefix_query_tokens", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_sent", "kv_transfers_received", "num_steps", "step_seconds", "scheduled_tokens", "max_step_s", "core_silent_s", "core_stalled")
+    __slots__ = ("instance_id", "role", "num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_total_blocks", "num_pinned_blocks", "prefix_hit_tokens", "prefix_query_tokens", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_sent", "kv_transfers_received", "num_steps", "step_seconds", "scheduled_tokens", "max_step_s", "core_silent_s", "core_stalled", "model_prefill_tokens_per_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class EngineLoad(_message.Message):
     MAX_STEP_S_FIELD_NUMBER: _ClassVar[int]
     CORE_SILENT_S_FIELD_NUMBER: _ClassVar[int]
     CORE_STALLED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     num_running: int
@@ -90,7 +91,8 @@ class EngineLoad(_message.Message):
     max_step_s: float
     core_silent_s: float
     core_stalled: bool
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., scheduled_tokens: _Optional[int] = ..., max_step_s: _Optional[float] = ..., core_silent_s: _Optional[float] = ..., core_stalled: _Optional[bool] = ...) -> None: ...
+    model_prefill_tokens_per_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., scheduled_tokens: _Optional[int] = ..., max_step_s: _Optional[float] = ..., core_silent_s: _Optional[float] = ..., core_stalled: _Optional[bool] = ..., model_prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
