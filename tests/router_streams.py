@@ -85,3 +85,17 @@ def run_stream(address: str, prompt: list[int], params: common_pb2.SamplingParam
                 stream.started.set()
     stream.started.set()
     return stream
+
+
+def generate_greedy(address: str, ids: list[int], max_tokens: int
+                    ) -> tuple[list[int], router_pb2.GenerateResult]:
+    """One greedy request of `max_tokens` (EOS ignored), unary: its tokens and its result."""
+    with grpc.insecure_channel(address) as channel:
+        router = router_pb2_grpc.RouterStub(channel)
+        request = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True))
+        replies = list(router.Generate(request, timeout=300))
+    tokens = [t for r in replies if r.HasField("delta") for t in r.delta.token_ids]
+    return tokens, next(r.result for r in replies if r.HasField("result"))

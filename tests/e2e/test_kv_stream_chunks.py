@@ -28,8 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.serve import Child, LocalMesh, MeshConfig
-from pdmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from pdmesh.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.polling import wait_for
+from tests.router_streams import generate_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
@@ -90,15 +91,7 @@ def colocated(llm, ids: list[int]) -> list[int]:
 
 
 def generate(mesh: LocalMesh, ids: list[int]) -> tuple[list[int], router_pb2.GenerateResult]:
-    with grpc.insecure_channel(mesh.router_address) as channel:
-        router = router_pb2_grpc.RouterStub(channel)
-        request = router_pb2.GenerateRequest(
-            token_ids=router_pb2.TokenIds(ids=ids),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True))
-        replies = list(router.Generate(request, timeout=300))
-    tokens = [t for r in replies if r.HasField("delta") for t in r.delta.token_ids]
-    return tokens, next(r.result for r in replies if r.HasField("result"))
+    return generate_greedy(mesh.router_address, ids, MAX_TOKENS)
 
 
 def wait_routable(mesh: LocalMesh, count: int) -> None:

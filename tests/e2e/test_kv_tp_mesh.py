@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.serve import Child, LocalMesh, MeshConfig
-from pdmesh.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
+from pdmesh.v1 import engine_pb2, router_pb2, router_pb2_grpc
 from tests.near_tie import assert_same_or_near_tie, model_vocab_size
 from tests.polling import wait_for
-from tests.router_streams import PROMPTS, Stream, mixed_sampling, run_stream
+from tests.router_streams import PROMPTS, Stream, generate_greedy, mixed_sampling, run_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.processes, pytest.mark.weights, pytest.mark.redis]
@@ -49,12 +49,9 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
                         kv_cache_memory=KV_MEMORY, local_prefill_threshold=0,
                         routing_policy="round_robin", prefill_tensor_parallel_size=prefill_tp,
                         decode_tensor_parallel_size=decode_tp)
-    local = LocalMesh(config, router_args=["--poll-interval-s", "0.2", "--migration-limit", "3"])
-    local.start()
-    try:
+    with LocalMesh(config, router_args=["--poll-interval-s", "0.2", "--migration-limit",
+                                        "3"]) as local:
         yield local
-    finally:
-        local.stop()
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +86,7 @@ def wait_routable(mesh: LocalMesh) -> None:
 
 
 def generate(mesh: LocalMesh, ids: list[int]) -> tuple[list[int], router_pb2.GenerateResult]:
-    with grpc.insecure_channel(mesh.router_address) as channel:
-        router = router_pb2_grpc.RouterStub(channel)
-        request = router_pb2.GenerateRequest(
-            token_ids=router_pb2.TokenIds(ids=ids),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True))
-        replies = list(router.Generate(request, timeout=300))
-    tokens = [t for r in replies if r.HasField("delta") for t in r.delta.token_ids]
-    return tokens, next(r.result for r in replies if r.HasField("result"))
+    return generate_greedy(mesh.router_address, ids, MAX_TOKENS)
 
 
 def test_a_prompt_moves_between_tensor_parallel_sizes_and_decodes_as_one_rank(

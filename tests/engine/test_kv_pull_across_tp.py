@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import msgspec
 import pytest
 import torch
 
@@ -23,8 +22,11 @@ from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.grant_mac import new_key, sign
+from pdmesh.kvstore.connector.grant_mac import new_key
 from pdmesh.kvstore.connector.source import KVSource, LoadResult, encode_blocks
+from tests.core_pulls import decode_with as pulled
+from tests.core_pulls import granted, lend, run
+from tests.core_pulls import greedy as greedy_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 
@@ -66,40 +68,18 @@ def want() -> list[int]:
 
 
 def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def run(e: LLMEngine) -> list[int]:
-    last = None
-    while e.has_unfinished_requests():
-        for out in e.step():
-            last = out
-    assert last is not None
-    return list(last.outputs[0].token_ids)
+    return greedy_for(MAX_TOKENS)
 
 
 def export(prefill: LLMEngine, rid: str, ids: list[int]) -> tuple[int, KVSource, list[int]]:
-    """Prefill `ids` with export_kv; its first token and the source a decode core pulls."""
-    prefill.add(EngineRequest(rid, ids, greedy(), export_kv=True))
-    first = run(prefill)
-    lent = prefill.core.requests[rid].kv_export
-    assert lent is not None
-    info = prefill.core.export_kv(rid)
-    facts = prefill.core.info()
-    params = {"cache": facts.kv_cache_file, "num_blocks": str(facts.num_total_blocks),
-              "blocks": encode_blocks(lent.block_ids)}
-    source = KVSource("shm", params, info.block_checksums, info.checksum_algo, len(ids),
-                      facts.kv_shape, facts.kv_dtype)
-    return first[0], source, list(lent.block_ids)
+    """Prefill `ids` with export_kv; its first token and the shm source a decode core pulls."""
+    lent = lend(prefill, rid, ids, greedy())
+    return lent.first, lent.source, lent.block_ids
 
 
 def decode_with(decode: LLMEngine, rid: str, ids: list[int], first: int,
                 source: KVSource) -> tuple[list[int], LoadResult]:
-    state = decode.add(EngineRequest(rid, ids, greedy(), given_tokens=[[first]],
-                                     kv_source=source))
-    tokens = run(decode)
-    assert state.kv_load is not None
-    return tokens, state.kv_load
+    return pulled(decode, rid, ids, first, source, greedy())
 
 
 def test_a_tensor_parallel_core_names_one_cache_file_per_rank(engines, shm_dir) -> None:
@@ -112,27 +92,7 @@ def test_a_tensor_parallel_core_names_one_cache_file_per_rank(engines, shm_dir) 
 
 def over_tcp(prefill: LLMEngine, rid: str, source: KVSource) -> KVSource:
     """`source` as the tcp plane's StartTransfer reply would give it (a signed grant)."""
-    grant, transfer = "g" * 32, "t" * 32
-    connector = prefill.core.connector
-    return msgspec.structs.replace(source, backend="tcp", params={
-        "address": connector.block_server_address, "request": rid, "transfer": transfer,
-        "grant": grant, "mac": sign(connector.config.grant_secret, rid, transfer, grant)})
-
-
-@pytest.mark.parametrize(("src", "dst"), [(2, 1), (1, 2), (2, 3)])  # TP 2->1, 1->2, 2->2
-def test_kv_moves_between_tensor_parallel_sizes(engines, want, src: int, dst: int) -> None:
-    prefill, decode = engines[src], engines[dst]
-    ids = prefill.tokenize(PROMPT)[1]
-    rid = f"{src}to{dst}"
-    assert decode.core.kv_manager.pool.reset_prefix_cache()  # pull every block
-    free_before = decode.num_free_blocks
-    first, source, _ = export(prefill, f"p{rid}", ids)
-    got, load = decode_with(decode, f"d{rid}", ids, first, source)
-    assert not load.error, load.error
-    assert (load.reused_blocks, load.pulled_blocks) == (0, -(-len(ids) // BLOCK))
-    assert got == want
-    assert prefill.core.release_kv(f"p{rid}")
-    assert decode.num_free_blocks == free_before
+    return granted(prefill, source, "tcp", prefill.core.connector.block_server_address, rid)
 
 
 @pytest.mark.parametrize(("src", "dst"), [(2, 1), (1, 2), (2, 3)])

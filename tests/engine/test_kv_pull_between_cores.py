@@ -19,8 +19,10 @@ from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.grant_mac import new_key, sign
-from pdmesh.kvstore.connector.source import KVSource, LoadResult, encode_blocks
+from pdmesh.kvstore.connector.grant_mac import new_key
+from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from tests.core_pulls import decode_with as pulled
+from tests.core_pulls import granted, greedy, lend, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
@@ -44,41 +46,15 @@ def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     decode.core.close()
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def run(e: LLMEngine) -> list[int]:
-    last = None
-    while e.has_unfinished_requests():
-        for out in e.step():
-            last = out
-    assert last is not None
-    return list(last.outputs[0].token_ids)
-
-
 def export(prefill: LLMEngine, rid: str, ids: list[int]) -> tuple[int, KVSource, list[int]]:
     """Prefill `ids` with export_kv; its first token and the source a decode core pulls."""
-    prefill.add(EngineRequest(rid, ids, greedy(), export_kv=True))
-    first = run(prefill)
-    lent = prefill.core.requests[rid].kv_export
-    assert lent is not None
-    info = prefill.core.export_kv(rid)  # lent: the id is free, the blocks pinned
-    facts = prefill.core.info()
-    params = {"cache": facts.kv_cache_file, "num_blocks": str(facts.num_total_blocks),
-              "blocks": encode_blocks(lent.block_ids)}
-    source = KVSource("shm", params, info.block_checksums, info.checksum_algo, len(ids),
-                      facts.kv_shape, facts.kv_dtype)
-    return first[0], source, list(lent.block_ids)
+    lent = lend(prefill, rid, ids, greedy(MAX_TOKENS))
+    return lent.first, lent.source, lent.block_ids
 
 
 def decode_with(decode: LLMEngine, rid: str, ids: list[int], first: int,
                 source: KVSource) -> tuple[list[int], LoadResult]:
-    state = decode.add(EngineRequest(rid, ids, greedy(), given_tokens=[[first]],
-                                     kv_source=source))
-    tokens = run(decode)  # the outputs carry the given first token too
-    assert state.kv_load is not None  # the core pulled on its connector's thread
-    return tokens, state.kv_load
+    return pulled(decode, rid, ids, first, source, greedy(MAX_TOKENS))
 
 
 def test_pull_over_shm_equals_undisturbed_run_and_pulls_only_missing_blocks(pair) -> None:
@@ -86,7 +62,7 @@ def test_pull_over_shm_equals_undisturbed_run_and_pulls_only_missing_blocks(pair
     ids = prefill.tokenize(PROMPT)[1]
     reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="48MiB",
                                        engine_core_process=False))
-    reference.add(EngineRequest("ref", ids, greedy()))
+    reference.add(EngineRequest("ref", ids, greedy(MAX_TOKENS)))
     want = run(reference)
     reference.core.close()
 
@@ -115,11 +91,8 @@ def test_pull_over_tcp_with_half_the_prompt_cached(pair) -> None:
     decode.add(EngineRequest("warm", half, SamplingParams(temperature=0.0, max_tokens=1)))
     run(decode)
     first, shm_source, _ = export(prefill, "p3", ids)
-    grant = "g" * 32
-    tcp = msgspec.structs.replace(shm_source, backend="tcp", params={
-        "address": prefill.core.connector.block_server_address, "request": "p3",
-        "transfer": "t" * 32, "grant": grant,
-        "mac": sign(prefill.core.connector.config.grant_secret, "p3", "t" * 32, grant)})
+    tcp = granted(prefill, shm_source, "tcp", prefill.core.connector.block_server_address,
+                  "p3")
     got, load = decode_with(decode, "d3", ids, first, tcp)
     assert not load.error, load.error
     assert load.reused_blocks == len(half) // 16
@@ -138,7 +111,7 @@ def test_corrupt_source_block_falls_back_to_recompute(pair) -> None:
     assert load.reason == "checksum" and load.pulled_blocks == 0
     reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="48MiB",
                                        engine_core_process=False))
-    reference.add(EngineRequest("ref", ids, greedy()))
+    reference.add(EngineRequest("ref", ids, greedy(MAX_TOKENS)))
     assert got == run(reference)  # recomputed here: the same tokens
     reference.core.close()
     assert prefill.core.release_kv("p4")
@@ -162,9 +135,9 @@ def test_a_stalled_pull_does_not_stop_other_requests_and_then_recomputes(pair) -
     # (3 s did not, at a load average of 5 on 2 CPUs); the test waits it out once.
     source, listener = silent_source(shm_source, deadline_s=10.0)
     try:
-        state = decode.add(EngineRequest("d5", ids, greedy(), given_tokens=[[first]],
+        state = decode.add(EngineRequest("d5", ids, greedy(MAX_TOKENS), given_tokens=[[first]],
                                          kv_source=source))
-        other = decode.add(EngineRequest("o5", ids[:20], greedy()))
+        other = decode.add(EngineRequest("o5", ids[:20], greedy(MAX_TOKENS)))
         steps = 0
         while not other.finished:  # the pull blocks on a silent socket meanwhile
             decode.step()
@@ -187,7 +160,7 @@ def test_an_abort_while_pulling_returns_the_blocks_once_the_pull_stops(pair) -> 
     source, listener = silent_source(shm_source, deadline_s=1.0)
     free_before = decode.num_free_blocks
     try:
-        decode.add(EngineRequest("d6", ids, greedy(), given_tokens=[[first]],
+        decode.add(EngineRequest("d6", ids, greedy(MAX_TOKENS), given_tokens=[[first]],
                                  kv_source=source))
         assert decode.num_free_blocks < free_before  # blocks held for the pull
         assert decode.abort_request("d6")

@@ -19,8 +19,10 @@ from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector import ucx_blocks
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.grant_mac import new_key, sign
+from pdmesh.kvstore.connector.grant_mac import new_key
 from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from tests.core_pulls import decode_with as pulled
+from tests.core_pulls import granted, greedy, lend, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights,
               pytest.mark.skipif(ucx_blocks.unavailable_reason() is not None,
@@ -28,7 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.weights,
 
 PROMPT = "Rivers carve valleys over thousands of years, and the sea takes what they carry; " * 4
 MAX_TOKENS = 10
-TRANSFER = "t" * 32
 
 
 def engine() -> LLMEngine:
@@ -46,41 +47,17 @@ def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     decode.core.close()
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def run(e: LLMEngine) -> list[int]:
-    last = None
-    while e.has_unfinished_requests():
-        for out in e.step():
-            last = out
-    assert last is not None
-    return list(last.outputs[0].token_ids)
-
-
 def export(prefill: LLMEngine, rid: str, ids: list[int], grant: str) -> tuple[int, KVSource]:
     """Prefill `ids` with export_kv; its first token and the ucxx source a decode core pulls."""
-    prefill.add(EngineRequest(rid, ids, greedy(), export_kv=True))
-    first = run(prefill)
-    info = prefill.core.export_kv(rid)
-    facts = prefill.core.info()
-    connector = prefill.core.connector
-    assert connector.ucx_address
-    params = {"address": connector.ucx_address, "request": rid, "transfer": TRANSFER,
-              "grant": grant, "mac": sign(connector.config.grant_secret, rid, TRANSFER, grant)}
-    source = KVSource("ucxx", params, info.block_checksums, info.checksum_algo, len(ids),
-                      facts.kv_shape, facts.kv_dtype)
-    return first[0], source
+    lent = lend(prefill, rid, ids, greedy(MAX_TOKENS))
+    address = prefill.core.connector.ucx_address
+    assert address
+    return lent.first, granted(prefill, lent.source, "ucxx", address, rid, grant)
 
 
 def decode_with(decode: LLMEngine, rid: str, ids: list[int], first: int,
                 source: KVSource) -> tuple[list[int], LoadResult]:
-    state = decode.add(EngineRequest(rid, ids, greedy(), given_tokens=[[first]],
-                                     kv_source=source))
-    tokens = run(decode)
-    assert state.kv_load is not None
-    return tokens, state.kv_load
+    return pulled(decode, rid, ids, first, source, greedy(MAX_TOKENS))
 
 
 def test_pull_over_ucx_equals_undisturbed_run_and_pulls_only_missing_blocks(pair) -> None:
@@ -90,7 +67,7 @@ def test_pull_over_ucx_equals_undisturbed_run_and_pulls_only_missing_blocks(pair
         ids = ids[:-1]
     reference = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory="48MiB",
                                        engine_core_process=False))
-    reference.add(EngineRequest("ref", ids, greedy()))
+    reference.add(EngineRequest("ref", ids, greedy(MAX_TOKENS)))
     want = run(reference)
     reference.core.close()
 

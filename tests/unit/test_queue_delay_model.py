@@ -27,11 +27,10 @@ from pdmesh.metrics import EngineCollector, EngineState
 from pdmesh.router.admission import OverCapacity
 from pdmesh.router.queue_delay import QueueDelay, Worker
 from pdmesh.v1 import engine_pb2
+from tests.unit.test_step_budget import TRUE, K
 
 pytestmark = pytest.mark.fast
 
-K = 3.3e-4
-TRUE = StepCost(base_s=0.004, per_token_s=0.0003, per_row_s=0.001, per_pair_s=K * 0.0003)
 
 
 def trained_model(steps: int = 300) -> StepCostModel:
