@@ -55,14 +55,26 @@ def tokenizer_dir() -> Path:
     return resolve_model("smollm2")
 
 
-def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0,
-                       tokenizer: bool = True, **overrides: Any) -> Path:
-    """A checkpoint of `shape` (with `overrides`) and random weights in `dest`, float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+"""The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases."""
 
-    config = LlamaConfig(**{**SHAPES[shape], **overrides})
+
+def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0,
+                       tokenizer: bool = True, architecture: str = "llama",
+                       **overrides: Any) -> Path:
+    """A checkpoint of `shape` (with `overrides`) and random weights in `dest`, float32, as
+    transformers' `architecture` (one of ARCHITECTURES) writes it."""
+    import transformers
+
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[architecture]
+    config = getattr(transformers, f"{name}Config")(**{**SHAPES[shape], **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    if architecture == "qwen2":  # transformers zeroes biases: make them count
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    module.bias.normal_(0.0, 0.02)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
     if tokenizer:
