@@ -19,6 +19,7 @@ itself, so engines of any two layouts agree on what a block's bytes are.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,10 +76,17 @@ class RankCaches:
 
     def plan_from(self, source: RankCaches) -> list[HeadCopy]:
         """Which source rank's heads fill which of ours."""
-        shape = self.shape or source.shape
-        if shape is None:  # one rank each side: every head, rank 0 to rank 0
-            return [HeadCopy(0, 0, Span(0, self.num_kv_heads), 0, 0)]
-        return kv_head_plan(shape, source.world, self.world)
+        return _plan(self.shape or source.shape, self.num_kv_heads, source.world, self.world)
+
+    @functools.cached_property
+    def to_whole(self) -> list[HeadCopy]:
+        """Where each head of the canonical block is read from (its first holder)."""
+        return _plan(self.shape, self.num_kv_heads, self.world, 1)
+
+    @functools.cached_property
+    def from_whole(self) -> list[HeadCopy]:
+        """Which heads of the canonical block each rank holds (replicas included)."""
+        return _plan(self.shape, self.num_kv_heads, 1, self.world)
 
     def canonical(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks with every KV head once, in model order, on rank 0's device:
@@ -87,12 +95,11 @@ class RankCaches:
         layers, _, _, block_size, _, head_dim = first.shape
         out = first.new_empty((layers, 2, len(block_ids), block_size, self.num_kv_heads,
                                head_dim))
-        whole = RankCaches((out,), self.shape)
-        for copy in whole.plan_from(self):
+        for copy in self.to_whole:
             src = self.caches[copy.src_rank]
             ids = torch.tensor(list(block_ids), device=src.device)
             n = copy.heads.size
-            picked = src.index_select(2, ids)[..., copy.src_offset:copy.src_offset + n, :]
+            picked = src[..., copy.src_offset:copy.src_offset + n, :].index_select(2, ids)
             out[..., copy.dst_offset:copy.dst_offset + n, :] = picked.to(out.device)
         return out
 
@@ -106,7 +113,7 @@ class RankCaches:
         """`out` (`[n, block_size, num_kv_heads, head_dim]`, any device) = the canonical
         (layer, K/V) piece of blocks start..start+n: what a block server sends of them."""
         n = out.shape[0]
-        for copy in _to_whole(self):
+        for copy in self.to_whole:
             k = copy.heads.size
             src = self.caches[copy.src_rank][layer, kv, start:start + n]
             out[..., copy.dst_offset:copy.dst_offset + k, :].copy_(
@@ -116,7 +123,7 @@ class RankCaches:
         """Blocks start..start+n of every rank = their heads of the canonical `piece`: what a
         pull received of them."""
         n = piece.shape[0]
-        for copy in _from_whole(self):
+        for copy in self.from_whole:
             k = copy.heads.size
             dst = self.caches[copy.dst_rank][layer, kv, start:start + n]
             dst[..., copy.dst_offset:copy.dst_offset + k, :].copy_(
@@ -134,18 +141,12 @@ class RankCaches:
         return sums
 
 
-def _to_whole(ranks: RankCaches) -> list[HeadCopy]:
-    """Where each head of the canonical block is read from (its first holder)."""
-    if ranks.shape is None:
-        return [HeadCopy(0, 0, Span(0, ranks.num_kv_heads), 0, 0)]
-    return kv_head_plan(ranks.shape, ranks.world, 1)
-
-
-def _from_whole(ranks: RankCaches) -> list[HeadCopy]:
-    """Which heads of the canonical block each rank holds (replicas included)."""
-    if ranks.shape is None:
-        return [HeadCopy(0, 0, Span(0, ranks.num_kv_heads), 0, 0)]
-    return kv_head_plan(ranks.shape, 1, ranks.world)
+def _plan(shape: ModelShape | None, num_kv_heads: int, src_world: int,
+          dst_world: int) -> list[HeadCopy]:
+    """`kv_head_plan`, or without the model's shape (one rank each side) every head."""
+    if shape is None:
+        return [HeadCopy(0, 0, Span(0, num_kv_heads), 0, 0)]
+    return kv_head_plan(shape, src_world, dst_world)
 
 
 def copy_across(algo: ChecksumAlgo, dst: RankCaches, dst_ids: Sequence[int],

@@ -82,19 +82,10 @@ class ShmPeerTransport:
                     or not all(isinstance(d, str) for d in descriptions)):
                 raise KVWireError("shm source: malformed list of CUDA IPC handles")
         world = len(descriptions)
-        if world > 1:
-            if ours.shape is None:
-                raise KVWireError("shm source: a tensor-parallel sender needs the model's "
-                                  "shape on this side")
-            try:
-                check_shardable(ours.shape, world)
-            except ValueError as exc:
-                raise KVWireError(f"shm source: {exc}") from None
         caches = []
-        for rank, description in enumerate(descriptions):
+        for description, rank_heads in zip(descriptions, sender_heads(ours, world, heads),
+                                           strict=True):
             peer = self.device_peers.get(description)
-            rank_heads = (heads if world == 1 or ours.shape is None
-                          else ModelShard.of(ours.shape, rank, world).kv_heads.size)
             expected = (layers, 2, int(peer.shape[2]), block_size, rank_heads, head_dim)
             if tuple(peer.shape) != expected or peer.dtype != dtype or (
                     caches and peer.shape[2] != caches[0].shape[2]):
@@ -106,24 +97,25 @@ class ShmPeerTransport:
                     dtype: torch.dtype) -> RankCaches:
         """The sender's rank caches, mapped: rank r's file holds rank r's KV heads of the
         model (`whole` is the layout of one rank holding all of them)."""
-        if len(names) == 1:
-            return RankCaches((self.peers.get(names[0], whole, dtype),))
-        if len(names) > MAX_RANKS:
-            raise KVWireError(f"shm source: {len(names)} rank caches")
-        shape = ours.shape
-        if shape is None:
-            raise KVWireError("shm source: a tensor-parallel sender needs the model's shape "
-                              "on this side")
-        try:
-            check_shardable(shape, len(names))
-        except ValueError as exc:
-            raise KVWireError(f"shm source: {exc}") from None
-        caches = []
-        for rank, name in enumerate(names):
-            heads = ModelShard.of(shape, rank, len(names)).kv_heads.size
-            caches.append(self.peers.get(name, (*whole[:4], heads, whole[5]), dtype))
-        return RankCaches(tuple(caches), shape)
+        heads = sender_heads(ours, len(names), whole[4])
+        caches = [self.peers.get(name, (*whole[:4], h, whole[5]), dtype)
+                  for name, h in zip(names, heads, strict=True)]
+        return RankCaches(tuple(caches), ours.shape if len(names) > 1 else None)
 
     def close(self) -> None:
         self.peers.clear()
         self.device_peers.clear()
+
+
+def sender_heads(ours: RankCaches, world: int, num_kv_heads: int) -> list[int]:
+    """The KV heads each of a `world`-rank sender's caches holds of this (same) model;
+    KVWireError for a layout this side cannot place."""
+    if world == 1:
+        return [num_kv_heads]
+    if not 1 <= world <= MAX_RANKS or ours.shape is None:
+        raise KVWireError(f"shm source: {world} rank caches this engine cannot place")
+    try:
+        check_shardable(ours.shape, world)
+    except ValueError as exc:
+        raise KVWireError(f"shm source: {exc}") from None
+    return [ModelShard.of(ours.shape, r, world).kv_heads.size for r in range(world)]
