@@ -51,10 +51,10 @@ class Admit:
 
 def engine_request(request: engine_pb2.DecodeRequest, params: SamplingParams, *,
                     kv: torch.Tensor | None = None, given_tokens: list[list[int]] | None = None,
-                    num_cached_tokens: int = 0, kv_source: KVSource | None = None
-                    ) -> EngineRequest:
+                    num_cached_tokens: int = 0, kv_source: KVSource | None = None,
+                    prefix_source: KVSource | None = None) -> EngineRequest:
     """The engine request of a Decode call, with the KV or the tokens it brings."""
     return EngineRequest(request.request_id, list(request.prompt_token_ids), params,
                          request.priority, request.cache_salt or None, kv=kv,
                          given_tokens=given_tokens, num_cached_tokens=num_cached_tokens,
-                         kv_source=kv_source)
+                         kv_source=kv_source, prefix_source=prefix_source)

@@ -48,6 +48,7 @@ from pdmesh.engine_svc.codec import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
+from pdmesh.engine_svc.kv_peer import StartedPrefix, peer_prefix_pull, prefix_result
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.transfer.receiver import KVReceiver
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
@@ -153,13 +154,19 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             self.engine.check_kv_capacity(len(prompt), params)
         except KVCacheFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        prefix: StartedPrefix | None = None
+        if (remote is not None or request.resume) and request.HasField("peer_prefix"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "peer_prefix: only a request prefilled here takes a lent prefix")
         if remote is not None:
             admit = await self.remote.admit(request, params, remote, builder, context, timing,
                                                seen)
         elif request.resume:
             admit = await self._resume(request, params, builder, context)
-        else:
-            admit = Admit(engine_request(request, params))
+        else:  # prefilled here, its leading blocks perhaps pulled from a peer that lends them
+            prefix = await peer_prefix_pull(self.service, request, params, context, seen.span)
+            admit = Admit(engine_request(
+                request, params, prefix_source=prefix.source if prefix is not None else None))
         added = asyncio.Event()
         outputs = self.engine.add(admit.request, given_logprobs=admit.given_logprobs,
                                   added=added)
@@ -176,6 +183,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 last = out
                 if admit.pull is not None and not admit.pull.ending:
                     await self.remote.settle(admit.pull, out.kv_load, context, timing, seen)
+                if prefix is not None:
+                    prefix.settle(out, seen.span)
                 if prompt_k is not None and out.prompt_logprobs is not None:
                     entries = prompt_logprobs_to_proto(out.prompt_logprobs, prompt, prompt_k)
                     prompt_k = None
@@ -212,13 +221,18 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                 await outputs.aclose()  # request: a newer call of the same id is not hit)
             if admit.pull is not None:
                 self.remote.pulls.abandon(admit.pull, "the decode call ended before its pull")
+            if prefix is not None:
+                prefix.settle(None, seen.span)
             if streamed is not None:
                 self.remote.streamed.unregister(streamed)
                 await streamed.stop()
         if streamed is not None:
             remote = streamed.remote or remote
-        yield self._result(prompt, params, remote, last, received, timing,
-                           kv_load_fallback=seen.kv_load_fallback)
+        response = self._result(prompt, params, remote, last, received, timing,
+                                kv_load_fallback=seen.kv_load_fallback)
+        if prefix is not None and last is not None and last.kv_load is not None:
+            response.result.peer_prefix.CopyFrom(prefix_result(last.kv_load))
+        yield response
 
     async def _resume(
         self,

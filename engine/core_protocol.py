@@ -39,6 +39,7 @@ class Add(msgspec.Struct, tag=True):
     num_cached_tokens: int = 0
     kv_source: KVSource | None = None
     stream_kv: bool = False
+    prefix_source: KVSource | None = None
 
     @classmethod
     def of(cls, request: EngineRequest) -> Add:
@@ -75,6 +76,17 @@ class ReleaseKV(msgspec.Struct, tag=True):
     request_id: str
 
 
+class LendPrefix(msgspec.Struct, tag=True):
+    """Lend the leading blocks of a peer's prompt this core holds in its prefix cache; the
+    answer is a `kvstore.connector.export_info.PrefixLoan` (no blocks: none lent)."""
+
+    lend_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    min_blocks: int = 1
+    max_blocks: int = 0  # 0: every block held
+
+
 class KVStream(msgspec.Struct, tag=True):
     """A streamed source grew (the sender core's progress, relayed by the serving
     processes); the answer says whether the request still waits for it."""
@@ -105,7 +117,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Command = (Add | Abort | StopSequences | ReadKV | ExportKV | ReleaseKV | KVStream
+Command = (Add | Abort | StopSequences | ReadKV | ExportKV | ReleaseKV | LendPrefix | KVStream
            | KVStreamFirstTokens | KVSnapshot | SetGrammarVocabulary | Shutdown)
 
 

@@ -7,7 +7,9 @@ Every way into the core is an `EngineRequest`, whatever the request brings with 
 - `kv`, the prompt's KV computed elsewhere (the decode role): written into fresh blocks, with
   each sample's first token in `given_tokens`;
 - `given_tokens` alone, output tokens produced elsewhere whose KV is not here (decode
-  migration, a KV pull that failed): each sample prefills prompt + its tokens here.
+  migration, a KV pull that failed): each sample prefills prompt + its tokens here;
+- `prefix_source`, a prompt computed here whose leading blocks a peer lends: pulled first,
+  then only the rest is computed.
 
 Given tokens are *output*: max_tokens, min_tokens, penalties, stop checks and grammars count
 them, and a seeded sample's generator skips one draw per given token, so the continuation is
@@ -66,6 +68,10 @@ class EngineRequest:
     kv_source: KVSource | None = None
     """Decode role: where this core pulls the prompt's KV from itself (its KV connector:
     only the blocks its own prefix cache lacks). A pull that fails recomputes the prompt."""
+    prefix_source: KVSource | None = None
+    """A prompt computed here whose leading blocks a peer lends (cluster-wide prefix
+    caching): the blocks this core's prefix cache lacks among them are pulled first, then
+    the rest of the prompt is computed as usual. A pull that fails computes it all."""
 
     @property
     def imports_kv(self) -> bool:
@@ -105,6 +111,18 @@ def check_request(request: EngineRequest, vocab_size: int, max_model_len: int) -
         raise ValueError("kv_source: a request brings its KV or where to pull it, not both")
     if request.export_kv and (imported or given is not None):
         raise ValueError("export_kv: a request that brings KV or given tokens is not exported")
+    if request.prefix_source is not None:
+        source = request.prefix_source
+        if imported:
+            raise ValueError("prefix_source: a request that brings its KV needs no prefix")
+        if source.streamed:
+            raise ValueError("prefix_source: a lent prefix is whole, not streamed")
+        if not 0 < source.num_tokens < len(request.prompt_token_ids):
+            raise ValueError(f"prefix_source: covers {source.num_tokens} tokens of a "
+                             f"{len(request.prompt_token_ids)}-token prompt")
+        if request.params.prompt_logprobs is not None:
+            raise ValueError("prefix_source: prompt logprobs need every prompt position "
+                             "computed here")
     if request.stream_kv and not request.export_kv:
         raise ValueError("stream_kv: only an exported request streams its KV")
     streamed = request.kv_source is not None and request.kv_source.streamed

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
+from pdmesh.engine_svc.kv_peer import SENDER_BACKENDS, KVPeerPart, lends_kv
 from pdmesh.engine_svc.presence import PRESENCE_HEALTH_NAME, ClusterPresence, PresenceChangeFn
 from pdmesh.engine_svc.service import EngineService, Role
 from pdmesh.gc_heap import freeze_startup_heap
@@ -59,7 +60,6 @@ from pdmesh.metrics import (
 
 logger = logging.getLogger(__name__)
 
-SENDER_BACKENDS = ("shm", "tcp")  # what a prefill instance offers by default, preferred first
 RECEIVER_BACKENDS = ("shm", "ucxx", "tcp", "torch_dist")
 EXIT_SCHEME_MISMATCH = 3
 EXIT_ENGINE_DEAD = 4
@@ -194,7 +194,11 @@ async def serve(
         return 2
     service = EngineService(config, role, engine, kv_backends=backends, connector=connector)
     metrics = engine_metrics(role, model_name=config.model_name)
-    role_parts = [make(service, metrics) for make in parts]
+    role_parts: list[RolePart] = []
+    if lends_kv(role, service):
+        service.kv_peer = KVPeerPart(service, metrics)
+        role_parts.append(service.kv_peer)
+    role_parts += [make(service, metrics) for make in parts]
     grpc_server = GrpcServer(
         [p.service_name for p in role_parts], host=config.host, port=config.port,
         tls=config.tls, max_message_bytes=config.max_message_bytes, token=config.cluster_token,

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pdmesh.engine.core_types import SELFCHECK_FEATURES
 from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
+from pdmesh.engine_svc.export_layout import export_layout
 from pdmesh.engine_svc.watchdog import CoreWatchdog
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.instance_registry import new_instance_id
 from pdmesh.metrics import EngineState
 from pdmesh.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from pdmesh.engine_svc.kv_peer import KVPeerPart
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLE_PROTO = {
@@ -74,6 +78,9 @@ class EngineService:
         self.instance_id = instance_id or new_instance_id(role)
         self.kv_backends = kv_backends
         self.counters = KVCounters()
+        # The process's KV sender and prefix loans (engine_svc/kv_peer.py), set by `serve`
+        # before the role parts are built; None for a decode instance whose core lends nothing.
+        self.kv_peer: KVPeerPart | None = None
         self.watchdog = CoreWatchdog(engine, config.stall.bound(),
                                      config.engine.max_num_batched_tokens)
 
@@ -89,6 +96,7 @@ class EngineService:
             kv_backends=list(self.kv_backends),
             selfcheck=self.engine.info.selfcheck,
             selfcheck_fallbacks=list(self.engine.info.selfcheck_fallbacks),
+            kv_block_bytes=export_layout(self.engine.info, 1, self.engine.block_size).nbytes,
         )
 
     def load(self) -> engine_pb2.EngineLoad:

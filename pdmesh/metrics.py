@@ -153,6 +153,24 @@ class EngineMetrics:
     kv_stream_blocks: Counter
     request_prompt_tokens: Histogram
     request_generation_tokens: Histogram
+    peer_prefix_blocks: Counter
+    peer_prefix_bytes: Counter
+    peer_prefix_fallbacks: Counter
+
+    def prefix_lent(self, blocks: int) -> None:
+        """This instance lent `blocks` cached prefix blocks to a peer (KVPeer.LendPrefix)."""
+        self.peer_prefix_blocks.labels(self.model_name, self.role, "lent", "").inc(blocks)
+
+    def prefix_pulled(self, peer: str, *, pulled: int, reused: int, nbytes: int) -> None:
+        """A lent prefix placed here: blocks pulled from `peer` (prefill tokens not
+        computed) and blocks this instance's own prefix cache already held."""
+        self.peer_prefix_blocks.labels(self.model_name, self.role, "pulled", peer).inc(pulled)
+        self.peer_prefix_blocks.labels(self.model_name, self.role, "reused", peer).inc(reused)
+        self.peer_prefix_bytes.labels(self.model_name, self.role, peer).inc(nbytes)
+
+    def prefix_fallback(self, reason: str) -> None:
+        """A lent prefix could not be pulled; the prompt was computed here whole."""
+        self.peer_prefix_fallbacks.labels(self.model_name, self.role, reason).inc()
 
     def kv_load_fallback(self, reason: str) -> None:
         """A KV pull failed and this instance prefilled the prompt itself (`reason`: the
@@ -244,6 +262,18 @@ def _build_engine(r: CollectorRegistry, role: str, model_name: str) -> EngineMet
                                             "Tokens this service generated for each finished "
                                             "request", labels, buckets=REQUEST_TOKENS_BUCKETS,
                                             registry=r),
+        peer_prefix_blocks=Counter(metric_name("kv_peer_prefix_blocks"),
+                                   "Cached prefix blocks moved between peers (cluster-wide "
+                                   "prefix caching): lent by this instance, pulled from a peer "
+                                   "instead of computed, or already held here",
+                                   [*labels, "direction", "peer"], registry=r),
+        peer_prefix_bytes=Counter(metric_name("kv_peer_prefix_bytes"),
+                                  "Bytes of lent prefix blocks pulled from each peer",
+                                  [*labels, "peer"], registry=r),
+        peer_prefix_fallbacks=Counter(metric_name("kv_peer_prefix_fallbacks"),
+                                      "Lent prefixes that could not be pulled (the prompt was "
+                                      "computed whole), by reason", [*labels, "reason"],
+                                      registry=r),
     )
 
 
@@ -427,6 +457,8 @@ class RouterMetrics:
     prefix_prediction_error: Histogram
     prefix_predictions: Counter
     prefix_republish_asks: Counter
+    peer_prefix_offers: Counter
+    peer_prefix_tokens: Counter
 
 
 PREFIX_ERROR_BUCKETS_TOKENS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -502,6 +534,14 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
             "Instances asked to re-publish their prefix-index slice because it drifted, by "
             "instance and outcome (sent, pending: an ask was already waiting, failed: Redis)",
             ["instance", "outcome"], registry=r),
+        peer_prefix_offers=Counter(metric_name("router_peer_prefix"),
+                                   "Cluster-wide prefix caching: requests whose prompt a peer "
+                                   "held more of than the instance computing it, by what "
+                                   "happened (pulled, fallback, declined by the cost model, "
+                                   "lender_empty, lend_failed)", ["outcome"], registry=r),
+        peer_prefix_tokens=Counter(metric_name("router_peer_prefix_tokens"),
+                                   "Prompt tokens pulled from a peer instead of computed",
+                                   registry=r),
     )
 
 

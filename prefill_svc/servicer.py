@@ -31,6 +31,8 @@ from pdmesh.engine.frontend.async_engine import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import DeltaBuilder, prompt_logprobs_to_proto, sampling_from_proto
+from pdmesh.engine_svc.export_layout import export_layout
+from pdmesh.engine_svc.kv_peer import peer_prefix_pull, prefix_result
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.transfer.checksum import parse_algo
@@ -39,7 +41,6 @@ from pdmesh.kvstore.transfer.handle import log_id
 from pdmesh.kvstore.transfer.sender import KVSender
 from pdmesh.kvstore.transfer.state import ReleaseReason
 from pdmesh.metrics import EngineMetrics, engine_metrics, failure_outcome
-from pdmesh.prefill_svc.export_layout import export_layout
 from pdmesh.prefill_svc.streamed import prefill_stream
 from pdmesh.tracing import (
     Span,
@@ -178,16 +179,22 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
 
     async def run_export(
         self, request: engine_pb2.PrefillRequest, params: SamplingParams,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext, span: Span,
         on_kv_progress: Callable[[ExportProgress], None] | None = None,
         failed: list[str] | None = None,
     ) -> RequestOutput:
+        """The prompt run with `export_kv` (its leading blocks first pulled from the peer
+        that lends them, `peer_prefix`); INVALID_ARGUMENT and the like abort the call."""
+        peer = await peer_prefix_pull(self.service, request, params, context, span)
+        out: RequestOutput | None = None
         try:
-            return await self.engine.prefill_export(
+            out = await self.engine.prefill_export(
                 request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)},
                 params, priority=request.priority, cache_salt=request.cache_salt or None,
                 on_kv_progress=on_kv_progress,
+                prefix_source=peer.source if peer is not None else None,
             )
+            return out
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVCacheFullError as exc:  # an export holds only its prompt: not expected
@@ -197,6 +204,9 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.ABORTED,
                                     f"the prefill's streamed export failed: {failed[0]}")
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            if peer is not None:
+                peer.settle(out, span)
         raise AssertionError("unreachable: context.abort raises")
 
     async def _prefill(
@@ -206,7 +216,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         rid = request.request_id
         params = await self.checked(request, context, span)
         prompt = list(request.prompt_token_ids)
-        out = await self.run_export(request, params, context)
+        out = await self.run_export(request, params, context, span)
         published = False
         try:
             response = self.response(rid, prompt, params, out, received)
@@ -296,6 +306,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             response.prompt_logprobs.extend(
                 prompt_logprobs_to_proto(out.prompt_logprobs, prompt, params.prompt_logprobs)
             )
+        if out.kv_load is not None:  # it came with a lent prefix: how its pull went
+            response.peer_prefix.CopyFrom(prefix_result(out.kv_load))
         ttft_s = out.metrics.get("ttft_s", time.monotonic() - received)
         response.timing.prefill_ms = ttft_s * 1e3
         response.timing.ttft_ms = (time.monotonic() - received) * 1e3

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdmesh.engine_svc.export_layout import export_layout
 from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.transfer.checksum import parse_algo
 from pdmesh.kvstore.transfer.handle import KVHandle
-from pdmesh.prefill_svc.export_layout import export_layout
 from pdmesh.tracing import Span
 from pdmesh.v1 import engine_pb2
 
@@ -81,8 +81,8 @@ async def prefill_stream(
             sealed.append(final)
 
     done = False
-    run = asyncio.ensure_future(servicer.run_export(request, params, context, on_progress,
-                                                    failed))
+    run = asyncio.ensure_future(servicer.run_export(request, params, context, span,
+                                                    on_progress, failed))
     first = asyncio.ensure_future(first_blocks.wait())
     try:
         await asyncio.wait((run, first), return_when=asyncio.FIRST_COMPLETED)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from pdmesh.router.instance import Instance
-from pdmesh.v1 import engine_pb2
+from pdmesh.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,24 @@ class CleanupCalls:
                    reason: str) -> None:
         """Tell the prefill `instance` to release the KV it leased for the request."""
         self._spawn(self._release_kv(instance, request_id, transfer_id, reason))
+
+    def release_prefix(self, lender: Instance, loan_id: str, transfer_id: str,
+                       reason: str) -> None:
+        """Tell `lender` to drop a prefix it lent for a call that will not pull it (the call
+        failed or went elsewhere); a pull already started was ended by its puller."""
+        self._spawn(self._release_prefix(lender, loan_id, transfer_id, reason))
+
+    async def _release_prefix(self, lender: Instance, loan_id: str, transfer_id: str,
+                              reason: str) -> None:
+        request = engine_pb2.ReleaseKVRequest(request_id=loan_id, transfer_id=transfer_id,
+                                              reason=reason)
+        try:
+            await engine_pb2_grpc.KVPeerStub(lender.channel).ReleasePrefix(
+                request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("ReleasePrefix on %s failed: %s", lender.address, exc.code().name)
+        except grpc.aio.UsageError:  # the lender left and its channel closed: lease expires
+            logger.info("ReleasePrefix on %s skipped: its channel is closed", lender.address)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for cleanup calls still in flight (shutdown)."""

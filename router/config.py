@@ -129,6 +129,19 @@ class RouterConfig:
                        "blocks while the next chunk computes (--no-kv-stream-chunks: Prefill, "
                        "then Decode, as before)"),
     )
+    kv_peer_reuse: bool = field(
+        default=True,
+        metadata=about("cluster-wide prefix caching: when another live instance holds more of "
+                       "a prompt's leading blocks than the instance computing it, that instance "
+                       "pulls them from the holder instead of computing them, when the cost "
+                       "model (router/routing/README.md) says the move is faster "
+                       "(--no-kv-peer-reuse: compute them)"),
+    )
+    kv_peer_reuse_min_tokens: int = field(
+        default=32,
+        metadata=about("peer reuse only when the holder has at least this many prompt tokens "
+                       "more than the instance computing the prompt"),
+    )
     stall: StallConfig = field(default_factory=StallConfig)
     goodput: tuple[str, ...] = field(default=(), metadata=about(
         "SLOs a finished request must meet to count in pdmesh:router_goodput_requests, as "
@@ -174,6 +187,9 @@ class RouterConfig:
             raise ValueError("give --redis-url, or both --prefill and --decode addresses")
         if self.prefix_weight < 0:
             raise ValueError(f"--prefix-weight must be >= 0, got {self.prefix_weight}")
+        if self.kv_peer_reuse_min_tokens < 1:
+            raise ValueError(f"--kv-peer-reuse-min-tokens must be >= 1, got "
+                             f"{self.kv_peer_reuse_min_tokens}")
         if self.local_prefill_threshold < 0:
             raise ValueError(
                 f"--local-prefill-threshold must be >= 0, got {self.local_prefill_threshold}"

@@ -52,6 +52,7 @@ from pdmesh.router.config import RouterConfig, parse_router_config
 from pdmesh.router.failures import UNAVAILABLE_RETRY_AFTER_S
 from pdmesh.router.instances import InstancePool, PoolSettings
 from pdmesh.router.orchestrator import Orchestrator
+from pdmesh.router.peer_prefix import PeerReuse
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.router.routing import make_policy
 from pdmesh.router.server import (
@@ -160,6 +161,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         PrefixIndex(conn, keys) if conn else None,
         local_prefill_threshold=config.local_prefill_threshold,
         rpc_timeout_s=config.rpc_timeout_s,
+        peer_reuse=PeerReuse(config.kv_peer_reuse, config.kv_peer_reuse_min_tokens),
         migration_limit=config.migration_limit,
         stream_kv=config.kv_stream_chunks,
         slos=parse_goodput(config.goodput),

@@ -53,6 +53,7 @@ from pdmesh.router.failures import (
 from pdmesh.router.instance import Instance
 from pdmesh.router.instances import InstancePool
 from pdmesh.router.load_slots import LoadSlots
+from pdmesh.router.peer_prefix import Loan, PeerPrefixes
 from pdmesh.router.planner import Planner
 from pdmesh.router.recovery import Recovery, resume_state
 from pdmesh.router.request import Plan, PreparedRequest
@@ -81,6 +82,7 @@ class RunContext:
     migration_limit: int
     token: ClusterToken | None  # binds each KV handle to the decode instance it is sent to
     stream_kv: bool = True  # PrefillStream: the KV moves while the prompt is computed
+    peers: PeerPrefixes | None = None  # cluster-wide prefix caching (peer_prefix.py)
 
 
 def granted(remote: Remote, token: ClusterToken | None, instance: Instance) -> Remote:
@@ -108,6 +110,7 @@ class RequestRun:
                                  ctx.migration_limit)
         self.prefill_resp: engine_pb2.PrefillResponse | None = None
         self.superseded = False  # a streamed Decode call being stopped: no cleanup abort
+        self.peer_reused = False  # a peer's prefix was pulled: the index's prediction is moot
 
     async def execute(self) -> None:
         remote: Remote = None
@@ -131,7 +134,8 @@ class RequestRun:
         # against its report (router/prefix_predictions.py); a moved run is left out.
         self.ctx.planner.predictions.check(
             self.req, self.plan, self.prefill_resp, result,
-            moved=bool(self.recovery.tried) or self.recovery.migrations > 0)
+            moved=bool(self.recovery.tried) or self.recovery.migrations > 0
+            or self.peer_reused)
         if result is not None and not self.recovery.migrations:
             usage = result.usage
         else:
@@ -139,6 +143,34 @@ class RequestRun:
                                 self.prefill_resp, result)
         await self.responses.finish(usage, final_prompt_logprobs(self.prefill_resp, result),
                                     served_by(self.plan))
+
+    # -- a peer's prefix (router/peer_prefix.py) ---------------------------------------------
+    async def lend_prefix(self, target: Instance) -> Loan | None:
+        """The leading prompt blocks another instance holds beyond `target`'s own, lent for
+        `target` to pull when the cost model says so (None: it computes them)."""
+        peers = self.ctx.peers
+        if peers is None:
+            return None
+        live = {i.instance_id: i for role in ("prefill", "decode")
+                for i in self.ctx.pool.routable(role)}
+        return await peers.offer(self.req, self.plan.lookup, target, live.values(),
+                                 self.plan.route.block_size)
+
+    def prefix_pulled(self, loan: Loan | None,
+                      result: engine_pb2.PeerPrefixResult | None) -> None:
+        """The call that carried `loan` answered: how its pull went."""
+        if loan is None or self.ctx.peers is None:
+            return
+        self.ctx.peers.observe(loan, result)
+        if result is not None and result.blocks_pulled and not result.fallback:
+            self.peer_reused = True
+
+    def prefix_unused(self, loan: Loan | None, reason: str) -> None:
+        """The call that carried `loan` failed or never went: the lender drops it (a pull
+        its target had started was ended by the target)."""
+        if loan is not None:
+            self.ctx.cleanup.release_prefix(loan.lender, loan.loan_id,
+                                            loan.peer.kv.transfer_id, reason)
 
     async def _fail_after_output(self, message: str) -> None:
         await self.responses.fail_unfinished(message)
@@ -216,20 +248,26 @@ class RequestRun:
         """One Prefill call; its first tokens go to the client. Raises Unreached (re-route
         it) for an instance's failure, RouteError for an answer about the request."""
         req = self.req
+        loan = await self.lend_prefix(instance)
         message = engine_pb2.PrefillRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling,
             cache_salt=req.cache_salt,
             priority=req.priority,
+            peer_prefix=loan.peer if loan is not None else None,
         )
         call = instance.prefill_stub().Prefill(
             message, timeout=req.remaining_s(), metadata=inject_metadata()
         )
         watch = CallWatch(self.ctx.pool, instance, call.cancel, "prefill")
         try:
-            async with watch:
-                resp = await call
+            try:
+                async with watch:
+                    resp = await call
+            except BaseException:
+                self.prefix_unused(loan, "prefill call failed")
+                raise
         except asyncio.CancelledError:
             call.cancel()
             if cancelled_from_outside():
@@ -247,6 +285,7 @@ class RequestRun:
                 raise Unreached(error, reason) from None
             raise error from None
         self.prefill_resp = resp
+        self.prefix_pulled(loan, resp.peer_prefix if resp.HasField("peer_prefix") else None)
         self.responses.timings.append(resp.timing)
         try:
             await self.responses.send_prompt_logprobs(resp.prompt_logprobs)
@@ -270,6 +309,8 @@ class RequestRun:
         """One Decode call, streamed through. Raises Unreached (re-route it) or Broken
         (migrate it) for an instance's failure; fails the request for any other."""
         req = self.req
+        # Prefilled there: its leading blocks perhaps lent by a peer.
+        loan = await self.lend_prefix(instance) if remote is None and not resume else None
         message = engine_pb2.DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -278,6 +319,7 @@ class RequestRun:
             priority=req.priority,
             remote_prefill=granted(remote, self.ctx.token, instance),
             resume=resume,
+            peer_prefix=loan.peer if loan is not None else None,
         )
         result: engine_pb2.DecodeResult | None = None
         answered = False  # the instance sent something: the call can no longer be re-routed
@@ -286,16 +328,21 @@ class RequestRun:
         )
         watch = CallWatch(self.ctx.pool, instance, call.cancel, "decode")
         try:
-            async with watch:
-                async for resp in call:
-                    answered = True
-                    watch.progressed()
-                    if resp.HasField("delta"):
-                        await self.responses.emit(resp.delta)
-                    elif resp.HasField("result"):
-                        result = resp.result
-                    elif resp.HasField("prompt_logprobs"):
-                        await self.responses.send_prompt_logprobs(resp.prompt_logprobs.entries)
+            try:
+                async with watch:
+                    async for resp in call:
+                        answered = True
+                        watch.progressed()
+                        if resp.HasField("delta"):
+                            await self.responses.emit(resp.delta)
+                        elif resp.HasField("result"):
+                            result = resp.result
+                        elif resp.HasField("prompt_logprobs"):
+                            await self.responses.send_prompt_logprobs(
+                                resp.prompt_logprobs.entries)
+            except BaseException:
+                self.prefix_unused(loan, "decode call failed")
+                raise
         except asyncio.CancelledError:
             call.cancel()
             if cancelled_from_outside():
@@ -320,6 +367,7 @@ class RequestRun:
             message_text = f"decode instance {instance.address} ended without a result"
             raise Broken(RouteError(grpc.StatusCode.UNAVAILABLE, message_text), "no_result")
         self.responses.timings.append(result.timing)
+        self.prefix_pulled(loan, result.peer_prefix if result.HasField("peer_prefix") else None)
         if result.kv_load_fallback:  # recomputed on decode: still the prefill's fault
             self._charge_kv_load_failure(result.kv_load_fallback)
             if remote is not None and self.plan.prefill is not None:  # never pulled: free it

@@ -54,9 +54,11 @@ class StreamedPrefill:
         done nothing, when the prefill instance cannot stream (the caller asks `Prefill`)."""
         req, prefill = self.run.req, self.run.plan.prefill
         assert prefill is not None
+        loan = await self.run.lend_prefix(prefill)
         message = engine_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling, cache_salt=req.cache_salt, priority=req.priority)
+            sampling=req.sampling, cache_salt=req.cache_salt, priority=req.priority,
+            peer_prefix=loan.peer if loan is not None else None)
         call = prefill.prefill_stub().PrefillStream(
             message, timeout=req.remaining_s(), metadata=inject_metadata())
         decode: asyncio.Future[None] | None = None
@@ -70,16 +72,21 @@ class StreamedPrefill:
         try:
             resp = await self._prefill_stream(call, prefill, start_decode)
         except _CannotStream:
+            self.run.prefix_unused(loan, "prefill instance cannot stream")
             return False
         except Unreached as failure:
+            self.run.prefix_unused(loan, "prefill call failed")
             if decode is not None:
                 await self._stop_streamed_decode(decode)
             return await self._replan_after_prefill(prefill, failure)
         except BaseException:
+            self.run.prefix_unused(loan, "prefill call failed")
             call.cancel()
             if decode is not None:
                 await self._stop_streamed_decode(decode)
             raise
+        self.run.prefix_pulled(loan, resp.peer_prefix if resp.HasField("peer_prefix")
+                               else None)
         remote = engine_pb2.RemotePrefill(kv=resp.kv, first=resp.first,
                                           cached_prompt_tokens=resp.cached_prompt_tokens)
         refused = decode.exception() if decode is not None and decode.done() \

@@ -13,6 +13,11 @@ One path for every request (engine/engine_request.py), in two moves:
    (or the request is refused), stop checks see it, and it counts as output. A sample they
    end is finished at once and never continued.
 
+A *lent prefix* (`EngineRequest.prefix_source`: a peer holds the prompt's leading blocks) is
+pulled the same way before the prompt is queued: the blocks our prefix cache lacks land in
+fresh blocks, are cached once they check out, and the prompt then queues like any other, its
+prefix a cache hit; a pull that fails leaves the prompt to be computed whole.
+
 A *streamed* source (`KVSource.streamed`: the prefill is still computing the prompt) is pulled
 batch by batch: the blocks arrive as the sender's progress (`stream_progress`), each batch of
 newly ready blocks this core lacks is pulled on the connector's threads while the core keeps
@@ -62,6 +67,7 @@ class Loading:
     started: float
     abandoned: bool = False
     stream: PullStream | None = None
+    prefix: bool = False  # a peer's lent prefix: the prompt is computed after it lands
 
 
 def check_kv_import(request: EngineRequest, mc: ModelConfig, kv_manager: KVCacheManager,
@@ -74,6 +80,12 @@ def check_kv_import(request: EngineRequest, mc: ModelConfig, kv_manager: KVCache
         expected = (mc.num_layers, 2, nb, block_size, mc.num_kv_heads, mc.head_dim)
         if tuple(request.kv.shape) != expected:
             raise ValueError(f"kv: shape {tuple(request.kv.shape)} does not match {expected}")
+    if request.prefix_source is not None:
+        if connector is None:
+            raise ValueError("prefix_source: this engine has no KV connector")
+        connector.check_source(request.prefix_source)
+        if request.prefix_source.num_tokens % block_size:
+            raise ValueError("prefix_source: a lent prefix covers whole blocks only")
     if request.kv_source is not None:
         if connector is None:
             raise ValueError("kv_source: this engine has no KV connector")
@@ -112,7 +124,10 @@ class Admission:
             if any(given):
                 state.first_token_time = time.monotonic()
         else:
-            self._queue_prompt(state, request)
+            seq = self._prompt_parent(state, request)
+            if request.prefix_source is None or not self._start_prefix_pull(state, seq,
+                                                                             request):
+                self.scheduler.add(seq)
             return
         for seq, tokens in zip(list(state.seqs), given or [], strict=True):
             self._replay(seq, tokens)
@@ -122,8 +137,9 @@ class Admission:
         return self.samples.new(request.request_id, index, list(ids), len(ids), request.params,
                                 request.priority, request.cache_salt)
 
-    def _queue_prompt(self, state: CoreRequest, request: EngineRequest) -> None:
-        """A fresh prompt: one parent; with `export_kv` it stops after its first token."""
+    def _prompt_parent(self, state: CoreRequest, request: EngineRequest) -> Sequence:
+        """A fresh prompt's one parent (to queue); with `export_kv` it stops after its first
+        token."""
         params = request.params
         seq = self._new(request, 0)
         seq.fork_into = params.n
@@ -132,7 +148,34 @@ class Admission:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         state.seqs.append(seq)
-        self.scheduler.add(seq)
+        return seq
+
+    def _start_prefix_pull(self, state: CoreRequest, parent: Sequence,
+                           request: EngineRequest) -> bool:
+        """A peer lends the prompt's leading blocks: those our prefix cache lacks are pulled
+        into fresh blocks (True: the parent waits in `loading`), cached once they check out,
+        and the prompt is then queued as usual, its prefix now a cache hit. False: nothing
+        to pull, or no room for it now (the prompt is queued and computed here)."""
+        assert self.connector is not None and request.prefix_source is not None
+        started = time.monotonic()
+        source = request.prefix_source
+        block_size = self.kv_manager.block_size
+        num_source = source.num_tokens // block_size
+        hits = self.kv_manager.find_cached_prefix(parent)[:num_source]
+        if len(hits) >= num_source:
+            state.kv_load = LoadResult(reused_blocks=len(hits))
+            return False
+        if not self.kv_manager.allocate_slots(parent, (num_source - len(hits)) * block_size,
+                                              hits, cache=False):
+            state.kv_load = LoadResult(reused_blocks=len(hits), reason="no_free_blocks",
+                                       error="no free KV blocks for the lent prefix right now")
+            self.kv_manager.free(parent.seq_id)
+            return False
+        dst = self.kv_manager.block_ids(parent.seq_id)[len(hits):]
+        future = self.connector.start_load(source, len(hits), dst)
+        self.loading[request.request_id] = Loading(state, parent, request, future, len(hits),
+                                                   len(dst), started, prefix=True)
+        return True
 
     def _import(self, state: CoreRequest, request: EngineRequest) -> bool:
         """The prompt's KV computed elsewhere: a running parent holding it, and its forks.
@@ -295,6 +338,9 @@ class Admission:
             if loading.abandoned:
                 self.kv_manager.free(parent.seq_id)
                 continue
+            if loading.prefix:
+                self._land_prefix(loading, error)
+                continue
             seconds = time.monotonic() - loading.started
             if error is None:
                 self.kv_manager.cache_full_blocks(parent, len(request.prompt_token_ids))
@@ -308,6 +354,24 @@ class Admission:
             self._place_and_replay(loading, error is None)
             placed.append(request_id)
         return placed
+
+    def _land_prefix(self, loading: Loading, error: BaseException | None) -> None:
+        """A lent prefix landed (cached now, then the blocks go back to the pool as any
+        finished prompt's do, findable by hash) or failed (they go back clean): either way
+        the prompt is queued, and the scheduler's prefix lookup finds what was pulled."""
+        assert loading.future is not None and loading.request.prefix_source is not None
+        parent = loading.parent
+        seconds = time.monotonic() - loading.started
+        if error is None:
+            self.kv_manager.cache_full_blocks(parent, loading.request.prefix_source.num_tokens)
+            loading.state.kv_load = LoadResult(loading.reused, loading.pulled,
+                                               loading.future.result(), seconds)
+        else:
+            loading.state.kv_load = LoadResult(
+                reused_blocks=loading.reused, error=f"{type(error).__name__}: {error}",
+                reason=failure_reason(error), seconds=seconds)
+        self.kv_manager.free(parent.seq_id)
+        self.scheduler.add(parent)
 
     def _land_stream(self, request_id: str, loading: Loading) -> None:
         """A streamed pull is whole (or failed) and its first tokens came: place it."""

@@ -38,6 +38,7 @@ from pdmesh.engine.core_protocol import (
     KVSnapshot,
     KVStream,
     KVStreamFirstTokens,
+    LendPrefix,
     ReadKV,
     ReleaseKV,
     Reply,
@@ -105,6 +106,9 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
         return core.read_kv(cmd.request_id)
     elif isinstance(cmd, ReleaseKV):
         return core.release_kv(cmd.request_id)
+    elif isinstance(cmd, LendPrefix):
+        return core.lend_prefix(cmd.lend_id, cmd.prompt_token_ids, cmd.cache_salt,
+                                cmd.min_blocks, cmd.max_blocks)
     elif isinstance(cmd, KVStream):
         return core.kv_stream(cmd.request_id, cmd.progress)
     elif isinstance(cmd, KVStreamFirstTokens):

@@ -72,7 +72,7 @@ from pdmesh.engine.worker.step_sampling import StepSampler
 from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
-from pdmesh.kvstore.connector.export_info import ExportProgress
+from pdmesh.kvstore.connector.export_info import ExportProgress, PrefixLoan
 from pdmesh.kvstore.connector.rank_caches import RankCaches
 
 
@@ -328,6 +328,19 @@ class EngineCore:
 
     def release_kv(self, request_id: str) -> bool:
         return self.exports.release(request_id)
+
+    def lend_prefix(self, lend_id: str, token_ids: list[int], cache_salt: str | None,
+                    min_blocks: int = 1, max_blocks: int = 0) -> PrefixLoan:
+        """Lend the leading blocks of `token_ids` this core holds (kv_exports.py), pinned
+        under `lend_id` until `release_kv(lend_id)`."""
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: {len(token_ids)} tokens, expected 1 to "
+                             f"max_model_len={self.max_model_len}")
+        if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
+            raise ValueError("prompt_token_ids: a token id is outside the vocabulary")
+        seq = self.admission.samples.new(lend_id, 0, list(token_ids), len(token_ids),
+                                         SamplingParams(), cache_salt=cache_salt)
+        return self.exports.lend_prefix(lend_id, seq, min_blocks, max_blocks)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:

@@ -6,6 +6,11 @@ stays in the core's `requests`). From there the serving process either reads the
 pull them straight from the cache); a lent export leaves `requests`, so its id is free again
 (a colocated instance decodes it next). `release` frees the blocks either way, once.
 
+A *prefix loan* (`lend_prefix`) lends blocks no request of this core owns: the leading blocks
+of a peer's prompt that this core's prefix cache holds (turn N's prompt and answer on the
+decode instance that wrote them, when turn N+1 is prefilled elsewhere). They are pinned like
+an export under the loan's id and released the same way.
+
 A *streamed* export (`EngineRequest.stream_kv`) is lent while its prompt is computed: after
 every step the blocks its prefill has filled are checksummed and served (`advance_streams`,
 reported in the request's `CoreOutput.kv_stream`), so a decode core pulls one chunk's blocks
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pdmesh.engine.core.request_state import CoreRequest
-from pdmesh.engine.core_types import CoreOutput
+from pdmesh.engine.core_types import CoreOutput, KVExportInfo
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
+from pdmesh.engine.scheduling.sequence import Sequence
 from pdmesh.kvstore.connector.connector import ExportInfo, KVConnector
-from pdmesh.kvstore.connector.export_info import ExportProgress
+from pdmesh.kvstore.connector.export_info import ExportProgress, PrefixLoan
 
 
 @dataclass
@@ -76,6 +82,30 @@ class KVExports:
         self.lent[request_id] = self.requests.pop(request_id)
         return self.connector.export(request_id, list(state.kv_export.block_ids),
                                      state.kv_export.num_tokens)
+
+    def lend_prefix(self, lend_id: str, seq: Sequence, min_blocks: int,
+                    max_blocks: int) -> PrefixLoan:
+        """Lend the leading blocks of `seq`'s tokens this core holds in its prefix cache (an
+        offload tier's hits restored first) to the KV connector, pinned as an export under
+        `lend_id` until `release`: a peer that lacks them pulls them instead of recomputing
+        (cluster-wide prefix caching). Fewer than `min_blocks` held: nothing is lent."""
+        if self.connector is None:
+            raise ValueError("lend_prefix: this engine has no KV connector")
+        if lend_id in self.lent or lend_id in self.requests:
+            raise ValueError(f"lend_id: {lend_id!r} is already in use")
+        algo = str(self.connector.algo)
+        hits = self.kv_manager.find_cached_prefix(seq)[:max_blocks or None]
+        if not hits or len(hits) < min_blocks or not self.kv_manager.allocate_slots(
+                seq, 0, hits, cache=False):  # (evictable hits, and no room to pin them now)
+            self.kv_manager.free(seq.seq_id)  # the walk's hashes
+            return PrefixLoan([], [], algo)
+        block_ids = [b.block_id for b in hits]
+        num_tokens = len(block_ids) * self.kv_manager.block_size
+        state = CoreRequest(lend_id, list(seq.token_ids[:num_tokens]), seq.params, [seq],
+                            kv_export=KVExportInfo(block_ids, num_tokens))
+        self.lent[lend_id] = state
+        info = self.connector.export(lend_id, block_ids, num_tokens)
+        return PrefixLoan(block_ids, info.block_checksums, info.checksum_algo)
 
     def release(self, request_id: str) -> bool:
         """Free an exported request's pinned blocks (they stay in the prefix cache)."""

@@ -21,6 +21,7 @@ from pdmesh.engine.core_protocol import (
     ExportKV,
     KVStream,
     KVStreamFirstTokens,
+    LendPrefix,
     ReadKV,
     ReleaseKV,
     StopSequences,
@@ -31,7 +32,8 @@ from pdmesh.engine.frontend.output_processor import OutputProcessor
 from pdmesh.engine.frontend.request_streams import RequestStreams
 from pdmesh.engine.outputs import RequestOutput, TokenLogprobs
 from pdmesh.engine.tokenizing import check_given_logprobs, tokenize_prompt
-from pdmesh.kvstore.connector.export_info import ExportInfo, ExportProgress
+from pdmesh.kvstore.connector.export_info import ExportInfo, ExportProgress, PrefixLoan
+from pdmesh.kvstore.connector.source import KVSource
 
 if TYPE_CHECKING:
     import asyncio
@@ -64,6 +66,7 @@ class KVCommands:
         priority: int = 0,
         cache_salt: str | None = None,
         on_kv_progress: Callable[[ExportProgress], None] | None = None,
+        prefix_source: KVSource | None = None,
     ) -> RequestOutput:
         """Prefill role: run the prompt, sample the first token(s), keep the KV pinned.
 
@@ -71,11 +74,14 @@ class KVCommands:
         Cancelling the awaiting task aborts the request. With `on_kv_progress` the export is
         streamed: the core lends each block as the prefill fills it and the callback gets
         every `ExportProgress` (on the loop), the last one `sealed` (the export is then lent:
-        `export_kv` answers its checksums) or `failed`.
+        `export_kv` answers its checksums) or `failed`. With `prefix_source` the prompt's
+        leading blocks are pulled from the peer that lends them first (the result's
+        `kv_load` says how that went).
         """
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         request = EngineRequest(request_id, ids, params, priority, cache_salt, export_kv=True,
-                                stream_kv=on_kv_progress is not None)
+                                stream_kv=on_kv_progress is not None,
+                                prefix_source=prefix_source)
         last: RequestOutput | None = None
         if on_kv_progress is not None:
             self.streams.watch_export(request_id, on_kv_progress)
@@ -117,6 +123,15 @@ class KVCommands:
 
     async def release_kv(self, request_id: str) -> bool:
         return bool(await self.calls.call(ReleaseKV(request_id)))
+
+    async def lend_prefix(self, lend_id: str, token_ids: list[int], cache_salt: str | None,
+                          *, min_blocks: int = 1, max_blocks: int = 0) -> PrefixLoan:
+        """Lend the leading blocks of `token_ids` the core's prefix cache holds to its KV
+        connector, pinned until `release_kv(lend_id)` (a peer pulls them instead of
+        recomputing); no blocks when it holds fewer than `min_blocks`."""
+        value = await self.calls.call(LendPrefix(lend_id, list(token_ids), cache_salt,
+                                                 min_blocks, max_blocks))
+        return value if isinstance(value, PrefixLoan) else msgspec.convert(value, PrefixLoan)
 
     def release_kv_nowait(self, request_id: str) -> None:
         """Thread-safe (transfer leases end on other threads)."""

@@ -25,3 +25,13 @@ class ExportProgress(msgspec.Struct, gc=False, omit_defaults=True):
     checksum_algo: str = ""
     sealed: bool = False
     failed: str = ""
+
+
+class PrefixLoan(msgspec.Struct):
+    """Cached prefix blocks an engine core lends a peer (`EngineCore.lend_prefix`): the
+    leading blocks of a prompt it holds, pinned until released, with their checksums. No
+    blocks: it held none (or fewer than asked for)."""
+
+    block_ids: list[int]
+    block_checksums: list[int]
+    checksum_algo: str

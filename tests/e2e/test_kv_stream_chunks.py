@@ -21,14 +21,14 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.serve import Child, LocalMesh, MeshConfig
-from pdmesh.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from pdmesh.v1 import router_pb2
+from tests.mesh_calls import engine_load, wait_routable
 from tests.polling import wait_for
 from tests.router_streams import generate_greedy
 
@@ -94,28 +94,12 @@ def generate(mesh: LocalMesh, ids: list[int]) -> tuple[list[int], router_pb2.Gen
     return generate_greedy(mesh.router_address, ids, MAX_TOKENS)
 
 
-def wait_routable(mesh: LocalMesh, count: int) -> None:
-    with grpc.insecure_channel(mesh.router_address) as channel:
-        router = router_pb2_grpc.RouterStub(channel)
-        wait_for(lambda: sum(i.healthy for i in router.GetStatus(
-            router_pb2.GetStatusRequest(), timeout=5).instances) >= count,
-            f"{count} instances routable")
-
-
-def load(child: Child, role: str) -> engine_pb2.EngineLoad:
-    assert child.address
-    with grpc.insecure_channel(child.address) as channel:
-        stub = (engine_pb2_grpc.PrefillStub(channel) if role == "prefill"
-                else engine_pb2_grpc.DecodeStub(channel))
-        return stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
-
-
 def test_streamed_prompt_equals_colocated_and_pulls_before_the_seal(mesh, offline) -> None:
     ids = offline.engine.tokenize(prompt("streamed", 4))[1]
     assert len(ids) > 8 * CHUNK  # many chunks
     want = colocated(offline, ids)
     decode = mesh.decode[0]
-    wait_routable(mesh, 2)
+    wait_routable(mesh.router_address, 2)
     before = metric(decode, "pdmesh:kv_stream_blocks_total", phase="before_seal")
 
     tokens, result = generate(mesh, ids)
@@ -132,8 +116,8 @@ def test_prefill_killed_mid_prompt_completes_with_the_same_tokens(mesh, offline)
     ids = offline.engine.tokenize(prompt("killed", 8))[1]
     want = colocated(offline, ids)
     prefill, decode = mesh.prefill[0], mesh.decode[0]
-    wait_routable(mesh, 2)
-    total = load(decode, "decode").num_total_blocks
+    wait_routable(mesh.router_address, 2)
+    total = engine_load(decode, "decode").num_total_blocks
     router_url = mesh.metrics_urls()["router"]
     reroutes = metric(router_url, "pdmesh:router_reroutes_total", role="prefill")
 
@@ -148,8 +132,8 @@ def test_prefill_killed_mid_prompt_completes_with_the_same_tokens(mesh, offline)
     client = threading.Thread(target=run)
     client.start()
     # The prompt is being prefilled (and streamed): its prefill is running on the instance.
-    wait_for(lambda: load(prefill, "prefill").num_running >= 1, "the prefill computes the prompt",
-             interval_s=0.01)
+    wait_for(lambda: engine_load(prefill, "prefill").num_running >= 1,
+             "the prefill computes the prompt", interval_s=0.01)
     prefill.kill()
     client.join(timeout=300)
     assert not client.is_alive()
@@ -159,5 +143,5 @@ def test_prefill_killed_mid_prompt_completes_with_the_same_tokens(mesh, offline)
     served = result.served_by
     assert served.prefill_instance_id == served.decode_instance_id  # a local prefill
     assert metric(router_url, "pdmesh:router_reroutes_total", role="prefill") > reroutes
-    wait_for(lambda: load(decode, "decode").num_free_blocks == total,
+    wait_for(lambda: engine_load(decode, "decode").num_free_blocks == total,
              "the decode's blocks all free")

@@ -1137,15 +1137,13 @@ def test_network_policies_admit_only_legitimate_callers(render, variant: str) ->
         for src in (prefill, decode, stranger, other_ns, scraper):
             assert not ok(src, engine, v["port"]), (src, engine)
     # KV control and the tcp data plane's ephemeral range: only engines.
-    kv_servers = [(prefill, p)] + ([(decode, d)] if d["role"] == "colocated" else [])
+    kv_servers = [(prefill, p), (decode, d)]  # every engine lends (peer reuse)
     data_port = (np["kvDataPorts"]["port"] + np["kvDataPorts"]["endPort"]) // 2
     for server, v in kv_servers:
         for port in (v["kvPort"], data_port):
             assert ok(decode, server, port) and ok(prefill, server, port)
             for src in (router, stranger, other_ns):
                 assert not ok(src, server, port), (src, server, port)
-    if d["role"] != "colocated":
-        assert not ok(prefill, decode, d["kvPort"])
     # The data plane's ephemeral port lands in that range: the engines' kernels pick from it.
     kv_range = f"{np['kvDataPorts']['port']} {np['kvDataPorts']['endPort']}"
     for component, v in (("prefill", p), ("decode", d)):

@@ -9,12 +9,8 @@ registry, which is how the router finds it; a restarted pod re-registers with a 
 {{- $root := .root }}
 {{- $v := .values }}
 {{- $isPrefill := eq .component "prefill" }}
-{{- $servesKV := or $isPrefill (eq (toString $v.role) "colocated") }}
 {{- $gpu := int (include "pdmesh.engineGpus" .) }}
-{{- $ports := dict (printf "%s.port" .component) $v.port (printf "%s.metricsPort" .component) $v.metricsPort }}
-{{- if $servesKV }}
-{{- $_ := set $ports (printf "%s.kvPort" .component) $v.kvPort }}
-{{- end }}
+{{- $ports := dict (printf "%s.port" .component) $v.port (printf "%s.metricsPort" .component) $v.metricsPort (printf "%s.kvPort" .component) $v.kvPort }}
 {{- include "pdmesh.distinctPorts" $ports }}
 apiVersion: apps/v1
 kind: Deployment
@@ -96,10 +92,8 @@ spec:
             {{- include "pdmesh.securityEnv" (dict "root" $root "gateway" false) | nindent 12 }}
             - name: PDMESH_HEARTBEAT_TTL_S
               value: {{ $root.Values.engine.heartbeatTtlSeconds | quote }}
-            {{- if $servesKV }}
             - name: PDMESH_KV_PORT
               value: {{ $v.kvPort | quote }}
-            {{- end }}
             {{- if not $isPrefill }}
             - name: PDMESH_ROLE
               value: {{ $v.role | quote }}
@@ -115,11 +109,9 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
-            {{- if $servesKV }}
             - name: kv
               containerPort: {{ $v.kvPort }}
               protocol: TCP
-            {{- end }}
             {{- with (include "pdmesh.metricsContainerPort" $v.metricsPort) }}
             {{- . | trim | nindent 12 }}
             {{- end }}

@@ -20,8 +20,56 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_COLOCATED: Role
 
+class LendPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "min_blocks", "max_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    min_blocks: int
+    max_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., min_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class LendPrefixResponse(_message.Message):
+    __slots__ = ("kv", "num_blocks", "instance_id")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    kv: _kv_transfer_pb2.KVHandle
+    num_blocks: int
+    instance_id: str
+    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., num_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class PeerPrefix(_message.Message):
+    __slots__ = ("kv", "capability", "instance_id")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    kv: _kv_transfer_pb2.KVHandle
+    capability: _kv_transfer_pb2.TransferCapability
+    instance_id: str
+    def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., capability: _Optional[_Union[_kv_transfer_pb2.TransferCapability, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class PeerPrefixResult(_message.Message):
+    __slots__ = ("blocks_reused", "blocks_pulled", "bytes", "pull_ms", "fallback")
+    BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    blocks_reused: int
+    blocks_pulled: int
+    bytes: int
+    pull_ms: float
+    fallback: str
+    def __init__(self, blocks_reused: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes: _Optional[int] = ..., pull_ms: _Optional[float] = ..., fallback: _Optional[str] = ...) -> None: ...
+
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "instance_id", "role", "block_size", "hash_scheme_fingerprint", "max_model_len", "kv_capacity_tokens", "kv_backends", "selfcheck", "selfcheck_fallbacks")
+    __slots__ = ("model", "instance_id", "role", "block_size", "hash_scheme_fingerprint", "max_model_len", "kv_capacity_tokens", "kv_backends", "selfcheck", "selfcheck_fallbacks", "kv_block_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +80,7 @@ class EngineInfo(_message.Message):
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     SELFCHECK_FIELD_NUMBER: _ClassVar[int]
     SELFCHECK_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     instance_id: str
     role: Role
@@ -42,7 +91,8 @@ class EngineInfo(_message.Message):
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
     selfcheck: str
     selfcheck_fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., hash_scheme_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., selfcheck: _Optional[str] = ..., selfcheck_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., block_size: _Optional[int] = ..., hash_scheme_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., selfcheck: _Optional[str] = ..., selfcheck_fallbacks: _Optional[_Iterable[str]] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -113,21 +163,23 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "peer_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PEER_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    peer_prefix: PeerPrefix
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., peer_prefix: _Optional[_Union[PeerPrefix, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first", "prompt_logprobs", "cached_prompt_tokens", "kv", "timing", "instance_id")
+    __slots__ = ("request_id", "first", "prompt_logprobs", "cached_prompt_tokens", "kv", "timing", "instance_id", "peer_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +187,7 @@ class PrefillResponse(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceDelta]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -142,7 +195,8 @@ class PrefillResponse(_message.Message):
     kv: _kv_transfer_pb2.KVHandle
     timing: _common_pb2.Timing
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    peer_prefix: PeerPrefixResult
+    def __init__(self, request_id: _Optional[str] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ..., peer_prefix: _Optional[_Union[PeerPrefixResult, _Mapping]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("kv", "done")
@@ -197,7 +251,7 @@ class RemotePrefill(_message.Message):
     def __init__(self, kv: _Optional[_Union[_kv_transfer_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Iterable[_Union[_common_pb2.SequenceDelta, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., capability: _Optional[_Union[_kv_transfer_pb2.TransferCapability, _Mapping]] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "remote_prefill", "resume")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "remote_prefill", "resume", "peer_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +259,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    PEER_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -212,7 +267,8 @@ class DecodeRequest(_message.Message):
     priority: int
     remote_prefill: RemotePrefill
     resume: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resume: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ...) -> None: ...
+    peer_prefix: PeerPrefix
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resume: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., peer_prefix: _Optional[_Union[PeerPrefix, _Mapping]] = ...) -> None: ...
 
 class ResumedSequence(_message.Message):
     __slots__ = ("index", "token_ids", "text", "finished")
@@ -237,15 +293,17 @@ class DecodeResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[DecodeResult, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("usage", "prompt_logprobs", "timing", "instance_id", "kv_load_fallback")
+    __slots__ = ("usage", "prompt_logprobs", "timing", "instance_id", "kv_load_fallback", "peer_prefix")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_LOAD_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    PEER_PREFIX_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     timing: _common_pb2.Timing
     instance_id: str
     kv_load_fallback: str
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ..., kv_load_fallback: _Optional[str] = ...) -> None: ...
+    peer_prefix: PeerPrefixResult
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., instance_id: _Optional[str] = ..., kv_load_fallback: _Optional[str] = ..., peer_prefix: _Optional[_Union[PeerPrefixResult, _Mapping]] = ...) -> None: ...

@@ -580,3 +580,140 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVPeerStub:
+    """Served by every instance whose engine core lends KV (prefill, colocated, and decode
+    instances that move KV worker to worker): cluster-wide prefix caching. The router asks the
+    instance that holds a prompt's leading blocks (a conversation's earlier turn, prompt and
+    answer) to lend them to the instance that computes the prompt, which pulls what it lacks
+    through the KV connector (PrefillRequest.peer_prefix, DecodeRequest.peer_prefix) and
+    computes only the rest.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LendPrefix = channel.unary_unary(
+                '/pdmesh.v1.KVPeer/LendPrefix',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.LendPrefixRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.LendPrefixResponse.FromString,
+                _registered_method=True)
+        self.ReleasePrefix = channel.unary_unary(
+                '/pdmesh.v1.KVPeer/ReleasePrefix',
+                request_serializer=pdmesh_dot_v1_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_v1_dot_engine__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
+
+
+class KVPeerServicer:
+    """Served by every instance whose engine core lends KV (prefill, colocated, and decode
+    instances that move KV worker to worker): cluster-wide prefix caching. The router asks the
+    instance that holds a prompt's leading blocks (a conversation's earlier turn, prompt and
+    answer) to lend them to the instance that computes the prompt, which pulls what it lacks
+    through the KV connector (PrefillRequest.peer_prefix, DecodeRequest.peer_prefix) and
+    computes only the rest.
+    """
+
+    def LendPrefix(self, request, context):
+        """Pins the leading blocks of the prompt this instance holds in its prefix cache under a
+        lease (released by the puller's ack, the lease's end, or ReleasePrefix) and answers their
+        handle; no handle when it holds fewer than min_blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePrefix(self, request, context):
+        """Drops a loan before its lease ends (the request went elsewhere, its call failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVPeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LendPrefix,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.LendPrefixRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.LendPrefixResponse.SerializeToString,
+            ),
+            'ReleasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePrefix,
+                    request_deserializer=pdmesh_dot_v1_dot_engine__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=pdmesh_dot_v1_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdmesh.v1.KVPeer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdmesh.v1.KVPeer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVPeer:
+    """Served by every instance whose engine core lends KV (prefill, colocated, and decode
+    instances that move KV worker to worker): cluster-wide prefix caching. The router asks the
+    instance that holds a prompt's leading blocks (a conversation's earlier turn, prompt and
+    answer) to lend them to the instance that computes the prompt, which pulls what it lacks
+    through the KV connector (PrefillRequest.peer_prefix, DecodeRequest.peer_prefix) and
+    computes only the rest.
+    """
+
+    @staticmethod
+    def LendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.KVPeer/LendPrefix',
+            pdmesh_dot_v1_dot_engine__pb2.LendPrefixRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.LendPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.KVPeer/ReleasePrefix',
+            pdmesh_dot_v1_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+            pdmesh_dot_v1_dot_engine__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,124 @@
+"""The router's peer-reuse decision (router/peer_prefix.py): which live instance lends, and
+whether pulling its extra blocks beats computing them, from measured quantities (the worked
+example of router/routing/README.md is checked here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdmesh.router.instance import Instance
+from pdmesh.router.peer_prefix import (
+    CROSS_HOST_BYTES_PER_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    SAME_HOST_BYTES_PER_S,
+    PairRates,
+    PullCost,
+    best_offer,
+    host_of,
+    prefill_rate,
+)
+from pdmesh.router.request import Lookup
+from pdmesh.v1 import engine_pb2
+
+pytestmark = pytest.mark.fast
+
+BLOCK = 16
+MiB = 1 << 20
+
+
+def instance(instance_id: str, host: str = "10.0.0.1", *, rate: float = 0.0,
+             step_s: float = 0.0, block_bytes: int = 2 * MiB) -> Instance:
+    inst = Instance(address=f"{host}:{9000 + len(instance_id)}", role="decode",
+                    channel=None)  # type: ignore[arg-type]
+    inst.info = engine_pb2.EngineInfo(instance_id=instance_id, block_size=BLOCK,
+                                      kv_block_bytes=block_bytes)
+    inst.load = engine_pb2.EngineLoad(model_prefill_tokens_per_s=rate,
+                                      num_steps=100 if step_s else 0,
+                                      step_seconds=100 * step_s)
+    return inst
+
+
+def lookup(**cached: int) -> Lookup:
+    return Lookup(dict(cached), consulted=True, ok=True)
+
+
+def test_worked_example_of_the_readme() -> None:
+    """README: a 2,000-token turn, the target (a prefill instance) holds 40 blocks, the
+    decode instance that wrote the previous turn holds 110; 70 blocks of 2 MiB each over a
+    measured 4 GB/s, target prefills 8,000 tokens/s, the lender steps every 30 ms."""
+    target = instance("prefill-0", rate=8000.0)
+    lender = instance("decode-0", step_s=0.030)
+    rates = PairRates()
+    rates.observe_pull("decode-0", "prefill-0", 4_000_000_000, 1.0)
+    rates.control_s = 0.004
+    offer = best_offer(2000, BLOCK, target, lookup(**{"prefill-0": 40, "decode-0": 110}),
+                       [target, lender], rates, min_tokens=32)
+    assert offer is not None and offer.lender is lender
+    cost = offer.cost
+    assert cost.extra_tokens == 70 * BLOCK
+    assert cost.saved_s == pytest.approx(0.140)
+    assert cost.cost_s == pytest.approx(0.004 + 0.015 + 70 * 2 * MiB / 4e9)
+    assert cost.worth_it
+    # The same move against a target eight times faster is not worth it.
+    fast = instance("prefill-0", rate=64000.0)
+    slow = best_offer(2000, BLOCK, fast, lookup(**{"prefill-0": 40, "decode-0": 110}),
+                      [fast, lender], rates, min_tokens=32)
+    assert slow is not None and not slow.cost.worth_it
+
+
+def test_the_instance_holding_the_most_lends_and_the_target_never_lends_to_itself() -> None:
+    target, a, b = instance("t"), instance("a"), instance("b")
+    offer = best_offer(640, BLOCK, target, lookup(t=10, a=30, b=25), [target, a, b],
+                       PairRates(), min_tokens=32)
+    assert offer is not None and offer.lender is a
+    assert (offer.lender_blocks, offer.target_blocks) == (30, 10)
+    # The target itself holding the most: nobody lends.
+    assert best_offer(640, BLOCK, target, lookup(t=30, a=30), [target, a], PairRates(),
+                      min_tokens=32) is None
+
+
+def test_a_hit_is_capped_as_the_engine_caps_it_and_small_gains_are_not_offered() -> None:
+    target, a = instance("t"), instance("a")
+    # A 100-token prompt: an engine takes at most (100 - 1) // 16 = 6 blocks as a hit.
+    offer = best_offer(100, BLOCK, target, lookup(t=0, a=40), [target, a], PairRates(),
+                       min_tokens=32)
+    assert offer is not None and offer.lender_blocks == 6
+    # 1 block (16 tokens) more than the target holds is below the minimum.
+    assert best_offer(640, BLOCK, target, lookup(t=10, a=11), [target, a], PairRates(),
+                      min_tokens=32) is None
+
+
+def test_equal_holders_the_one_stepping_faster_lends() -> None:
+    target, busy, idle = instance("t"), instance("busy", step_s=0.2), instance("idle",
+                                                                                step_s=0.01)
+    offer = best_offer(640, BLOCK, target, lookup(busy=20, idle=20), [target, busy, idle],
+                       PairRates(), min_tokens=32)
+    assert offer is not None and offer.lender is idle
+
+
+def test_pair_bandwidth_defaults_by_host_then_follows_measured_pulls() -> None:
+    target = instance("t", host="10.0.0.1")
+    near, far = instance("n", host="10.0.0.1"), instance("f", host="10.0.0.2")
+    rates = PairRates()
+    assert rates.bandwidth(near, target) == SAME_HOST_BYTES_PER_S
+    assert rates.bandwidth(far, target) == CROSS_HOST_BYTES_PER_S
+    rates.observe_pull("f", "t", 2_000_000, 0.001)  # 2 GB/s measured
+    assert rates.bandwidth(far, target) == pytest.approx(2e9)
+    rates.observe_pull("f", "t", 1_000_000, 0.001)  # 1 GB/s: the average moves toward it
+    assert 1e9 < rates.bandwidth(far, target) < 2e9
+    rates.observe_pull("f", "t", 0, 0.0)  # nothing measured: nothing changes
+    assert host_of("[::1]:9000") == "::1"
+
+
+def test_prefill_rate_prefers_the_model_then_the_measured_mean_then_the_default() -> None:
+    assert prefill_rate(engine_pb2.EngineLoad(model_prefill_tokens_per_s=900.0)) == 900.0
+    assert prefill_rate(engine_pb2.EngineLoad(step_seconds=2.0, scheduled_tokens=1000)) == 500.0
+    assert prefill_rate(engine_pb2.EngineLoad()) == DEFAULT_PREFILL_TOKENS_PER_S
+
+
+def test_pull_cost_arithmetic() -> None:
+    cost = PullCost(extra_tokens=320, nbytes=40 * MiB, prefill_tokens_per_s=1000.0,
+                    bytes_per_s=1e9, control_s=0.005, lender_wait_s=0.02)
+    assert cost.saved_s == pytest.approx(0.32)
+    assert cost.cost_s == pytest.approx(0.025 + 40 * MiB / 1e9)
+    assert cost.worth_it
