@@ -537,8 +537,9 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
         peer_prefix_offers=Counter(metric_name("router_peer_prefix"),
                                    "Cluster-wide prefix caching: requests whose prompt a peer "
                                    "held more of than the instance computing it, by what "
-                                   "happened (pulled, fallback, declined by the cost model, "
-                                   "lender_empty, lend_failed)", ["outcome"], registry=r),
+                                   "happened (pulled, reused: the target held them already, "
+                                   "fallback, declined by the cost model, lender_empty, "
+                                   "lend_failed)", ["outcome"], registry=r),
         peer_prefix_tokens=Counter(metric_name("router_peer_prefix_tokens"),
                                    "Prompt tokens pulled from a peer instead of computed",
                                    registry=r),

@@ -263,6 +263,9 @@ class PeerPrefixes:
         if result.fallback:
             self.metrics.peer_prefix_offers.labels("fallback").inc()
             return
+        if not result.blocks_pulled:  # the target held them already (its index entries lag)
+            self.metrics.peer_prefix_offers.labels("reused").inc()
+            return
         self.metrics.peer_prefix_offers.labels("pulled").inc()
         block_size = loan.target.info.block_size if loan.target.info is not None else 0
         self.metrics.peer_prefix_tokens.inc(result.blocks_pulled * block_size)
