@@ -4,21 +4,28 @@ example of router/routing/README.md is checked here)."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdmesh.metrics import RouterMetrics, router_metrics
 from pdmesh.router.instance import Instance
 from pdmesh.router.peer_prefix import (
     CROSS_HOST_BYTES_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
     SAME_HOST_BYTES_PER_S,
+    Loan,
     PairRates,
+    PeerPrefixes,
+    PeerReuse,
     PullCost,
     best_offer,
     host_of,
     prefill_rate,
 )
-from pdmesh.router.request import Lookup
-from pdmesh.v1 import engine_pb2
+from pdmesh.router.request import Lookup, PreparedRequest
+from pdmesh.v1 import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.fast
 
@@ -122,3 +129,43 @@ def test_pull_cost_arithmetic() -> None:
     assert cost.saved_s == pytest.approx(0.32)
     assert cost.cost_s == pytest.approx(0.025 + 40 * MiB / 1e9)
     assert cost.worth_it
+
+
+def prepared(num_tokens: int, **sampling: object) -> PreparedRequest:
+    return PreparedRequest(
+        request_id="r", prompt_token_ids=list(range(num_tokens)),
+        sampling=common_pb2.SamplingParams(**sampling), n=1, max_tokens=8, cache_salt="",
+        priority=0, stream=False, received_at=0.0, deadline=1e12)
+
+
+def counts(metrics: RouterMetrics) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for m in metrics.peer_prefix_offers.collect()
+            for s in m.samples if s.name.endswith("_total")}
+
+
+def test_offers_are_made_only_where_they_can_help_and_outcomes_are_counted() -> None:
+    metrics = router_metrics(CollectorRegistry())
+    peers = PeerPrefixes(PeerReuse(), metrics, token=None)
+    fast_target = instance("t", rate=1e9)  # computing anything is instant: never worth a move
+    lender = instance("a")
+    found = lookup(t=0, a=30)
+    live = [fast_target, lender]
+    # Each of these returns before any call to the lender (its channel is None here).
+    assert asyncio.run(peers.offer(prepared(640), found, fast_target, live, BLOCK)) is None
+    assert counts(metrics) == {"declined": 1.0}
+    assert asyncio.run(peers.offer(prepared(640, prompt_logprobs=1), found, fast_target, live,
+                                   BLOCK)) is None
+    assert asyncio.run(peers.offer(prepared(640), Lookup({}, consulted=True, ok=False),
+                                   fast_target, live, BLOCK)) is None
+    off = PeerPrefixes(PeerReuse(enabled=False), metrics, token=None)
+    assert asyncio.run(off.offer(prepared(640), found, fast_target, live, BLOCK)) is None
+    assert counts(metrics) == {"declined": 1.0}
+
+    loan = Loan(lender, fast_target, "r/prefix/1", engine_pb2.PeerPrefix(), 30)
+    peers.observe(loan, engine_pb2.PeerPrefixResult(blocks_pulled=30, bytes=60 * MiB,
+                                                    pull_ms=30.0))
+    peers.observe(loan, engine_pb2.PeerPrefixResult(blocks_reused=30))
+    peers.observe(loan, engine_pb2.PeerPrefixResult(fallback="checksum"))
+    peers.observe(loan, None)
+    assert counts(metrics) == {"declined": 1.0, "pulled": 1.0, "reused": 1.0, "fallback": 2.0}
+    assert peers.rates.bandwidth(lender, fast_target) == pytest.approx(60 * MiB / 0.030)
