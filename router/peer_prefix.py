@@ -6,7 +6,8 @@ The cost model (router/routing/README.md, "Peer reuse", with a worked example) c
 measured times for the blocks the lender holds beyond the target's own hit:
 
     saved_s = extra_tokens / prefill_tokens_per_s(target)
-    cost_s  = control_s + lender_wait_s(lender) + extra_blocks × block_bytes / bytes_per_s(pair)
+    cost_s  = control_s + lender_wait_s(lender)
+              + max(0, extra_blocks × block_bytes / bytes_per_s(pair) − queue_s(target))
 
 - `prefill_tokens_per_s`: the target's step-cost model rate (`EngineLoad.model_prefill_tokens_
   per_s`), before it has fitted its mean rate over the steps it ran, before its first step a
@@ -16,6 +17,8 @@ measured times for the blocks the lender holds beyond the target's own hit:
   (`PeerPrefixResult`: bytes over pull time, an EWMA), before the first one a default by
   whether the pair shares a host (shm) or not (tcp);
 - `lender_wait_s`: the lender's core answers between two steps, half its mean step on average;
+- `queue_s(target)`: the target's core pulls while the request waits in its queue, so the
+  requests waiting there (each at least one of its mean steps) hide the move;
 - `control_s`: the LendPrefix and StartTransfer round trips (measured, an EWMA).
 
 A pull happens when `saved_s > cost_s` and at least `--kv-peer-reuse-min-tokens` are saved.
@@ -68,6 +71,7 @@ class PullCost:
     bytes_per_s: float
     control_s: float
     lender_wait_s: float
+    queue_s: float = 0.0  # the target's queue ahead of the request: the move hides in it
 
     @property
     def saved_s(self) -> float:
@@ -75,7 +79,8 @@ class PullCost:
 
     @property
     def cost_s(self) -> float:
-        return self.control_s + self.lender_wait_s + self.nbytes / self.bytes_per_s
+        transfer_s = self.nbytes / self.bytes_per_s
+        return self.control_s + self.lender_wait_s + max(0.0, transfer_s - self.queue_s)
 
     @property
     def worth_it(self) -> bool:
@@ -153,6 +158,7 @@ def pull_cost(extra_blocks: int, block_size: int, target: Instance, lender: Inst
         bytes_per_s=rates.bandwidth(lender, target),
         control_s=rates.control_s,
         lender_wait_s=mean_step_s(lender.load) / 2,
+        queue_s=target.load.num_waiting * mean_step_s(target.load),
     )
 
 

@@ -66,11 +66,18 @@ def test_worked_example_of_the_readme() -> None:
     assert cost.saved_s == pytest.approx(0.140)
     assert cost.cost_s == pytest.approx(0.004 + 0.015 + 70 * 2 * MiB / 4e9)
     assert cost.worth_it
-    # The same move against a target eight times faster is not worth it.
-    fast = instance("prefill-0", rate=64000.0)
+    # The same move against a target four times faster is not worth it...
+    fast = instance("prefill-0", rate=32000.0)
     slow = best_offer(2000, BLOCK, fast, lookup(**{"prefill-0": 40, "decode-0": 110}),
                       [fast, lender], rates, min_tokens=32)
     assert slow is not None and not slow.cost.worth_it
+    # ... unless two requests wait ahead of it at 30 ms steps: its queue hides the move.
+    busy = instance("prefill-0", rate=32000.0, step_s=0.030)
+    busy.load.num_waiting = 2
+    hidden = best_offer(2000, BLOCK, busy, lookup(**{"prefill-0": 40, "decode-0": 110}),
+                        [busy, lender], rates, min_tokens=32)
+    assert hidden is not None and hidden.cost.cost_s == pytest.approx(0.019)
+    assert hidden.cost.worth_it
 
 
 def test_the_instance_holding_the_most_lends_and_the_target_never_lends_to_itself() -> None:
