@@ -102,12 +102,6 @@ class PeerPrefixPulls:
         if self.service.connector is None:
             self.metrics.prefix_fallback("no_connector")
             return None
-        lay = handle.layout
-        if ((lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype)
-                != (*info.kv_shape, info.kv_dtype) or lay.num_tokens % lay.block_size):
-            # Another layout (a KV dtype of its own): the lender's blocks cannot be ours.
-            self.metrics.prefix_fallback("layout")
-            return None
         deadline = Deadline.after(self.fetch_timeout_s)
         capability = (TransferCapability.from_proto(peer.capability)
                       if peer.HasField("capability") else None)
