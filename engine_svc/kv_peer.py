@@ -237,6 +237,8 @@ class KVPeerServicer(engine_pb2_grpc.KVPeerServicer):
         lend_id = request.request_id
         if not lend_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set")
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: must be set")
         if self.sender.core is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this instance's engine core lends no KV")

@@ -333,13 +333,10 @@ class EngineCore:
                     min_blocks: int = 1, max_blocks: int = 0) -> PrefixLoan:
         """Lend the leading blocks of `token_ids` this core holds (kv_exports.py), pinned
         under `lend_id` until `release_kv(lend_id)`."""
-        if not 0 < len(token_ids) <= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: {len(token_ids)} tokens, expected 1 to "
-                             f"max_model_len={self.max_model_len}")
-        if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
-            raise ValueError("prompt_token_ids: a token id is outside the vocabulary")
-        seq = self.admission.samples.new(lend_id, 0, list(token_ids), len(token_ids),
-                                         SamplingParams(), cache_salt=cache_salt)
+        params = SamplingParams()
+        check_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        seq = self.admission.samples.new(lend_id, 0, list(token_ids), len(token_ids), params,
+                                         cache_salt=cache_salt)
         return self.exports.lend_prefix(lend_id, seq, min_blocks, max_blocks)
 
     # -- the step -------------------------------------------------------------------------------
