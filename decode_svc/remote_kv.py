@@ -28,9 +28,10 @@ from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine.outputs import TokenLogprobs
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine_svc.codec import DeltaBuilder, logprob_from_proto
+from pdmesh.engine_svc.core_source import start_core_pull
 from pdmesh.engine_svc.service import KVCounters
 from pdmesh.grpc_common import KV_LOAD_FAILED, refuse
-from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.connector.source import LoadResult
 from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.kvstore.transfer.core_pull import CorePulls, Pull
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -38,7 +39,6 @@ from pdmesh.kvstore.transfer.errors import KVHandleError, KVTransferError
 from pdmesh.kvstore.transfer.errors import failure_outcome as kv_failure_reason
 from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.receiver import KVReceiver
-from pdmesh.kvstore.transfer.worker_planes import core_backends
 from pdmesh.metrics import EngineMetrics
 from pdmesh.tracing import span_traceparent
 from pdmesh.v1 import common_pb2, engine_pb2
@@ -150,15 +150,11 @@ class RemoteKV:
     ) -> Admit:
         """Start the transfer on the control plane; the engine core pulls the blocks its
         prefix cache lacks while it admits the request (`settle` hears how it went)."""
-        info = self.engine.info
         deadline = Deadline.after(self.kv_fetch_timeout_s)
         try:
-            backend = self.receiver.choose_backend(
-                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
-                                            info.kv_cache_ipc, info.kv_ucx_server))
-            pull = await self.pulls.begin(handle, deadline, backend=backend,
-                                             traceparent=span_traceparent(seen.span),
-                                             capability=capability)
+            source, pull = await start_core_pull(
+                self.pulls, self.engine.info, handle, deadline,
+                traceparent=span_traceparent(seen.span), capability=capability)
         except KVTransferError as exc:
             message = (f"KV transfer from {handle.sender_address} failed "
                        f"({type(exc).__name__}): {exc}")
@@ -166,9 +162,6 @@ class RemoteKV:
                 await refuse(context, KV_LOAD_FAILED, message)
             return self._recompute(request, params, first_ids, first_logprobs,
                                    kv_failure_reason(exc), message, seen)
-        source = KVSource(backend, pull.params, list(handle.block_checksums),
-                          str(handle.checksum_algo), handle.layout.num_tokens,
-                          info.kv_shape, info.kv_dtype, deadline_s=deadline.remaining())
         return Admit(engine_request(request, params, given_tokens=first_ids,
                                       num_cached_tokens=remote.cached_prompt_tokens,
                                       kv_source=source),
@@ -188,7 +181,6 @@ class RemoteKV:
         as the sender reports it (`streamed.py`). A transfer that cannot start fails like any
         pull: refused under `fail`, else the prompt is recomputed here once the first tokens
         came (the caller's cleanup unregisters the call)."""
-        info = self.engine.info
         # The lease, its heartbeat and the progress stream live as long as the call may (a
         # long prompt's prefill outlasts the fetch timeout); each batch's pull is bounded by
         # the fetch timeout.
@@ -196,12 +188,11 @@ class RemoteKV:
         streamed = StreamedPrefill(request.request_id, params, builder)
         self.streamed.register(streamed)
         try:
-            backend = self.receiver.choose_backend(
-                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
-                                            info.kv_cache_ipc, info.kv_ucx_server))
-            pull = await self.pulls.begin(
-                handle, deadline, backend=backend, traceparent=span_traceparent(seen.span),
-                capability=capability, start_deadline=Deadline.after(self.kv_fetch_timeout_s))
+            source, pull = await start_core_pull(
+                self.pulls, self.engine.info, handle, deadline,
+                traceparent=span_traceparent(seen.span), capability=capability,
+                source_deadline_s=self.kv_fetch_timeout_s,
+                start_deadline=Deadline.after(self.kv_fetch_timeout_s), streamed=True)
         except KVTransferError as exc:
             message = (f"streamed KV transfer from {handle.sender_address} could not start "
                        f"({type(exc).__name__}): {exc}")
@@ -224,10 +215,6 @@ class RemoteKV:
         except BaseException:
             self.streamed.unregister(streamed)
             raise
-        source = KVSource(backend, pull.params, list(handle.block_checksums),
-                          str(handle.checksum_algo), handle.layout.num_tokens,
-                          info.kv_shape, info.kv_dtype, deadline_s=self.kv_fetch_timeout_s,
-                          streamed=True)
         streamed.idle_s = self.kv_fetch_timeout_s
         return Admit(engine_request(request, params, kv_source=source), None, pull, streamed)
 

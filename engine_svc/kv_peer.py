@@ -31,6 +31,7 @@ import grpc
 from pdmesh.engine.frontend.core_calls import EngineError
 from pdmesh.engine.outputs import RequestOutput
 from pdmesh.engine.sampling_params import SamplingParams
+from pdmesh.engine_svc.core_source import start_core_pull
 from pdmesh.engine_svc.export_layout import export_layout
 from pdmesh.engine_svc.service import EngineService
 from pdmesh.kvstore.connector.source import KVSource, LoadResult
@@ -43,7 +44,7 @@ from pdmesh.kvstore.transfer.handle import KVHandle
 from pdmesh.kvstore.transfer.receiver import KVReceiver, KVReceiverConfig
 from pdmesh.kvstore.transfer.sender import KVSender, KVSenderConfig
 from pdmesh.kvstore.transfer.state import ReleaseReason
-from pdmesh.kvstore.transfer.worker_planes import CoreCache, core_backends
+from pdmesh.kvstore.transfer.worker_planes import CoreCache
 from pdmesh.metrics import EngineMetrics
 from pdmesh.tracing import Span, span_traceparent
 from pdmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -98,30 +99,22 @@ class PeerPrefixPulls:
                     span: Span) -> tuple[KVSource, Pull] | None:
         """Start the transfer on the lender's control plane; None when it cannot start
         (counted as a fallback: the prompt is computed whole)."""
-        info = self.service.engine.info
         if self.service.connector is None:
             self.metrics.prefix_fallback("no_connector")
             return None
-        deadline = Deadline.after(self.fetch_timeout_s)
         capability = (TransferCapability.from_proto(peer.capability)
                       if peer.HasField("capability") else None)
         try:
-            backend = self.pulls.receiver.choose_backend(
-                handle, among=core_backends(info.kv_cache_file, info.kv_block_server,
-                                            info.kv_cache_ipc, info.kv_ucx_server))
-            pull = await self.pulls.begin(handle, deadline, backend=backend,
-                                          traceparent=span_traceparent(span),
-                                          capability=capability)
+            return await start_core_pull(
+                self.pulls, self.service.engine.info, handle,
+                Deadline.after(self.fetch_timeout_s), traceparent=span_traceparent(span),
+                capability=capability)
         except KVTransferError as exc:
             reason = failure_outcome(exc)
             self.metrics.prefix_fallback(reason)
             logger.info("lent prefix from %s not pulled (%s): %s", handle.sender_address,
                         reason, exc)
             return None
-        source = KVSource(backend, pull.params, list(handle.block_checksums),
-                          str(handle.checksum_algo), handle.layout.num_tokens, info.kv_shape,
-                          info.kv_dtype, deadline_s=deadline.remaining())
-        return source, pull
 
     def settle(self, pull: Pull, peer: engine_pb2.PeerPrefix, result: LoadResult | None,
                span: Span) -> None:
