@@ -55,6 +55,12 @@ SENDER_BACKENDS = ("shm", "tcp")  # what an instance offers by default, preferre
 
 ReleaseListener = Callable[[str, ReleaseReason], None]
 
+LOAN_LEASE_S = 5.0
+"""A loan's lease before its puller starts the transfer (then the puller's heartbeat keeps it):
+the router sends the call that carries it at once, so a loan nobody pulls (its LendPrefix
+answer lost to a cancelled request, a call that never went) pins the lender's blocks only
+this long."""
+
 
 def core_cache(service: EngineService) -> CoreCache | None:
     """What the KV sender tells receivers about the engine core's own transports."""
@@ -252,7 +258,8 @@ class KVPeerServicer(engine_pb2_grpc.KVPeerServicer):
         try:
             handle = self.sender.publish_export(lend_id, layout, loan.block_ids,
                                                 loan.block_checksums,
-                                                parse_algo(loan.checksum_algo))
+                                                parse_algo(loan.checksum_algo),
+                                                lease_s=LOAN_LEASE_S)
         except (KVTransferError, KVHandleError) as exc:
             self.engine.release_kv_nowait(lend_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"lend_prefix: {exc}")

@@ -145,16 +145,24 @@ class RequestRun:
                                     served_by(self.plan))
 
     # -- a peer's prefix (router/peer_prefix.py) ---------------------------------------------
-    async def lend_prefix(self, target: Instance) -> Loan | None:
+    async def lend_prefix(self, target: Instance, *, offer: bool = True
+                          ) -> tuple[Loan | None, float]:
         """The leading prompt blocks another instance holds beyond `target`'s own, lent for
-        `target` to pull when the cost model says so (None: it computes them)."""
+        `target` to pull when the cost model says so (None: it computes them), and the
+        timeout of the call that carries them: a deadline that passed meanwhile releases the
+        loan before the RouteError goes up, so no loan outlives its call unsent."""
         peers = self.ctx.peers
-        if peers is None:
-            return None
-        live = {i.instance_id: i for role in ("prefill", "decode")
-                for i in self.ctx.pool.routable(role)}
-        return await peers.offer(self.req, self.plan.lookup, target, live.values(),
-                                 self.plan.route.block_size)
+        loan = None
+        if peers is not None and offer:
+            live = {i.instance_id: i for role in ("prefill", "decode")
+                    for i in self.ctx.pool.routable(role)}
+            loan = await peers.offer(self.req, self.plan.lookup, target, live.values(),
+                                     self.plan.route.block_size)
+        try:
+            return loan, self.req.remaining_s()
+        except BaseException:
+            self.prefix_unused(loan, "deadline exceeded")
+            raise
 
     def prefix_pulled(self, loan: Loan | None,
                       result: engine_pb2.PeerPrefixResult | None) -> None:
@@ -248,7 +256,7 @@ class RequestRun:
         """One Prefill call; its first tokens go to the client. Raises Unreached (re-route
         it) for an instance's failure, RouteError for an answer about the request."""
         req = self.req
-        loan = await self.lend_prefix(instance)
+        loan, timeout = await self.lend_prefix(instance)
         message = engine_pb2.PrefillRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -257,9 +265,8 @@ class RequestRun:
             priority=req.priority,
             peer_prefix=loan.peer if loan is not None else None,
         )
-        call = instance.prefill_stub().Prefill(
-            message, timeout=req.remaining_s(), metadata=inject_metadata()
-        )
+        call = instance.prefill_stub().Prefill(message, timeout=timeout,
+                                               metadata=inject_metadata())
         watch = CallWatch(self.ctx.pool, instance, call.cancel, "prefill")
         try:
             try:
@@ -310,7 +317,7 @@ class RequestRun:
         (migrate it) for an instance's failure; fails the request for any other."""
         req = self.req
         # Prefilled there: its leading blocks perhaps lent by a peer.
-        loan = await self.lend_prefix(instance) if remote is None and not resume else None
+        loan, timeout = await self.lend_prefix(instance, offer=remote is None and not resume)
         message = engine_pb2.DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -323,9 +330,8 @@ class RequestRun:
         )
         result: engine_pb2.DecodeResult | None = None
         answered = False  # the instance sent something: the call can no longer be re-routed
-        call = instance.decode_stub().Decode(
-            message, timeout=req.remaining_s(), metadata=inject_metadata()
-        )
+        call = instance.decode_stub().Decode(message, timeout=timeout,
+                                             metadata=inject_metadata())
         watch = CallWatch(self.ctx.pool, instance, call.cancel, "decode")
         try:
             try:

@@ -54,13 +54,13 @@ class StreamedPrefill:
         done nothing, when the prefill instance cannot stream (the caller asks `Prefill`)."""
         req, prefill = self.run.req, self.run.plan.prefill
         assert prefill is not None
-        loan = await self.run.lend_prefix(prefill)
+        loan, timeout = await self.run.lend_prefix(prefill)
         message = engine_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=req.sampling, cache_salt=req.cache_salt, priority=req.priority,
             peer_prefix=loan.peer if loan is not None else None)
         call = prefill.prefill_stub().PrefillStream(
-            message, timeout=req.remaining_s(), metadata=inject_metadata())
+            message, timeout=timeout, metadata=inject_metadata())
         decode: asyncio.Future[None] | None = None
 
         def start_decode(kv: kv_transfer_pb2.KVHandle) -> None:
