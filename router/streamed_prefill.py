@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ class StreamedPrefill:
 
     def __init__(self, run: RequestRun) -> None:
         self.run = run
+        self.handed_on = False
+        """A Decode call owns the prefill's export now (its end releases it), or it was
+        released: the streamed path no longer does."""
 
     async def execute(self) -> bool:
         """The request's run with its KV streamed by chunk (module docstring); False, having
@@ -87,31 +91,48 @@ class StreamedPrefill:
             raise
         self.run.prefix_pulled(loan, resp.peer_prefix if resp.HasField("peer_prefix")
                                else None)
+        try:
+            return await self._after_prefill(prefill, resp, decode)
+        except BaseException:
+            if not self.handed_on:
+                # Cancelled (the client left) or failed before a Decode call took the KV
+                # over: the streamed call would wait for first tokens that never come, and
+                # the export is still ours to release.
+                if decode is not None and not decode.done():
+                    await self._stop_streamed_decode(decode)
+                if resp.HasField("kv"):
+                    self.run.ctx.cleanup.release_kv(prefill, req.request_id,
+                                                    resp.kv.transfer_id, "client gone")
+            raise
+
+    async def _after_prefill(self, prefill: Instance, resp: engine_pb2.PrefillResponse,
+                             decode: asyncio.Future[None] | None) -> bool:
+        """The prefill ended: its first tokens to the client and to the streamed Decode
+        call, which then decodes (or a fresh call, when it cannot)."""
+        req = self.run.req
         remote = engine_pb2.RemotePrefill(kv=resp.kv, first=resp.first,
                                           cached_prompt_tokens=resp.cached_prompt_tokens)
         refused = decode.exception() if decode is not None and decode.done() \
             and not decode.cancelled() else None
         if isinstance(refused, RouteError):  # about the request (e.g. it can never fit
             if resp.HasField("kv"):          # there): fail it before any output goes out
+                self.handed_on = True
                 self.run.ctx.cleanup.release_kv(prefill, req.request_id, resp.kv.transfer_id,
                                                 "decode refused the request")
             raise refused
-        try:
-            await self._first_tokens(prefill, resp)
-        except BaseException:
-            if decode is not None:
-                await self._stop_streamed_decode(decode)
-            raise
+        await self._first_tokens(resp)
         if not resp.HasField("kv"):  # every sequence finished on the prefill instance
             if decode is not None:
                 await self._stop_streamed_decode(decode)
             await self.run.finish()
             return True
         if decode is not None and await self._prefill_done_to_decode(self.run.plan.decode, remote):
+            self.handed_on = True
             await self.run.decode_rerouting(remote, started=decode)
         else:  # that call will never decode: a fresh one, the unary way
             if decode is not None:
                 await self._stop_streamed_decode(decode)
+            self.handed_on = True
             await self.run.decode_rerouting(remote)
         return True
 
@@ -157,19 +178,14 @@ class StreamedPrefill:
             raise Unreached(error, unreached_reason(exc) or fault_reason(exc)
                             or exc.code().name.lower()) from None
 
-    async def _first_tokens(self, instance: Instance, resp: engine_pb2.PrefillResponse) -> None:
-        """The prefill's answer to the client, as `RequestRun._prefill` sends it."""
+    async def _first_tokens(self, resp: engine_pb2.PrefillResponse) -> None:
+        """The prefill's answer to the client, as `RequestRun._prefill` sends it (a failure
+        here releases its export: `execute`)."""
         self.run.prefill_resp = resp
         self.run.responses.timings.append(resp.timing)
-        try:
-            await self.run.responses.send_prompt_logprobs(resp.prompt_logprobs)
-            for delta in resp.first:
-                await self.run.responses.emit(delta)
-        except BaseException:
-            if resp.HasField("kv"):
-                self.run.ctx.cleanup.release_kv(instance, self.run.req.request_id,
-                                                resp.kv.transfer_id, "client gone")
-            raise
+        await self.run.responses.send_prompt_logprobs(resp.prompt_logprobs)
+        for delta in resp.first:
+            await self.run.responses.emit(delta)
 
     async def _prefill_done_to_decode(self, decode: Instance,
                                       remote: engine_pb2.RemotePrefill) -> bool:
@@ -201,13 +217,15 @@ class StreamedPrefill:
                 decode.exception()  # retrieved: superseded by the prefill's failure
         finally:
             self.run.superseded = False
+        remaining = self.run.req.deadline - time.monotonic()
+        if remaining <= 0:
+            return  # nothing re-planned will come; the cancelled call's end aborts it there
         # (Unreachable: a re-planned call there fails and is re-routed as usual.)
         with contextlib.suppress(grpc.aio.AioRpcError):
             await instance.decode_stub().Abort(
                 engine_pb2.AbortRequest(request_id=self.run.req.request_id,
                                         reason="streamed prefill failed"),
-                timeout=max(min(self.run.req.remaining_s(), 10.0), 0.001),
-                metadata=inject_metadata())
+                timeout=min(remaining, 10.0), metadata=inject_metadata())
 
     async def _replan_after_prefill(self, prefill: Instance, failure: Unreached) -> bool:
         """The streamed prefill failed before its end (nothing reached the client): re-plan
