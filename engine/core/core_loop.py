@@ -122,6 +122,16 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
     return None
 
 
+def occupancy(core: EngineCore) -> tuple[int, int, int, int]:
+    """The load figures a step can change without running the model or sending an output:
+    the landing before it frees an aborted request's pulled blocks, or places a landed pull
+    to wait. A change is reported even then; else the serving side (and through it the
+    router) would see those blocks taken until the next command."""
+    scheduler = core.scheduler
+    return (core.num_free_blocks, len(core.admission.loading), len(scheduler.waiting),
+            len(scheduler.running))
+
+
 @dataclass
 class _Deferred:
     """An add command waiting for its request's grammar to compile."""
@@ -233,6 +243,7 @@ class CoreLoop:
         if not core.has_unfinished_requests():
             return False
         steps_before = core.num_steps
+        occupied_before = occupancy(core)
         try:
             outputs = core.step()
         except Exception as exc:
@@ -240,7 +251,8 @@ class CoreLoop:
             self._fail_all(exc)
             return False
         events = core.take_kv_events()
-        if outputs or events or core.num_steps != steps_before:
+        if (outputs or events or core.num_steps != steps_before
+                or occupancy(core) != occupied_before):
             self.transport.send(Batch(outputs, self._load(), events_to_wire(events)))
         # No step ran and nothing came out: waiting requests are blocked (e.g. on pinned KV).
         # Block on the commands until something (a release, an abort) changes that.

@@ -104,6 +104,18 @@ def all_free(mesh: Mesh) -> bool:
             and p.num_running == 0)
 
 
+def wait_all_free(mesh: Mesh, what: str, timeout_s: float) -> None:
+    """`all_free` within `timeout_s`; else fail saying what each instance still holds."""
+    try:
+        wait_for(lambda: all_free(mesh), what, timeout_s=timeout_s)
+    except AssertionError as exc:
+        d, p = mesh.decode_load(), mesh.prefill_load()
+        raise AssertionError(
+            f"{exc}\ndecode: {d.num_running} running, {d.num_waiting} waiting, "
+            f"{d.num_free_blocks}/{d.num_total_blocks} blocks free; prefill: {p.num_running} "
+            f"running, {p.num_free_blocks}/{p.num_total_blocks} blocks free") from None
+
+
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
@@ -128,7 +140,7 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(mesh: Mesh
             timeout=60))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
     assert "KV" in err.value.details(), err.value.details()
-    wait_for(lambda: all_free(mesh), "every block free after the refusals", timeout_s=15)
+    wait_all_free(mesh, "every block free after the refusals", timeout_s=15)
 
 
 async def _generate(stub: router_pb2_grpc.RouterStub, request_id: str, n: int, *,
@@ -179,7 +191,7 @@ def test_concurrent_forks_wait_and_every_failure_path_frees_all_blocks(mesh: Mes
     for code, _ in results[5:8]:
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED), code
 
-    wait_for(lambda: all_free(mesh), "every block free, nothing running", timeout_s=30)
+    wait_all_free(mesh, "every block free, nothing running", timeout_s=30)
     decode_metrics = mesh.local.metrics_urls()["decode-0"]
     samples = scrape(decode_metrics)
     assert samples["pdmesh:kv_cache_free_blocks"] == mesh.total_blocks, samples
@@ -193,4 +205,30 @@ def test_concurrent_forks_wait_and_every_failure_path_frees_all_blocks(mesh: Mes
         timeout=30))
     assert sum(len(r.delta.token_ids) for r in resp if r.HasField("delta")) == 3
     assert time.monotonic() - started < 30
-    wait_for(lambda: all_free(mesh), "every block free after the follow-up", timeout_s=15)
+    wait_all_free(mesh, "every block free after the follow-up", timeout_s=15)
+
+
+def test_clients_that_leave_at_their_first_token_leave_nothing_behind(mesh: Mesh) -> None:
+    """Regressions, each hit by a few in a hundred such clients:
+
+    * one that left while the router handed the prefill's first tokens to the streamed
+      Decode call (`Decode.PrefillDone`) left that call waiting for them until its deadline,
+      holding its blocks on both instances;
+    * an aborted request whose pulled blocks the decode core dropped with no step to run
+      after was reported waiting, its blocks taken, until the core's next command.
+    """
+    assert all_free(mesh)
+
+    async def run() -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(mesh.local.router_address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for wave in range(10):
+                results = await asyncio.gather(*[
+                    _generate(stub, f"leave-{wave}-{i}", 1, timeout_s=120,
+                              cancel_after_first=True) for i in range(4)])
+                codes += [code for code, _ in results]
+        return codes
+
+    assert set(asyncio.run(run())) == {grpc.StatusCode.CANCELLED}
+    wait_all_free(mesh, "every block free, nothing running", timeout_s=15)

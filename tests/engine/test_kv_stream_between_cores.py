@@ -18,7 +18,9 @@ import msgspec
 import pytest
 
 from pdmesh.engine.config import EngineConfig
+from pdmesh.engine.core.core_loop import CoreLoop
 from pdmesh.engine.core.engine_core import EngineCore
+from pdmesh.engine.core_protocol import Batch, Reply
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
@@ -255,4 +257,45 @@ def test_a_decode_aborted_while_waiting_for_blocks_frees_them(pair) -> None:
     assert decode.num_free_blocks == free[1]
     assert not decode.core.kv_stream("d-gone", ExportProgress(2, sealed=True))
     assert prefill.core.abort_request("p-gone")
+    assert prefill.num_free_blocks == free[0]
+
+
+class _Replies:
+    """The core loop's replies, as its serving side would receive them."""
+
+    def __init__(self) -> None:
+        self.sent: list[Reply] = []
+
+    def receive(self, block: bool) -> list:
+        return []
+
+    def send(self, reply: Reply, tensor: object = None) -> None:
+        self.sent.append(reply)
+
+
+def test_a_pull_dropped_without_a_step_still_reports_its_blocks_free(pair) -> None:
+    """Regression: an aborted request's streamed pull is dropped by the landing before a step;
+    with nothing else to run no step follows, and the loop sent no load, so the serving side
+    (and the router) saw its blocks taken and the request waiting until the next command."""
+    prefill, decode = pair
+    ids = prefill.tokenize("Glaciers grind mountains into gravel, slowly; " * 6)[1]
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prefill.core.add(EngineRequest("p-quiet", ids, greedy(), cache_salt="p-quiet",
+                                   export_kv=True, stream_kv=True))
+    decode.core.add(EngineRequest("d-quiet", ids, greedy(), cache_salt="d-quiet",
+                                  kv_source=shm_source(prefill.core, len(ids))))
+    out = [o for o in prefill.core.step() if o.kv_stream is not None]
+    assert decode.core.kv_stream("d-quiet", out[0].kv_stream)
+    land_pulls(decode.core)
+    decode.core.step()  # the batch landed; the stream waits for more blocks
+    assert decode.num_free_blocks < free[1] and decode.core.load().num_waiting == 1
+
+    replies = _Replies()
+    loop = CoreLoop(decode.core, replies)
+    assert decode.core.abort_request("d-quiet")  # abandoned: dropped at the next landing
+    loop._step()
+    loads = [r.load for r in replies.sent if isinstance(r, Batch)]
+    assert loads, "the loop reported nothing"
+    assert loads[-1].num_free_blocks == free[1] and loads[-1].num_waiting == 0
+    assert prefill.core.abort_request("p-quiet")
     assert prefill.num_free_blocks == free[0]
