@@ -122,34 +122,47 @@ async def test_drain_timeout_returns_what_still_runs() -> None:
 
 class FloodDecode(engine_pb2_grpc.DecodeServicer):
     """Streams 1 MB messages until cancelled: the server ends up blocked writing to a client
-    that stopped reading."""
+    that stopped reading. Counts the calls whose cleanup (`finally`) ran."""
+
+    def __init__(self) -> None:
+        self.cleaned = 0
+        self.cleaned_event = asyncio.Event()
 
     async def Decode(self, request: engine_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[engine_pb2.DecodeResponse]:
         big = engine_pb2.DecodeResponse(delta=common_pb2.SequenceDelta(text="x" * (1 << 20)))
-        for _ in range(1000):
-            yield big
+        try:
+            for _ in range(1000):
+                yield big
+        finally:
+            self.cleaned += 1
+            self.cleaned_event.set()
 
 
 @pytest.mark.fast
 @pytest.mark.anyio
 async def test_a_stream_cancelled_while_the_server_writes_leaves_the_gate() -> None:
     """The client stops reading and cancels while the server waits to write: the call leaves
-    the gate when gRPC ends the RPC (its done callback), whatever state the handler's
-    generator is left in; with the garbage collector off, nothing relies on it."""
+    the gate when gRPC ends the RPC (its done callback), and the handler's own cleanup (its
+    `finally`: in a real servicer, aborting the request and freeing its KV blocks) runs then
+    too, as gRPC drops the generator: with the garbage collector off, nothing relies on it."""
     server = GrpcServer(["pdmesh.v1.Decode"], drain_methods=[DECODE],
                         max_message_bytes=4 << 20)
-    engine_pb2_grpc.add_DecodeServicer_to_server(FloodDecode(), server.server)
+    flood = FloodDecode()
+    engine_pb2_grpc.add_DecodeServicer_to_server(flood, server.server)
     address = await server.start()
     gc.disable()
     try:
         options = [("grpc.max_receive_message_length", 4 << 20)]
         async with grpc.aio.insecure_channel(address, options=options) as channel:
-            for _ in range(3):
+            for i in range(3):
                 call = engine_pb2_grpc.DecodeStub(channel).Decode(engine_pb2.DecodeRequest())
                 await call.read()  # the next 1 MB messages overflow the flow-control window
                 call.cancel()
                 assert await server.gate.wait_idle(5) == 0
+                await asyncio.wait_for(flood.cleaned_event.wait(), 5)
+                flood.cleaned_event.clear()
+                assert flood.cleaned == i + 1
     finally:
         gc.enable()
         await server.stop(grace_s=0)

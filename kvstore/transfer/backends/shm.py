@@ -81,9 +81,18 @@ class _Segment:
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
 
     def destroy(self) -> None:
-        del self.bytes  # drop the buffer export before unmapping
-        self._map.close()
+        """Unlink the file, then unmap it if nothing still views it.
+
+        A copy aborted mid-way can leave a view of the mapping alive a little longer (its
+        thread finishing after the grace, or an exception's traceback holding the frame).
+        The name goes now either way; the pages go when the last view does.
+        """
+        del self.bytes  # drop our own buffer export before unmapping
         _unlink(self.path)
+        try:
+            self._map.close()
+        except BufferError:
+            logger.debug("shm segment %s still viewed at close; unmapped when released", self.path)
 
 
 class _SegmentPool:
