@@ -9,24 +9,32 @@ straight into its own cache blocks. UCX picks the path: shared memory or TCP bet
 buffers, CUDA IPC / NVLink or GPUDirect RDMA between device buffers (ucxx registers the cache's
 device memory itself).
 
-Wire protocol (version 1; integers little-endian; every message an exact-size tagged send):
+Wire protocol (version 2; integers little-endian; every message an exact-size tagged send):
 
     client -> server  "PDUQ" u8 version u32 n, then n <= 1 MiB of msgpack `UcxPull`:
                       request_id, transfer_id, grant, mac, first, count, layout, dtype and
                       `dst_runs`, the lengths of the receiver's runs of consecutive blocks
-    server -> client  "PDUR" u8 status u32 m, then m bytes: on status 0 (ok) msgpack piece
-                      lengths, else the UTF-8 reason (1 = denied, 2 = refused)
-    server -> client  on ok, for layer, for K/V, for piece: that piece of the cache, message i
-                      tagged with the endpoint's tag + 1 + i (UCX matches tags, not arrival)
+    server -> client  "PDUR" u8 status u32 m, then m bytes: on status 0 (ok) msgpack
+                      `UcxPlan` (piece lengths, staged or not), else the UTF-8 reason
+                      (1 = denied, 2 = refused)
+    server -> client  on ok, direct: for layer, for K/V, for piece, that piece of the cache;
+                      staged: for layer, the pull's blocks of that layer gathered in pull
+                      order ([2, count, block]); message i tagged with the endpoint's tag
+                      + 1 + i (UCX matches tags, not arrival)
     client -> server  one byte once everything landed (a send may complete before the peer
                       has all fragments; closing earlier could reset the connection under them)
 
 A piece is a maximal range of the pull whose source and destination blocks both run
 consecutively: the sender cuts its runs at the receiver's run boundaries, so each piece is one
-contiguous slice `cache[layer, kv, start:start + n]` on both sides. A shuffled pull is thousands
-of pieces, so they are posted a batch at a time straight on ucxx's endpoint (`_post`): its
-`send`/`recv` coroutines cost a task and a SHA-1 tag hash per message, more than the bytes of a
-12 KiB piece (a 64-block pull: 480 ms that way, 190 ms posted directly, on the dev box).
+contiguous slice `cache[layer, kv, start:start + n]` on both sides, sent with no copy. A
+fragmented pull is many small pieces, and every message has a fixed cost (a shuffled 64-block
+pull of the dev box's model is 3,840 pieces of 12 KiB: 210 ms over UCX on TCP, slower than the
+staged path it replaced); from `STAGE_MIN_PIECES` pieces per (layer, K/V) on, the sender
+gathers each layer's blocks into one buffer (`index_select`, on the cache's device) and the
+receiver scatters them from one (`index_copy_`) once all landed: one message per layer, for
+a copy on each side. Direct pieces are posted a batch at a time straight on ucxx's endpoint
+(`_post`): its `send`/`recv` coroutines cost a task and a SHA-1 tag hash per message, more
+than the bytes of a 12 KiB piece (a 64-block pull: 480 ms that way, 190 ms posted directly).
 The client's every step is bounded by the pull's deadline; on any failure it aborts the
 endpoint (UCX cancels the posted receives) and waits for each receive to settle before it
 raises, so nothing writes into the cache after `pull_blocks` returns.
@@ -68,11 +76,12 @@ from pdmesh.kvstore.transfer.errors import (
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 MAX_REQUEST_BYTES = 1 << 20
 MAX_REPLY_BYTES = 1 << 20
 MAX_PULLS = 32            # pulls a server serves at once; the rest wait their turn
 IN_FLIGHT = 1024          # piece messages posted at once per pull
+STAGE_MIN_PIECES = 4      # pieces per (layer, K/V) from which a pull is staged, not direct
 _TAG_MASK = (1 << 64) - 1
 CLOSE_GRACE_S = 5.0
 CONNECT_TIMEOUT_S = 5.0   # ucxx's own bound on exchanging peer information
@@ -97,8 +106,21 @@ class UcxPull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dst_runs: list[Annotated[int, msgspec.Meta(ge=1)]]
 
 
+class UcxPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The server's answer to an admitted pull: how its blocks come."""
+
+    pieces: list[int]  # lengths, cutting the pull at both sides' run boundaries
+    staged: bool  # one gathered message per layer instead of the pieces themselves
+
+
+def plan(src_ids: Sequence[int], dst_runs: Sequence[int]) -> UcxPlan:
+    """Direct pieces where they are few; staged where the per-message cost would dominate."""
+    pieces = merge_cuts(run_lengths(src_ids), dst_runs)
+    return UcxPlan(pieces, len(pieces) >= STAGE_MIN_PIECES)
+
+
 _DECODER = msgspec.msgpack.Decoder(UcxPull)
-_PIECES = msgspec.msgpack.Decoder(list[int])
+_PLAN = msgspec.msgpack.Decoder(UcxPlan)
 
 
 class _Refusal(Exception):
@@ -159,6 +181,19 @@ def _buffers(cache: torch.Tensor, ids: Sequence[int], pieces: Sequence[int]) -> 
             out += [cache[layer, kv, s:s + n].reshape(-1).view(torch.uint8)
                     for s, n in zip(starts, pieces, strict=True)]
     return out
+
+
+def gathered(cache: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """The blocks `ids` of every layer, in that order: `[layers, 2, len(ids), ...]`,
+    contiguous (a staged pull's payload)."""
+    index = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
+    return cache.index_select(2, index)
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A contiguous tensor's bytes as ucxx sends or receives them: numpy on the host."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
 
 
 class UcxBlockServer:
@@ -256,14 +291,22 @@ class UcxBlockServer:
         except msgspec.MsgspecError as exc:
             raise _Refusal(REFUSED, f"malformed request: {exc}") from None
         ids = self._admit(req)
-        pieces = merge_cuts(run_lengths(ids), req.dst_runs)
-        listing = msgspec.msgpack.encode(pieces)
+        how = plan(ids, req.dst_runs)
+        listing = msgspec.msgpack.encode(how)
         await _bounded(ep.send(_frame(_REPLY.pack(b"PDUR", OK, len(listing)))), timeout)
         await _bounded(ep.send(_frame(listing)), timeout)
-        if self._cache.is_cuda:  # the sends read device memory the model's stream wrote
+        if self._cache.is_cuda:
             with torch.cuda.device(self._cache.device):
+                # Staged: gathered on the model's stream; either way the sends then read
+                # device memory that stream wrote.
+                staged = gathered(self._cache, ids) if how.staged else None
                 torch.cuda.synchronize()
-        buffers = _buffers(self._cache, ids, pieces)
+        else:
+            staged = gathered(self._cache, ids) if how.staged else None
+        if staged is not None:
+            buffers = [_bytes(staged[layer]) for layer in range(staged.shape[0])]
+        else:
+            buffers = _buffers(self._cache, ids, how.pieces)
         for start in range(0, len(buffers), IN_FLIGHT):
             sends = _post(ep, buffers[start:start + IN_FLIGHT], start, send=True)
             await _bounded(asyncio.gather(*(request.wait() for request in sends)), timeout)
@@ -348,8 +391,14 @@ async def _pull(host: str, port: int, request: UcxPull, dst: torch.Tensor, dst_i
             if status == DENIED:
                 raise KVTransferDenied(f"the UCX block server denied the pull: {reason}")
             raise KVWireError(f"the UCX block server refused the pull: {reason}")
-        pieces = _checked_pieces(text.tobytes(), request)
-        buffers = _buffers(dst, dst_ids, pieces)
+        how = _checked_plan(text.tobytes(), request)
+        staging = None
+        if how.staged:  # landed here first, scattered into the cache once all of it came
+            staging = torch.empty((dst.shape[0], 2, len(dst_ids), *dst.shape[3:]),
+                                  dtype=dst.dtype, device=dst.device)
+            buffers = [_bytes(staging[layer]) for layer in range(dst.shape[0])]
+        else:
+            buffers = _buffers(dst, dst_ids, how.pieces)
         for start in range(0, len(buffers), IN_FLIGHT):
             receives = [asyncio.ensure_future(request.wait()) for request in
                         _post(ep, buffers[start:start + IN_FLIGHT], start, send=False)]
@@ -363,6 +412,8 @@ async def _pull(host: str, port: int, request: UcxPull, dst: torch.Tensor, dst_i
             for task in done:
                 task.result()
         receives = []
+        if staging is not None:
+            scatter(dst, dst_ids, staging)
         await _bounded(ep.send(_frame(b"\x01")), deadline.remaining())
     except BaseException:
         ep.abort()  # UCX cancels the posted receives: each settles before we hand `dst` back
@@ -395,18 +446,28 @@ def _post(ep: Any, buffers: list[Any], first: int, *, send: bool) -> list[Any]:
             for i, buf in enumerate(buffers)]
 
 
-def _checked_pieces(listing: bytes, request: UcxPull) -> list[int]:
-    """The server's piece lengths, refused unless they cover the pull and cut it at every
+def scatter(dst: torch.Tensor, dst_ids: Sequence[int], staging: torch.Tensor) -> None:
+    """A staged pull's payload into its destination blocks (on the cache's device; waited
+    for there, so the blocks hold it when the pull returns)."""
+    index = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
+    dst.index_copy_(2, index, staging)
+    if dst.is_cuda:
+        torch.cuda.current_stream(dst.device).synchronize()
+
+
+def _checked_plan(listing: bytes, request: UcxPull) -> UcxPlan:
+    """The server's plan, refused unless its pieces cover the pull and cut it at every
     boundary of our destination runs (else a piece would straddle two of our runs)."""
     try:
-        pieces = _PIECES.decode(listing)
+        how = _PLAN.decode(listing)
     except msgspec.MsgspecError:
         raise KVWireError("the UCX block server's piece list is malformed") from None
+    pieces = how.pieces
     if (any(n < 1 for n in pieces) or sum(pieces) != request.count
             or not set(itertools.accumulate(request.dst_runs))
             <= set(itertools.accumulate(pieces))):
         raise KVWireError("the UCX block server's pieces do not fit the pull")
-    return pieces
+    return how
 
 
 async def _bounded(awaitable: Any, timeout: float) -> Any:

@@ -41,6 +41,27 @@ def test_pieces_cut_both_sides_runs() -> None:
     assert ucx_blocks.merge_cuts([6], [6]) == [6]
 
 
+def test_fragmented_pulls_are_staged_and_long_runs_go_direct() -> None:
+    """Few pieces go as they lie (no copy); from STAGE_MIN_PIECES pieces per (layer, K/V)
+    each layer goes gathered in one message."""
+    assert ucx_blocks.plan([30, 31, 32, 33], [4]) == ucx_blocks.UcxPlan([4], staged=False)
+    assert ucx_blocks.plan([5, 6, 7, 9, 2, 3], [6]) == ucx_blocks.UcxPlan([3, 1, 2], False)
+    shuffled = ucx_blocks.plan([9, 3, 7, 1], [1, 1, 1, 1])
+    assert shuffled.pieces == [1, 1, 1, 1] and shuffled.staged
+    assert ucx_blocks.plan([0, 1, 2, 3], [1, 1, 1, 1]).staged  # the receiver's side counts
+
+
+def test_a_staged_payload_lands_in_the_destination_blocks() -> None:
+    """What a staged pull moves: the sender's gather, in pull order, is exactly what the
+    receiver's scatter puts back (checked without UCX between them)."""
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(SHAPE, generator=gen)
+    dst = torch.zeros(SHAPE)
+    src_ids, dst_ids = [9, 3, 7, 30, 31], [0, 39, 5, 6, 20]
+    ucx_blocks.scatter(dst, dst_ids, ucx_blocks.gathered(src, src_ids))
+    _check(src, src_ids, dst, dst_ids)
+
+
 def test_core_backends_offer_ucxx_only_with_a_listener() -> None:
     assert "ucxx" not in core_backends("", "127.0.0.1:1")
     assert core_backends("", "", ucx_server="127.0.0.1:2") == ("ucxx",)
@@ -97,6 +118,7 @@ def _check(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor,
 
 @needs_ucxx
 def test_blocks_move_core_to_core_over_ucx(sender: KVConnector) -> None:
+    """A fragmented pull (staged), then a short one (direct)."""
     info = sender.export("req", EXPORTED, TOKENS)
     receiver = _connector(torch.zeros(SHAPE))
     try:
@@ -110,6 +132,18 @@ def test_blocks_move_core_to_core_over_ucx(sender: KVConnector) -> None:
         with pytest.raises(KVTransferDenied, match="already served"):
             receiver.load(source, 2, [0])
         assert receiver.load(source, 0, [38, 36]) == 2 * nbytes // len(dst_ids)
+    finally:
+        receiver.close()
+
+
+@needs_ucxx
+def test_consecutive_blocks_go_direct_and_land_the_same(sender: KVConnector) -> None:
+    info = sender.export("req", EXPORTED, TOKENS)
+    receiver = _connector(torch.zeros(SHAPE))
+    try:
+        assert not ucx_blocks.plan(EXPORTED[6:14], [8]).staged
+        receiver.load(_source(sender, info.block_checksums), 6, list(range(20, 28)))
+        _check(sender.cache, EXPORTED[6:14], receiver.cache, list(range(20, 28)))
     finally:
         receiver.close()
 
@@ -167,9 +201,11 @@ def test_a_silent_sender_is_cut_at_the_deadline(sender: KVConnector) -> None:
 
 
 @needs_ucxx
-def test_a_sender_that_stalls_mid_payload_is_cut_at_the_deadline(sender: KVConnector) -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_sender_that_stalls_mid_payload_is_cut_at_the_deadline(sender: KVConnector,
+                                                                 staged: bool) -> None:
     """Admitted, then no byte of the payload: the posted receives are cancelled at the
-    deadline and nothing lands in the receiver's cache."""
+    deadline and nothing lands in the receiver's cache (direct pieces or staged)."""
     import msgspec
     import numpy as np
 
@@ -181,7 +217,7 @@ def test_a_sender_that_stalls_mid_payload_is_cut_at_the_deadline(sender: KVConne
         body = np.empty(ucx_blocks._HELLO.unpack(hello.tobytes())[2], dtype=np.uint8)
         await ep.recv(body)
         pull = msgspec.msgpack.decode(body.tobytes(), type=ucx_blocks.UcxPull)
-        listing = msgspec.msgpack.encode(pull.dst_runs)
+        listing = msgspec.msgpack.encode(ucx_blocks.UcxPlan(pull.dst_runs, staged))
         await ep.send(ucx_blocks._frame(ucx_blocks._REPLY.pack(b"PDUR", ucx_blocks.OK,
                                                                len(listing))))
         await ep.send(ucx_blocks._frame(listing))
@@ -243,15 +279,20 @@ def test_the_ucx_plane_answers_with_the_listener_and_a_signed_grant() -> None:
 
 @needs_ucxx
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_caches_move_over_ucx_without_staging() -> None:
+@pytest.mark.parametrize("first, count", [(0, len(EXPORTED)), (6, 8)])
+def test_device_caches_move_over_ucx_without_host_copies(first: int, count: int) -> None:
+    """Device to device, never through host memory: a fragmented pull gathered and
+    scattered on the devices (staged), a run of blocks straight from cache to cache."""
     gen = torch.Generator().manual_seed(4)
     sender = _connector(torch.randn(SHAPE, generator=gen).to("cuda"))
     receiver = _connector(torch.zeros(SHAPE, device="cuda"))
     try:
         info = sender.export("req", EXPORTED, TOKENS)
-        dst_ids = list(range(10, 10 + len(EXPORTED)))
-        receiver.load(_source(sender, info.block_checksums), 0, dst_ids)
-        _check(sender.cache, EXPORTED, receiver.cache, dst_ids)
+        dst_ids = list(range(10, 10 + count))
+        src_ids = EXPORTED[first:first + count]
+        assert ucx_blocks.plan(src_ids, [count]).staged == (first == 0)
+        receiver.load(_source(sender, info.block_checksums), first, dst_ids)
+        _check(sender.cache, src_ids, receiver.cache, dst_ids)
     finally:
         receiver.close()
         sender.close()
