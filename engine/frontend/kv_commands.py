@@ -12,6 +12,7 @@ them on the engine itself.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,6 @@ from pdmesh.kvstore.connector.export_info import ExportInfo, ExportProgress, Pre
 from pdmesh.kvstore.connector.source import KVSource
 
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import AsyncIterator
 
     import torch
@@ -128,9 +128,16 @@ class KVCommands:
                           *, min_blocks: int = 1, max_blocks: int = 0) -> PrefixLoan:
         """Lend the leading blocks of `token_ids` the core's prefix cache holds to its KV
         connector, pinned until `release_kv(lend_id)` (a peer pulls them instead of
-        recomputing); no blocks when it holds fewer than `min_blocks`."""
-        value = await self.calls.call(LendPrefix(lend_id, list(token_ids), cache_salt,
-                                                 min_blocks, max_blocks))
+        recomputing); no blocks when it holds fewer than `min_blocks`. Cancelled while the
+        core answers (the caller's call went away): the loan, which nobody would publish or
+        release, is released behind the command that made it."""
+        try:
+            value = await self.calls.call(LendPrefix(lend_id, list(token_ids), cache_salt,
+                                                     min_blocks, max_blocks))
+        except asyncio.CancelledError:
+            if not self.calls.closed:
+                self.release_kv_nowait(lend_id)
+            raise
         return value if isinstance(value, PrefixLoan) else msgspec.convert(value, PrefixLoan)
 
     def release_kv_nowait(self, request_id: str) -> None:

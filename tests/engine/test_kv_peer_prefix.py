@@ -11,6 +11,7 @@ hand them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import msgspec
@@ -18,6 +19,7 @@ import pytest
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_request import EngineRequest
+from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.export_info import PrefixLoan
@@ -153,3 +155,26 @@ def test_a_holder_without_enough_blocks_lends_nothing_and_keeps_nothing(cores) -
     with pytest.raises(ValueError, match="prefix_source"):
         holder.add(EngineRequest("x", ids, greedy(2), prefix_source=KVSource(
             "shm", {}, [], "crc32c", len(ids) + 5, (1, 1, 1, 1), "float32")))
+
+
+@pytest.mark.anyio
+async def test_a_lend_cancelled_while_the_core_answers_keeps_nothing_pinned(cores) -> None:
+    """The KVPeer call that asked went away while the core made the loan: nobody would publish
+    it, so no lease would ever end it; the loan is released behind the command instead."""
+    holder, _ = cores
+    turn2, _ = conversation(holder, "c9")
+    engine = AsyncEngine(holder)
+    try:
+        for attempt in range(3):
+            lend = asyncio.ensure_future(engine.lend_prefix(f"lend-9-{attempt}", turn2, None))
+            await asyncio.sleep(0)  # the command is out; its answer is awaited
+            lend.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await lend
+        # Each cancel sent its release after the lend: a command behind them all is answered
+        # after they ran.
+        await engine.kv_snapshot()
+        assert engine.load().num_pinned_blocks == 0
+        assert not holder.core.exports.lent
+    finally:
+        await engine.shutdown()
