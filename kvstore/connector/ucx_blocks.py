@@ -32,9 +32,10 @@ pull of the dev box's model is 3,840 pieces of 12 KiB: 210 ms over UCX on TCP, s
 staged path it replaced); from `STAGE_MIN_PIECES` pieces per (layer, K/V) on, the sender
 gathers each layer's blocks into one buffer (`index_select`, on the cache's device) and the
 receiver scatters them from one (`index_copy_`) once all landed: one message per layer, for
-a copy on each side. Direct pieces are posted a batch at a time straight on ucxx's endpoint
-(`_post`): its `send`/`recv` coroutines cost a task and a SHA-1 tag hash per message, more
-than the bytes of a 12 KiB piece (a 64-block pull: 480 ms that way, 190 ms posted directly).
+a copy on each side (into buffers kept between pulls: `staging_buffers.py`). Direct pieces
+are posted a batch at a time straight on ucxx's endpoint (`_post`): its `send`/`recv`
+coroutines cost a task and a SHA-1 tag hash per message, more than the bytes of a 12 KiB
+piece (a 64-block pull: 480 ms that way, 190 ms posted directly).
 The client's every step is bounded by the pull's deadline; on any failure it aborts the
 endpoint (UCX cancels the posted receives) and waits for each receive to settle before it
 raises, so nothing writes into the cache after `pull_blocks` returns.
@@ -63,6 +64,7 @@ from pdmesh.kvstore.connector.blocks import block_nbytes, dtype_name, layout_mis
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
+from pdmesh.kvstore.connector.staging_buffers import StagingBuffers
 from pdmesh.kvstore.transfer.backends.availability import ucxx_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import format_host
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -82,6 +84,7 @@ MAX_REPLY_BYTES = 1 << 20
 MAX_PULLS = 32            # pulls a server serves at once; the rest wait their turn
 IN_FLIGHT = 1024          # piece messages posted at once per pull
 STAGE_MIN_PIECES = 4      # pieces per (layer, K/V) from which a pull is staged, not direct
+STAGING = StagingBuffers(256 << 20)  # the process's staging buffers, sender and receiver
 _TAG_MASK = (1 << 64) - 1
 CLOSE_GRACE_S = 5.0
 CONNECT_TIMEOUT_S = 5.0   # ucxx's own bound on exchanging peer information
@@ -183,11 +186,19 @@ def _buffers(cache: torch.Tensor, ids: Sequence[int], pieces: Sequence[int]) -> 
     return out
 
 
-def gathered(cache: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
-    """The blocks `ids` of every layer, in that order: `[layers, 2, len(ids), ...]`,
-    contiguous (a staged pull's payload)."""
+def staged_shape(cache: torch.Tensor, count: int) -> tuple[int, ...]:
+    """A staged pull's payload of `count` blocks: `[layers, 2, count, ...]`."""
+    return (cache.shape[0], 2, count, *cache.shape[3:])
+
+
+def gathered(cache: torch.Tensor, ids: Sequence[int],
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The blocks `ids` of every layer, in that order, contiguous (a staged pull's payload),
+    into `out` when given."""
     index = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
-    return cache.index_select(2, index)
+    if out is None:
+        return cache.index_select(2, index)
+    return torch.index_select(cache, 2, index, out=out)
 
 
 def _bytes(t: torch.Tensor) -> Any:
@@ -295,21 +306,34 @@ class UcxBlockServer:
         listing = msgspec.msgpack.encode(how)
         await _bounded(ep.send(_frame(_REPLY.pack(b"PDUR", OK, len(listing)))), timeout)
         await _bounded(ep.send(_frame(listing)), timeout)
-        if self._cache.is_cuda:
-            with torch.cuda.device(self._cache.device):
-                # Staged: gathered on the model's stream; either way the sends then read
-                # device memory that stream wrote.
-                staged = gathered(self._cache, ids) if how.staged else None
-                torch.cuda.synchronize()
-        else:
-            staged = gathered(self._cache, ids) if how.staged else None
-        if staged is not None:
-            buffers = [_bytes(staged[layer]) for layer in range(staged.shape[0])]
-        else:
-            buffers = _buffers(self._cache, ids, how.pieces)
-        for start in range(0, len(buffers), IN_FLIGHT):
-            sends = _post(ep, buffers[start:start + IN_FLIGHT], start, send=True)
-            await _bounded(asyncio.gather(*(request.wait() for request in sends)), timeout)
+        staged = None
+        if how.staged:
+            staged = STAGING.take(staged_shape(self._cache, len(ids)), self._cache.dtype,
+                                  self._cache.device)
+        try:
+            if self._cache.is_cuda:
+                with torch.cuda.device(self._cache.device):
+                    # Staged: gathered on the model's stream; either way the sends then read
+                    # device memory that stream wrote.
+                    if staged is not None:
+                        gathered(self._cache, ids, out=staged)
+                    torch.cuda.synchronize()
+            elif staged is not None:
+                gathered(self._cache, ids, out=staged)
+            if staged is not None:
+                buffers = [_bytes(staged[layer]) for layer in range(staged.shape[0])]
+            else:
+                buffers = _buffers(self._cache, ids, how.pieces)
+            for start in range(0, len(buffers), IN_FLIGHT):
+                sends = _post(ep, buffers[start:start + IN_FLIGHT], start, send=True)
+                await _bounded(asyncio.gather(*(request.wait() for request in sends)),
+                               timeout)
+        except BaseException:
+            if staged is not None:  # a send may still read it
+                STAGING.drop(staged)
+            raise
+        if staged is not None:  # every send completed: nothing reads it any more
+            STAGING.give_back(staged)
         await _bounded(ep.recv(np.empty(1, dtype=np.uint8)), timeout)
 
     def _admit(self, req: UcxPull) -> tuple[int, ...]:
@@ -372,6 +396,7 @@ async def _pull(host: str, port: int, request: UcxPull, dst: torch.Tensor, dst_i
     ep = await _bounded(ucxx_runtime().create_endpoint(host, port, connect_timeout=connect_s),
                         deadline.remaining())
     receives: list[asyncio.Future[Any]] = []
+    staging: torch.Tensor | None = None
     try:
         body = msgspec.msgpack.encode(request)
         await _bounded(ep.send(_frame(_HELLO.pack(b"PDUQ", VERSION, len(body)))),
@@ -392,10 +417,8 @@ async def _pull(host: str, port: int, request: UcxPull, dst: torch.Tensor, dst_i
                 raise KVTransferDenied(f"the UCX block server denied the pull: {reason}")
             raise KVWireError(f"the UCX block server refused the pull: {reason}")
         how = _checked_plan(text.tobytes(), request)
-        staging = None
         if how.staged:  # landed here first, scattered into the cache once all of it came
-            staging = torch.empty((dst.shape[0], 2, len(dst_ids), *dst.shape[3:]),
-                                  dtype=dst.dtype, device=dst.device)
+            staging = STAGING.take(staged_shape(dst, len(dst_ids)), dst.dtype, dst.device)
             buffers = [_bytes(staging[layer]) for layer in range(dst.shape[0])]
         else:
             buffers = _buffers(dst, dst_ids, how.pieces)
@@ -414,9 +437,12 @@ async def _pull(host: str, port: int, request: UcxPull, dst: torch.Tensor, dst_i
         receives = []
         if staging is not None:
             scatter(dst, dst_ids, staging)
+            STAGING.give_back(staging)  # every receive completed: nothing writes it any more
         await _bounded(ep.send(_frame(b"\x01")), deadline.remaining())
     except BaseException:
         ep.abort()  # UCX cancels the posted receives: each settles before we hand `dst` back
+        if staging is not None:  # a receive that did not settle may still write it
+            STAGING.drop(staging)
         if receives:
             _, pending = await asyncio.wait(receives, timeout=CLOSE_GRACE_S)
             if pending:

@@ -132,6 +132,7 @@ def test_blocks_move_core_to_core_over_ucx(sender: KVConnector) -> None:
         with pytest.raises(KVTransferDenied, match="already served"):
             receiver.load(source, 2, [0])
         assert receiver.load(source, 0, [38, 36]) == 2 * nbytes // len(dst_ids)
+        assert ucx_blocks.STAGING.in_use == 0 and ucx_blocks.STAGING.kept_bytes > 0
     finally:
         receiver.close()
 
@@ -240,6 +241,7 @@ def test_a_sender_that_stalls_mid_payload_is_cut_at_the_deadline(sender: KVConne
             receiver.load(source, 0, [1, 2, 3, 7])
         assert time.monotonic() - started < 5.0
         assert not receiver.cache.any()
+        assert ucx_blocks.STAGING.in_use == 0  # dropped, not kept for reuse
     finally:
         receiver.close()
         loop = ucx_blocks._EventLoop.get()
