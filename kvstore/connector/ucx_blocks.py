@@ -30,9 +30,11 @@ contiguous slice `cache[layer, kv, start:start + n]` on both sides, sent with no
 fragmented pull is many small pieces, and every message has a fixed cost (a shuffled 64-block
 pull of the dev box's model is 3,840 pieces of 12 KiB: 210 ms over UCX on TCP, slower than the
 staged path it replaced); from `STAGE_MIN_PIECES` pieces per (layer, K/V) on, the sender
-gathers each layer's blocks into one buffer (`index_select`, on the cache's device) and the
-receiver scatters them from one (`index_copy_`) once all landed: one message per layer, for
-a copy on each side (into buffers kept between pulls: `staging_buffers.py`). Direct pieces
+gathers each layer's blocks into one buffer (`index_select`) and the receiver scatters them
+from one (`index_copy_`) once all landed: one message per layer, for a copy on each side (into
+buffers kept between pulls: `staging_buffers.py`). Only between host caches: on a GPU the
+staging would take device memory beyond the KV cache's budget, and device-to-device messages
+(NVLink, GPUDirect) cost far less each. Direct pieces
 are posted a batch at a time straight on ucxx's endpoint (`_post`): its `send`/`recv`
 coroutines cost a task and a SHA-1 tag hash per message, more than the bytes of a 12 KiB
 piece (a 64-block pull: 480 ms that way, 190 ms posted directly).
@@ -107,6 +109,7 @@ class UcxPull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: tuple[int, int, int, int]  # layers, block_size, kv_heads, head_dim
     dtype: _Text
     dst_runs: list[Annotated[int, msgspec.Meta(ge=1)]]
+    stage: bool  # the receiver may stage (its cache is in host memory)
 
 
 class UcxPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -116,10 +119,11 @@ class UcxPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staged: bool  # one gathered message per layer instead of the pieces themselves
 
 
-def plan(src_ids: Sequence[int], dst_runs: Sequence[int]) -> UcxPlan:
-    """Direct pieces where they are few; staged where the per-message cost would dominate."""
+def plan(src_ids: Sequence[int], dst_runs: Sequence[int], *, stage: bool = True) -> UcxPlan:
+    """Direct pieces where they are few; staged where the per-message cost would dominate
+    and both sides may stage (`stage`: both caches in host memory)."""
     pieces = merge_cuts(run_lengths(src_ids), dst_runs)
-    return UcxPlan(pieces, len(pieces) >= STAGE_MIN_PIECES)
+    return UcxPlan(pieces, stage and len(pieces) >= STAGE_MIN_PIECES)
 
 
 _DECODER = msgspec.msgpack.Decoder(UcxPull)
@@ -194,7 +198,7 @@ def staged_shape(cache: torch.Tensor, count: int) -> tuple[int, ...]:
 def gathered(cache: torch.Tensor, ids: Sequence[int],
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks `ids` of every layer, in that order, contiguous (a staged pull's payload),
-    into `out` when given."""
+    into `out` when given (host caches only)."""
     index = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
     if out is None:
         return cache.index_select(2, index)
@@ -302,7 +306,7 @@ class UcxBlockServer:
         except msgspec.MsgspecError as exc:
             raise _Refusal(REFUSED, f"malformed request: {exc}") from None
         ids = self._admit(req)
-        how = plan(ids, req.dst_runs)
+        how = plan(ids, req.dst_runs, stage=req.stage and not self._cache.is_cuda)
         listing = msgspec.msgpack.encode(how)
         await _bounded(ep.send(_frame(_REPLY.pack(b"PDUR", OK, len(listing)))), timeout)
         await _bounded(ep.send(_frame(listing)), timeout)
@@ -311,12 +315,8 @@ class UcxBlockServer:
             staged = STAGING.take(staged_shape(self._cache, len(ids)), self._cache.dtype,
                                   self._cache.device)
         try:
-            if self._cache.is_cuda:
+            if self._cache.is_cuda:  # the sends read device memory the model's stream wrote
                 with torch.cuda.device(self._cache.device):
-                    # Staged: gathered on the model's stream; either way the sends then read
-                    # device memory that stream wrote.
-                    if staged is not None:
-                        gathered(self._cache, ids, out=staged)
                     torch.cuda.synchronize()
             elif staged is not None:
                 gathered(self._cache, ids, out=staged)
@@ -373,7 +373,7 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
         return 0
     request = UcxPull(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
                       (dst.shape[0], *dst.shape[3:]), dtype_name(dst.dtype),
-                      run_lengths(dst_ids))
+                      run_lengths(dst_ids), stage=not dst.is_cuda)
     where = f"UCX block pull from {address}"
     try:
         return _EventLoop.run(_pull(host.strip("[]"), int(port), request, dst, dst_ids,
@@ -473,12 +473,9 @@ def _post(ep: Any, buffers: list[Any], first: int, *, send: bool) -> list[Any]:
 
 
 def scatter(dst: torch.Tensor, dst_ids: Sequence[int], staging: torch.Tensor) -> None:
-    """A staged pull's payload into its destination blocks (on the cache's device; waited
-    for there, so the blocks hold it when the pull returns)."""
+    """A staged pull's payload into its destination blocks (host caches only)."""
     index = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
     dst.index_copy_(2, index, staging)
-    if dst.is_cuda:
-        torch.cuda.current_stream(dst.device).synchronize()
 
 
 def _checked_plan(listing: bytes, request: UcxPull) -> UcxPlan:
@@ -489,6 +486,8 @@ def _checked_plan(listing: bytes, request: UcxPull) -> UcxPlan:
     except msgspec.MsgspecError:
         raise KVWireError("the UCX block server's piece list is malformed") from None
     pieces = how.pieces
+    if how.staged and not request.stage:
+        raise KVWireError("the UCX block server stages a pull this receiver cannot stage")
     if (any(n < 1 for n in pieces) or sum(pieces) != request.count
             or not set(itertools.accumulate(request.dst_runs))
             <= set(itertools.accumulate(pieces))):

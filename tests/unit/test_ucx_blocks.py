@@ -21,6 +21,7 @@ from pdmesh.kvstore.transfer.errors import (
     KVSenderUnavailable,
     KVTransferDenied,
     KVTransferTimeout,
+    KVWireError,
 )
 from pdmesh.kvstore.transfer.layout import DTYPE_NAMES
 from pdmesh.kvstore.transfer.worker_planes import CoreCache, Exports, core_backends
@@ -49,6 +50,17 @@ def test_fragmented_pulls_are_staged_and_long_runs_go_direct() -> None:
     shuffled = ucx_blocks.plan([9, 3, 7, 1], [1, 1, 1, 1])
     assert shuffled.pieces == [1, 1, 1, 1] and shuffled.staged
     assert ucx_blocks.plan([0, 1, 2, 3], [1, 1, 1, 1]).staged  # the receiver's side counts
+    assert not ucx_blocks.plan([9, 3, 7, 1], [1, 1, 1, 1], stage=False).staged  # a device
+
+
+def test_a_plan_staged_against_the_receivers_word_is_refused() -> None:
+    import msgspec
+
+    pull = ucx_blocks.UcxPull("r", "t", "g", "m", 0, 4, (3, 4, 2, 8), "float32",
+                              [1, 1, 1, 1], stage=False)
+    with pytest.raises(KVWireError, match="cannot stage"):
+        ucx_blocks._checked_plan(msgspec.msgpack.encode(
+            ucx_blocks.UcxPlan([1, 1, 1, 1], staged=True)), pull)
 
 
 def test_a_staged_payload_lands_in_the_destination_blocks() -> None:
@@ -283,8 +295,9 @@ def test_the_ucx_plane_answers_with_the_listener_and_a_signed_grant() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("first, count", [(0, len(EXPORTED)), (6, 8)])
 def test_device_caches_move_over_ucx_without_host_copies(first: int, count: int) -> None:
-    """Device to device, never through host memory: a fragmented pull gathered and
-    scattered on the devices (staged), a run of blocks straight from cache to cache."""
+    """Device to device, never through host memory and never staged (no device memory
+    beyond the caches): a fragmented pull and a run of blocks, each straight from cache to
+    cache."""
     gen = torch.Generator().manual_seed(4)
     sender = _connector(torch.randn(SHAPE, generator=gen).to("cuda"))
     receiver = _connector(torch.zeros(SHAPE, device="cuda"))
@@ -292,7 +305,7 @@ def test_device_caches_move_over_ucx_without_host_copies(first: int, count: int)
         info = sender.export("req", EXPORTED, TOKENS)
         dst_ids = list(range(10, 10 + count))
         src_ids = EXPORTED[first:first + count]
-        assert ucx_blocks.plan(src_ids, [count]).staged == (first == 0)
+        assert ucx_blocks.plan(src_ids, [count]).staged == (first == 0)  # between hosts
         receiver.load(_source(sender, info.block_checksums), first, dst_ids)
         _check(sender.cache, src_ids, receiver.cache, dst_ids)
     finally:
