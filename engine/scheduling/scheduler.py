@@ -239,17 +239,13 @@ class Scheduler:
         return out
 
     def _time_budget(self) -> StepBudget:
-        """This step's budget in time: its decode rows (one token each) counted first, and
-        the requests with a prompt still to compute (the auto target shares among them too)."""
+        """This step's budget in time: its decode rows (one token each) counted first."""
         if not self.config.enable_chunked_prefill:
             return StepBudget.unbounded()
         decodes = [(seq.num_computed_tokens, 1) for seq in self.running
                    if seq.num_uncomputed_tokens == 1
                    and not seq.pending_reaches_length(self.max_model_len)]
-        prefilling = len(self.waiting) + sum(1 for seq in self.running
-                                             if seq.num_uncomputed_tokens > 1)
-        return StepBudget.for_step(self.config.itl_target, self.step_cost, decodes,
-                                   prefilling)
+        return StepBudget.for_step(self.config.itl_target, self.step_cost, decodes)
 
     def _pick_victim(self, exclude: set[str]) -> Sequence | None:
         """The running sequence to give up: the newest (FCFS) or the least important."""

@@ -15,18 +15,16 @@ Rules (`ItlTarget`, `StepBudget`):
   (or all it wants, if less), whatever the target says, so waiting prompts progress every step
   and TTFT stays bounded.
 - The fixed budget still caps the step (the scheduler applies both).
-- `--itl-target-ms` unset is *auto*, which bounds the delay a step's prefill imposes, in
-  stream-seconds: the prefill part may take `AUTO_STALL_STREAM_S` divided among the requests
-  the engine holds (its running streams and those with a prompt still to compute), or
-  `AUTO_PREFILL_SHARE` of the decodes' own time when that is more. The prompts count because
-  under load they queue: the engine is then prefill-bound, and how the prefill compute is cut
-  into steps hardly changes how fast the queue drains, only how long every stream freezes
-  (measured at concurrency 16 on a 2-core CPU, ~9 streams decoding beside ~7 prompts: ITL p99
-  372 -> 213 ms with the prompts counted, throughput no lower). Beside a few streams and no
-  queue (1 req/s of 64-token answers) a prompt of a few hundred tokens still goes in one
-  step, so light load keeps its TTFT. Measured trade-offs (bench/README.md, "Inter-token
-  latency"): a strict ITL is a choice made with a number. 0 turns it off; a number is a fixed
-  target for the whole step.
+- `--itl-target-ms` unset is *auto*, which bounds the delay a step's prefill imposes on the
+  streams in it, in stream-seconds: the prefill part may take `AUTO_STALL_STREAM_S` divided
+  among the running streams, or `AUTO_PREFILL_SHARE` of the decodes' own time when that is
+  more. Beside six streams (1 req/s of 64-token answers on a 2-core CPU) a prompt of a few
+  hundred tokens still goes in one step, so light load keeps its TTFT, while a burst of
+  prompts is spread over several steps instead of freezing every stream for seconds; beside
+  sixteen the prefill part is 150 ms. Measured trade-offs (bench/README.md, "Inter-token
+  latency"): on a CPU, chunking a prompt finely costs TTFT and some throughput (a chunk after
+  earlier ones attends over the paged context, a slower kernel), so a strict ITL is a choice
+  made with a number. 0 turns it off; a number is a fixed target for the whole step.
 - Until the cost model has learned enough, nothing is bounded by time.
 """
 
@@ -37,8 +35,8 @@ from dataclasses import dataclass
 from pdmesh.engine.scheduling.step_cost import StepCost, StepCostModel, StepWork
 
 AUTO_STALL_STREAM_S = 2.4
-"""Auto target: the stream-seconds of delay a step's prefill may impose (0.4 s among six
-requests, 150 ms among sixteen)."""
+"""Auto target: the stream-seconds of delay a step's prefill may impose (0.4 s beside six
+streams, 150 ms beside sixteen)."""
 AUTO_PREFILL_SHARE = 0.5
 """Auto target: the prefill part may always take this share of the decodes' own time."""
 
@@ -58,14 +56,12 @@ class ItlTarget:
     def off(self) -> bool:
         return self.seconds == 0
 
-    def for_decodes(self, cost: StepCost, decodes: StepWork, prefilling: int = 0) -> float:
-        """The step time allowed when its decode rows alone are `decodes`, with `prefilling`
-        requests holding a prompt still to compute (waiting, or part-way)."""
+    def for_decodes(self, cost: StepCost, decodes: StepWork) -> float:
+        """The step time allowed when its decode rows alone are `decodes`."""
         if self.seconds is not None:
             return self.seconds
         own = cost.seconds(decodes)
-        return own + max(AUTO_PREFILL_SHARE * own,
-                         AUTO_STALL_STREAM_S / max(decodes.rows + prefilling, 1))
+        return own + max(AUTO_PREFILL_SHARE * own, AUTO_STALL_STREAM_S / max(decodes.rows, 1))
 
 
 def min_prefill_tokens(max_num_batched_tokens: int, block_size: int) -> int:
@@ -91,15 +87,14 @@ class StepBudget:
 
     @classmethod
     def for_step(cls, target: ItlTarget, model: StepCostModel,
-                 decode_rows: list[tuple[int, int]], prefilling: int = 0) -> StepBudget:
-        """The budget of a step whose decode rows are `decode_rows` ((context, tokens) each),
-        beside `prefilling` requests with a prompt still to compute."""
+                 decode_rows: list[tuple[int, int]]) -> StepBudget:
+        """The budget of a step whose decode rows are `decode_rows` ((context, tokens) each)."""
         if target.off or not decode_rows or model.cost is None:
             return cls.unbounded()
         budget = cls(model.cost, 0.0, target.min_prefill_tokens)
         for context, tokens in decode_rows:
             budget._work = budget._work.plus_row(context, tokens)
-        budget._seconds = target.for_decodes(model.cost, budget._work, prefilling)
+        budget._seconds = target.for_decodes(model.cost, budget._work)
         budget._plan_s = budget._seconds / model.mixed_ratio
         return budget
 

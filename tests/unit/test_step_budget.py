@@ -102,28 +102,6 @@ def test_auto_target() -> None:
     assert ItlTarget(0.05).for_decodes(TRUE, big) == 0.05
 
 
-def test_auto_target_shares_the_stall_with_the_prompts_that_wait() -> None:
-    """Under load prompts queue: the stall budget is shared among every request held, so a
-    step beside 9 streams and 7 prompts gets a sixteenth of it, not a ninth; a fixed target
-    is what it is."""
-    nine = work_of([(300, 1)] * 9)
-    assert ItlTarget().for_decodes(TRUE, nine, prefilling=7) == pytest.approx(
-        TRUE.seconds(nine) + AUTO_STALL_STREAM_S / 16)
-    assert ItlTarget().for_decodes(TRUE, nine, prefilling=7) < ItlTarget().for_decodes(
-        TRUE, nine)
-    assert ItlTarget(0.05).for_decodes(TRUE, nine, prefilling=7) == 0.05
-
-
-def test_the_scheduler_counts_prompts_waiting_and_part_way_in_the_auto_target() -> None:
-    sched = known_cost_scheduler(None, budget=64)
-    start_decodes(sched, 4)
-    for i in range(3):  # one will be part-way after the next step, two wait
-        sched.add(make_seq(f"p{i}", prompt(100 + i, 900), max_tokens=4))
-    decodes = [(s.num_computed_tokens, 1) for s in sched.running]
-    assert sched._time_budget().seconds == pytest.approx(
-        ItlTarget().for_decodes(TRUE, work_of(decodes), prefilling=3))
-
-
 def test_budget_is_unbounded_without_decodes_or_a_model() -> None:
     model = trained_model()
     assert not StepBudget.for_step(ItlTarget(0.01), model, []).bounded
