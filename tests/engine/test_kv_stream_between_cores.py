@@ -146,6 +146,22 @@ def decode_rest(decode: EngineCore, rid: str) -> tuple[list[int], LoadResult]:
     return tokens, load
 
 
+def first_batch_pulled(prefill: LLMEngine, decode: LLMEngine, sentence: str,
+                       tag: str) -> tuple[int, int]:
+    """Requests `p-<tag>` (streaming its export) and `d-<tag>` (pulling it) on the two
+    cores, the prefill's first chunk computed and pulled; the free blocks before."""
+    ids = prefill.tokenize(sentence * 6)[1]
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    prefill.core.add(EngineRequest(f"p-{tag}", ids, greedy(), cache_salt=f"p-{tag}",
+                                   export_kv=True, stream_kv=True))
+    decode.core.add(EngineRequest(f"d-{tag}", ids, greedy(), cache_salt=f"d-{tag}",
+                                  kv_source=shm_source(prefill.core, len(ids))))
+    out = [o for o in prefill.core.step() if o.kv_stream is not None]
+    assert decode.core.kv_stream(f"d-{tag}", out[0].kv_stream)
+    land_pulls(decode.core)
+    return free
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_streamed_pull_overlaps_the_prefill_and_equals_colocated(pair, colocated,
                                                                  transport) -> None:
@@ -241,15 +257,8 @@ def test_a_prefill_preempted_mid_stream_fails_its_export_and_the_pull_recomputes
 
 def test_a_decode_aborted_while_waiting_for_blocks_frees_them(pair) -> None:
     prefill, decode = pair
-    ids = prefill.tokenize("Rivers carve valleys over thousands of years; " * 6)[1]
-    free = (prefill.num_free_blocks, decode.num_free_blocks)
-    prefill.core.add(EngineRequest("p-gone", ids, greedy(), cache_salt="p-gone",
-                                   export_kv=True, stream_kv=True))
-    decode.core.add(EngineRequest("d-gone", ids, greedy(), cache_salt="d-gone",
-                                  kv_source=shm_source(prefill.core, len(ids))))
-    out = [o for o in prefill.core.step() if o.kv_stream is not None]
-    assert decode.core.kv_stream("d-gone", out[0].kv_stream)
-    land_pulls(decode.core)
+    free = first_batch_pulled(prefill, decode, "Rivers carve valleys over thousands of years; ",
+                              "gone")
     assert decode.num_free_blocks < free[1]
     assert decode.core.abort_request("d-gone")  # the router cancelled: no first token ever
     while decode.has_unfinished_requests():
@@ -278,15 +287,8 @@ def test_a_pull_dropped_without_a_step_still_reports_its_blocks_free(pair) -> No
     with nothing else to run no step follows, and the loop sent no load, so the serving side
     (and the router) saw its blocks taken and the request waiting until the next command."""
     prefill, decode = pair
-    ids = prefill.tokenize("Glaciers grind mountains into gravel, slowly; " * 6)[1]
-    free = (prefill.num_free_blocks, decode.num_free_blocks)
-    prefill.core.add(EngineRequest("p-quiet", ids, greedy(), cache_salt="p-quiet",
-                                   export_kv=True, stream_kv=True))
-    decode.core.add(EngineRequest("d-quiet", ids, greedy(), cache_salt="d-quiet",
-                                  kv_source=shm_source(prefill.core, len(ids))))
-    out = [o for o in prefill.core.step() if o.kv_stream is not None]
-    assert decode.core.kv_stream("d-quiet", out[0].kv_stream)
-    land_pulls(decode.core)
+    free = first_batch_pulled(prefill, decode, "Glaciers grind mountains into gravel, slowly; ",
+                              "quiet")
     decode.core.step()  # the batch landed; the stream waits for more blocks
     assert decode.num_free_blocks < free[1] and decode.core.load().num_waiting == 1
 
