@@ -49,9 +49,6 @@ class StreamedPrefill:
 
     def __init__(self, run: RequestRun) -> None:
         self.run = run
-        self.handed_on = False
-        """A Decode call owns the prefill's export now (its end releases it), or it was
-        released: the streamed path no longer does."""
 
     async def execute(self) -> bool:
         """The request's run with its KV streamed by chunk (module docstring); False, having
@@ -91,50 +88,44 @@ class StreamedPrefill:
             raise
         self.run.prefix_pulled(loan, resp.peer_prefix if resp.HasField("peer_prefix")
                                else None)
-        try:
-            return await self._after_prefill(prefill, resp, decode)
-        except BaseException:
-            if not self.handed_on:
-                # Cancelled (the client left) or failed before a Decode call took the KV
-                # over: the streamed call would wait for first tokens that never come, and
-                # the export is still ours to release.
-                if decode is not None and not decode.done():
-                    await self._stop_streamed_decode(decode)
-                if resp.HasField("kv"):
-                    self.run.ctx.cleanup.release_kv(prefill, req.request_id,
-                                                    resp.kv.transfer_id, "client gone")
-            raise
-
-    async def _after_prefill(self, prefill: Instance, resp: engine_pb2.PrefillResponse,
-                             decode: asyncio.Future[None] | None) -> bool:
-        """The prefill ended: its first tokens to the client and to the streamed Decode
-        call, which then decodes (or a fresh call, when it cannot)."""
-        req = self.run.req
         remote = engine_pb2.RemotePrefill(kv=resp.kv, first=resp.first,
                                           cached_prompt_tokens=resp.cached_prompt_tokens)
+        try:
+            handed = await self._hand_over(resp, remote, decode)
+        except BaseException:
+            # Refused, cancelled (the client left) or failed before a Decode call took the
+            # KV over: the streamed call would wait for first tokens that never come, and the
+            # export is still ours to release.
+            if decode is not None and not decode.done():
+                await self._stop_streamed_decode(decode)
+            if resp.HasField("kv"):
+                self.run.ctx.cleanup.release_kv(prefill, req.request_id, resp.kv.transfer_id,
+                                                "request ended before decode")
+            raise
+        if not resp.HasField("kv"):  # every sequence finished on the prefill instance
+            await self.run.finish()
+        else:  # the streamed call decodes, or else a fresh one, the unary way
+            await self.run.decode_rerouting(remote, started=decode if handed else None)
+        return True
+
+    async def _hand_over(self, resp: engine_pb2.PrefillResponse,
+                         remote: engine_pb2.RemotePrefill,
+                         decode: asyncio.Future[None] | None) -> bool:
+        """The prefill ended: its first tokens to the client, then to the streamed Decode
+        call; True when that call took them (it decodes and owns the KV from now on), else
+        it is stopped. A refusal of the request by the decode instance goes up first."""
         refused = decode.exception() if decode is not None and decode.done() \
             and not decode.cancelled() else None
         if isinstance(refused, RouteError):  # about the request (e.g. it can never fit
-            if resp.HasField("kv"):          # there): fail it before any output goes out
-                self.handed_on = True
-                self.run.ctx.cleanup.release_kv(prefill, req.request_id, resp.kv.transfer_id,
-                                                "decode refused the request")
-            raise refused
+            raise refused                    # there): fail it before any output goes out
         await self._first_tokens(resp)
-        if not resp.HasField("kv"):  # every sequence finished on the prefill instance
-            if decode is not None:
-                await self._stop_streamed_decode(decode)
-            await self.run.finish()
+        if decode is None:
+            return False
+        if resp.HasField("kv") and await self._prefill_done_to_decode(self.run.plan.decode,
+                                                                      remote):
             return True
-        if decode is not None and await self._prefill_done_to_decode(self.run.plan.decode, remote):
-            self.handed_on = True
-            await self.run.decode_rerouting(remote, started=decode)
-        else:  # that call will never decode: a fresh one, the unary way
-            if decode is not None:
-                await self._stop_streamed_decode(decode)
-            self.handed_on = True
-            await self.run.decode_rerouting(remote)
-        return True
+        await self._stop_streamed_decode(decode)
+        return False
 
     async def _prefill_stream(self, call: grpc.aio.UnaryStreamCall, instance: Instance,
                               on_handle: Callable[[kv_transfer_pb2.KVHandle], None]

@@ -195,20 +195,16 @@ def staged_shape(cache: torch.Tensor, count: int) -> tuple[int, ...]:
     return (cache.shape[0], 2, count, *cache.shape[3:])
 
 
-def gathered(cache: torch.Tensor, ids: Sequence[int],
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """The blocks `ids` of every layer, in that order, contiguous (a staged pull's payload),
-    into `out` when given (host caches only)."""
-    index = torch.tensor(list(ids), dtype=torch.long, device=cache.device)
-    if out is None:
-        return cache.index_select(2, index)
+def gathered(cache: torch.Tensor, ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """The blocks `ids` of every layer, in that order, into `out` (`staged_shape`): a staged
+    pull's payload (host caches only)."""
+    index = torch.tensor(list(ids), dtype=torch.long)
     return torch.index_select(cache, 2, index, out=out)
 
 
 def _bytes(t: torch.Tensor) -> Any:
-    """A contiguous tensor's bytes as ucxx sends or receives them: numpy on the host."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat.numpy() if flat.device.type == "cpu" else flat
+    """A contiguous host tensor's bytes, as ucxx sends or receives them."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 class UcxBlockServer:
@@ -319,7 +315,7 @@ class UcxBlockServer:
                 with torch.cuda.device(self._cache.device):
                     torch.cuda.synchronize()
             elif staged is not None:
-                gathered(self._cache, ids, out=staged)
+                gathered(self._cache, ids, staged)
             if staged is not None:
                 buffers = [_bytes(staged[layer]) for layer in range(staged.shape[0])]
             else:
@@ -474,8 +470,7 @@ def _post(ep: Any, buffers: list[Any], first: int, *, send: bool) -> list[Any]:
 
 def scatter(dst: torch.Tensor, dst_ids: Sequence[int], staging: torch.Tensor) -> None:
     """A staged pull's payload into its destination blocks (host caches only)."""
-    index = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
-    dst.index_copy_(2, index, staging)
+    dst.index_copy_(2, torch.tensor(list(dst_ids), dtype=torch.long), staging)
 
 
 def _checked_plan(listing: bytes, request: UcxPull) -> UcxPlan:

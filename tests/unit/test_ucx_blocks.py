@@ -70,7 +70,8 @@ def test_a_staged_payload_lands_in_the_destination_blocks() -> None:
     src = torch.randn(SHAPE, generator=gen)
     dst = torch.zeros(SHAPE)
     src_ids, dst_ids = [9, 3, 7, 30, 31], [0, 39, 5, 6, 20]
-    ucx_blocks.scatter(dst, dst_ids, ucx_blocks.gathered(src, src_ids))
+    staged = torch.empty(ucx_blocks.staged_shape(src, len(src_ids)))
+    ucx_blocks.scatter(dst, dst_ids, ucx_blocks.gathered(src, src_ids, staged))
     _check(src, src_ids, dst, dst_ids)
 
 
