@@ -8,9 +8,10 @@
 #                                       # namespace, every CUDA test, `pdmesh selftest`,
 #                                       # bench/gpu_throughput.py on a random-weight 8B shape
 #
-# The machine has torch, triton, transformers, grpcio, protobuf (maybe older than our stubs
-# need), xxhash, pytest; not msgspec (the engine core's messages), pyzmq (its process), redis
-# (../shared/GPU.md). The wheels come from $PDMESH_WHEELS, else shared/wheels, else
+# The machine has torch, triton, transformers, protobuf (older than our stubs need), grpcio
+# 1.84 (our stubs need >= 1.85.1), xxhash, pytest; not msgspec (the engine core's messages),
+# pyzmq (its process), redis, pydantic, cryptography, fastapi (seen on an H100, 2026-11-28).
+# The wheels for the tests' imports travel, fastapi's web stack does not (no CUDA test needs it). The wheels come from $PDMESH_WHEELS, else shared/wheels, else
 # .cache/wheels; the tokenizer from $PDMESH_TOKENIZER, else .cache/smollm2-tokenizer (carry
 # both folders). No SmolLM2 weights travel: every CUDA test builds random-weight models.
 #
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 
 TOKENIZER=${PDMESH_TOKENIZER:-.cache/smollm2-tokenizer}
 TOKENIZER_FILES="tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja"
-WHEEL_PACKAGES="msgspec pyzmq protobuf redis xxhash"
+WHEEL_PACKAGES="msgspec pyzmq protobuf redis xxhash pytest-timeout grpcio grpcio-health-checking grpcio-reflection pydantic pydantic_core annotated-types typing-inspection typing_extensions cryptography cffi pycparser"
 
 wheel_dir() {
     if [ -n "${PDMESH_WHEELS:-}" ]; then echo "$PDMESH_WHEELS"
@@ -99,10 +100,16 @@ run_step() {  # name, limit in seconds, command...: its exit status goes to summ
 
 cuda_tests() {  # every module that may hold a CUDA test; tests/cuda_selection.py keeps those
     local modules
+    local modules per_test=()
     modules=$(grep -rlE "cuda\.is_available" tests --include="test_*.py" | sort)
+    # A hung test costs its own minute, not the whole step's (pytest-timeout, if it travelled).
+    if $PY -P -c "import pytest_timeout" 2>/dev/null; then
+        per_test=(--timeout "${TEST_TIMEOUT_EACH:-90}")
+    fi
     # shellcheck disable=SC2086
     run_step "cuda tests" "${TESTS_TIMEOUT:-220}" $PY -P -m pytest -p tests.cuda_selection \
-        -p no:cacheprovider -q -rs --junitxml "$OUT/cuda_tests.xml" $modules
+        -p no:cacheprovider -q -rs --durations 15 --continue-on-collection-errors "${per_test[@]}" \
+        --junitxml "$OUT/cuda_tests.xml" $modules
 }
 
 throughput() {

@@ -4,7 +4,9 @@ vLLM's `--gpu-memory-utilization` semantics: this engine may use `utilization x 
 of its GPU, all told (its *share*); the KV cache gets what the rest leaves. The rest is
 measured once, after the weights are loaded and before the cache exists:
 
-- weights: torch's allocated bytes after the load, minus before;
+- weights: the bytes of the model's parameters and buffers on the device (each storage once;
+  a tied head shares the embedding's). Not an allocator delta: in a process that frees other
+  tensors meanwhile (a test run, a restart in-process) the delta undercounts them;
 - the activation peak: the growth of `torch.cuda.max_memory_allocated` over the largest step
   the config allows (`profile_lengths`: max_num_batched_tokens prompt tokens over up to
   max_num_seqs sequences), its LM head on every sequence's last row and the sampler on those
@@ -221,6 +223,16 @@ def read_device_memory(device: torch.device) -> DeviceMemory:
                         torch.cuda.memory_reserved(device))
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (all on the engine's device), each storage
+    counted once."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 def measure_memory_profile(model: LlamaForCausalLM, backend: AttentionBackend,
                            start: DeviceMemory, device: torch.device, *, block_size: int,
                            max_num_batched_tokens: int, max_num_seqs: int, max_positions: int,
@@ -256,7 +268,7 @@ def measure_memory_profile(model: LlamaForCausalLM, backend: AttentionBackend,
     profile = MemoryProfile(
         total=start.total,
         free_at_start=start.free,
-        weights=max(0, after.torch_allocated - start.torch_allocated),
+        weights=model_bytes(model),
         activation_peak=max(0, peak),
         graph_allowance=allowance,
         non_torch=max(0, after.non_torch - start.non_torch),

@@ -195,12 +195,14 @@ def test_a_block_server_without_its_grant_key_refuses_to_start(tmp_path) -> None
 
 
 def _pull_over_ipc(description: str, blocks: str, out) -> None:  # a spawned child process
+    from pdmesh.kvstore.connector.rank_caches import RankCaches
     from pdmesh.kvstore.connector.shm_peer import ShmPeerTransport
 
     dst = torch.zeros(SHAPE, device="cuda")
     source = KVSource("shm", {"cuda_ipc": description, "blocks": blocks}, [0, 0], "xxh3_64",
                       8, (SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5]), "float32")
-    _, sums = ShmPeerTransport("/tmp").load(source, 0, dst, [0, 1], ChecksumAlgo.XXH3_64)
+    _, sums = ShmPeerTransport("/tmp").load(source, 0, RankCaches((dst,)), [0, 1],
+                                            ChecksumAlgo.XXH3_64)
     assert sums == block_checksums(ChecksumAlgo.XXH3_64, dst, [0, 1])
     out.send(sums)
 
@@ -218,6 +220,7 @@ def test_a_peer_process_copies_blocks_device_to_device_over_cuda_ipc() -> None:
     proc = mp.get_context("spawn").Process(target=_pull_over_ipc,
                                            args=(description, encode_blocks([5, 9]), child))
     proc.start()
+    child.close()  # the child's end closed here: its death reads as EOF, not a 120 s wait
     try:
         assert parent.poll(120), "the peer process did not answer"
         assert parent.recv() == block_checksums(ChecksumAlgo.XXH3_64, cache, [5, 9])
