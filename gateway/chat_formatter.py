@@ -65,7 +65,8 @@ class ChatFormatter:
     def delta(self, index: int, delta: common_pb2.SequenceDelta) -> StreamedDelta:
         reader = self._reader(index)
         if reader is None:
-            message = DeltaMessage(content=delta.text or None)
+            # `"content": ""` for a token whose text is held back, as vLLM sends it.
+            message = DeltaMessage(content=delta.text if delta.text or delta.token_ids else None)
             return StreamedDelta([self._choice(index, message, delta)],
                                  failed=sequence_failed(delta))
         events = _read_tools(reader, delta)

@@ -104,7 +104,10 @@ async def sse_events(
             delta = item.delta
             gen.saw_delta(delta)
             gen.streamed_tokens += len(delta.token_ids)
-            if not (delta.text or delta.logprobs or delta.HasField("finish")):
+            # A token whose text is held back (half a UTF-8 character, a possible stop
+            # string) still gets its chunk, with empty text, as vLLM streams it: a client
+            # timing chunks sees the engine's cadence, not a gap twice as long.
+            if not (delta.token_ids or delta.text or delta.logprobs or delta.HasField("finish")):
                 continue
             out = formatter.delta(p * gen.n + delta.index, delta)
             for choice in out.choices:

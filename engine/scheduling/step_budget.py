@@ -25,7 +25,8 @@ Rules (`ItlTarget`, `StepBudget`):
   latency"): on a CPU, chunking a prompt finely costs TTFT and some throughput (a chunk after
   earlier ones attends over the paged context, a slower kernel), so a strict ITL is a choice
   made with a number. 0 turns it off; a number is a fixed target for the whole step.
-- Until the cost model has learned enough, nothing is bounded by time.
+- Until the cost model has fitted its steps, a provisional cost from the first prefill step
+  plans the budget (`StepCostModel.budget_cost`); before any prefill step, nothing is bounded.
 """
 
 from __future__ import annotations
@@ -89,12 +90,13 @@ class StepBudget:
     def for_step(cls, target: ItlTarget, model: StepCostModel,
                  decode_rows: list[tuple[int, int]]) -> StepBudget:
         """The budget of a step whose decode rows are `decode_rows` ((context, tokens) each)."""
-        if target.off or not decode_rows or model.cost is None:
+        cost = model.budget_cost
+        if target.off or not decode_rows or cost is None:
             return cls.unbounded()
-        budget = cls(model.cost, 0.0, target.min_prefill_tokens)
+        budget = cls(cost, 0.0, target.min_prefill_tokens)
         for context, tokens in decode_rows:
             budget._work = budget._work.plus_row(context, tokens)
-        budget._seconds = target.for_decodes(model.cost, budget._work)
+        budget._seconds = target.for_decodes(cost, budget._work)
         budget._plan_s = budget._seconds / model.mixed_ratio
         return budget
 

@@ -37,6 +37,7 @@ own hardware, model and batch shape that it learns, which is why nothing is conf
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,23 @@ class StepCost:
         return chunk_tokens / seconds if seconds > 0 else 0.0
 
 
+def provisional_cost(steps: Iterable[tuple[StepWork, float]],
+                     pair_weight: float = 0.0) -> StepCost | None:
+    """A cost from too few steps to fit: each token (attention pairs weighed in as the fit
+    weighs them) at the largest prefill step's time per token, its base and rows spread over
+    its tokens: on the safe side, chunks come out smaller; each decode row at the decode-only
+    steps' median time per row (a token's cost when none was seen). None before a prefill
+    step."""
+    prefill = [(work, s) for work, s in steps if work.has_prefill]
+    if not prefill:
+        return None
+    work, seconds = max(prefill, key=lambda step: step[0].tokens)
+    per_token = seconds / (work.tokens + pair_weight * work.pairs)
+    per_decode_row = [s / work.rows for work, s in steps if not work.has_prefill]
+    per_row = float(np.median(per_decode_row)) if per_decode_row else per_token
+    return StepCost(0.0, per_token, max(0.0, per_row - per_token), pair_weight * per_token)
+
+
 def _fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error for a handful of columns: plain least
     squares, then drop the columns that came out negative and refit without them (an active
@@ -172,6 +190,17 @@ class StepCostModel:
     @property
     def ready(self) -> bool:
         return self.cost is not None
+
+    @property
+    def budget_cost(self) -> StepCost | None:
+        """The cost a step budget plans with: the fit once ready, before that a provisional
+        cost from the few steps seen, as soon as one of them carried a prefill chunk. A fresh
+        server's first burst otherwise runs unbounded: its first prompts' decodes wait beside
+        full `max_num_batched_tokens` steps (~2.5 s on a 2-core CPU), and in a closed loop the
+        next prefill steps come only when those streams finish, dozens of steps later.
+        Not exported (`predict`, `prefill_tokens_per_s` wait for the fit)."""
+        return (self.cost if self.cost is not None
+                else provisional_cost(self._steps, self.pair_weight))
 
     def predict(self, work: StepWork) -> float | None:
         """Seconds the step should take; None while the model knows too little."""

@@ -21,6 +21,7 @@ from pdmesh.engine.scheduling.step_cost import (
     StepCostModel,
     StepWork,
     attention_pairs,
+    provisional_cost,
     work_of,
 )
 from tests.unit.test_scheduler import make_scheduler, make_seq, prompt, run_step
@@ -108,6 +109,38 @@ def test_budget_is_unbounded_without_decodes_or_a_model() -> None:
     assert not StepBudget.for_step(ItlTarget(0), model, [(10, 1)]).bounded
     assert not StepBudget.for_step(ItlTarget(0.01), StepCostModel(), [(10, 1)]).bounded
     assert StepBudget.unbounded().take_prefill(5, 700) == 700
+
+
+def test_one_prefill_step_bounds_the_next_mixed_step_before_the_model_is_fitted() -> None:
+    """A fresh server's first burst: a full prefill step, then its streams decode beside the
+    next prompts. Those steps are bounded by a provisional cost, not left at the full budget;
+    nothing is predicted or exported until the fit."""
+    model = StepCostModel(K)
+    assert model.budget_cost is None  # no prefill step seen: unbounded, as before
+    first = work_of([(0, 256)] * 8)
+    model.observe(first, TRUE.seconds(first))
+    assert not model.ready and model.predict(first) is None
+    budget = StepBudget.for_step(ItlTarget(), model, [(256, 1)] * 8)
+    assert budget.bounded
+    taken = budget.take_prefill(0, 2048)
+    assert min_prefill_tokens(2048, 16) <= taken < 2048
+    decodes = work_of([(256, 1)] * 8)
+    planned = work_of([(256, 1)] * 8 + [(0, taken)])
+    allowed = ItlTarget().for_decodes(model.budget_cost, decodes)  # type: ignore[arg-type]
+    assert TRUE.seconds(planned) <= allowed * 1.05  # the true step keeps the target
+
+
+def test_the_provisional_cost_errs_towards_small_chunks() -> None:
+    prefill, decode = work_of([(0, 512)]), work_of([(300, 1)] * 8)
+    cost = provisional_cost([(prefill, TRUE.seconds(prefill)), (decode, TRUE.seconds(decode))],
+                            K)
+    assert cost is not None
+    assert cost.per_token_s == pytest.approx(TRUE.seconds(prefill) / (512 + K * prefill.pairs))
+    assert cost.per_token_s >= TRUE.per_token_s  # a token costs at least what it truly does
+    assert cost.per_pair_s == pytest.approx(K * cost.per_token_s)
+    assert cost.seconds(prefill) >= TRUE.seconds(prefill)
+    assert cost.seconds(decode) >= TRUE.seconds(decode)
+    assert provisional_cost([(decode, 0.05)]) is None
 
 
 def known_cost_scheduler(target_s: float | None, *, budget: int = 512, min_prefill: int = 16):
