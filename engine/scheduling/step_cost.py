@@ -17,8 +17,10 @@ to whichever it likes, which then extrapolates badly to a longer chunk.
 `StepCostModel` fits (c, b, a) by least squares over the recent steps, on relative error (a
 decode step's 10% error matters as much as a prefill's), refitting every few steps,
 coefficients kept non-negative (a negative cost would let the budget promise time it does not
-have). It knows nothing until it has seen enough steps, some of them with prefill tokens, and
-says so (`ready`): the scheduler then keeps its fixed token budget.
+have). It predicts nothing until it has seen enough steps, some of them with prefill tokens,
+and says so (`ready`). Meanwhile a step budget plans with a provisional cost from the largest
+prefill step seen (`budget_cost`, `provisional_cost`); before any, the scheduler keeps its fixed
+token budget.
 
 The fitted model is also exported (`StepCostModel.prefill_tokens_per_s`, in each load report):
 the prompt tokens per second of back-to-back full chunks (`max_num_batched_tokens` tokens in one
