@@ -38,8 +38,9 @@ def timed(totals: Totals, name: str, fn: Callable[..., Any]) -> Callable[..., An
     return wrapper
 
 
-def instrument(llm: LLM, totals: Totals) -> Callable[[], str]:
-    """Wrap the parts of one step; returns a function naming the last step's kind."""
+def instrument(llm: LLM, totals: Totals) -> Callable[[], tuple[str, int]]:
+    """Wrap the parts of one step; returns a function naming the last step's kind and the
+    tokens it computed."""
     core = llm.engine.core
     runner = core.runner
     model = runner.model
@@ -59,23 +60,26 @@ def instrument(llm: LLM, totals: Totals) -> Callable[[], str]:
     runner.sampling.sampler = timed(totals, "sampling", runner.sampling.sampler)
     execute = timed(totals, "model (total)", runner.execute)
     runner.execute = execute
-    kind = ["decode"]
+    kind: list[Any] = ["decode", 0]
     prepare = timed(totals, "input prep", runner.prepare)
 
     def prepare_and_classify(scheduled: Any, pending: Any = None) -> Any:
         kind[0] = ("decode" if all(s.num_new_tokens == 1 for s in scheduled) else "prompt")
+        kind[1] = sum(s.num_new_tokens for s in scheduled)
         return prepare(scheduled, pending)
 
     runner.prepare = prepare_and_classify
-    return lambda: kind[0]
+    return lambda: (kind[0], kind[1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--itl-target-ms", type=float, default=None,
+                    help="the engine's ITL target (default: auto; 0: off)")
     args = ap.parse_args()
-    llm = LLM("smollm2", max_num_seqs=16)
+    llm = LLM("smollm2", max_num_seqs=16, itl_target_ms=args.itl_target_ms)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]}
                for _ in range(args.requests)]
@@ -87,6 +91,7 @@ def main() -> None:
     kind_of_last = instrument(llm, totals)
     per_kind: dict[str, Totals] = {k: collections.defaultdict(float) for k in ("decode", "prompt")}
     steps: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
     step = llm.engine.step
 
     def step_and_record() -> Any:
@@ -94,8 +99,9 @@ def main() -> None:
         started = time.perf_counter()
         out = step()
         elapsed = time.perf_counter() - started
-        kind = kind_of_last()
+        kind, computed = kind_of_last()
         steps[kind] += 1
+        tokens[kind] += computed
         per_kind[kind]["step"] += elapsed
         for name, value in totals.items():
             per_kind[kind][name] += value
@@ -126,7 +132,9 @@ def main() -> None:
         cells = [f"{1000 * value(per_kind[k]) / steps[k]:.1f}" if steps[k] else "-"
                  for k in ("decode", "prompt")]
         print(f"| {name} | {cells[0]} | {cells[1]} |")
-    print(f"\nsteps: {steps['decode']} decode-only, {steps['prompt']} with prompt tokens")
+    print(f"\nsteps: {steps['decode']} decode-only, {steps['prompt']} with prompt tokens; "
+          f"tokens per step: {tokens['decode'] / max(steps['decode'], 1):.1f} and "
+          f"{tokens['prompt'] / max(steps['prompt'], 1):.1f}")
 
 
 if __name__ == "__main__":
