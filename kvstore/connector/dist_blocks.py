@@ -60,6 +60,16 @@ def process_group(store: torch.distributed.Store, rank: int, kind: str, host: st
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
+def settle(kind: str, tensor: torch.Tensor) -> None:
+    """Block this thread until the group's transfer of `tensor` (and what the current stream
+    queued after it) has finished on the device. NCCL's `Work.wait()` only makes the current
+    CUDA stream wait for the transfer and returns at once: a side that then said "done", or
+    tore its group down (which aborts a transfer still in flight), would race the bytes.
+    Gloo's wait already returns with the bytes in place."""
+    if kind == "nccl" and tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 def _release(group: torch.distributed.ProcessGroup) -> None:
     shutdown = getattr(group, "shutdown", None) or getattr(group, "abort", None)
     if callable(shutdown):
@@ -85,6 +95,7 @@ def send_blocks(conn: socket.socket, store: torch.distributed.TCPStore, cache: t
         if kind == "gloo" and payload.device.type != "cpu":
             payload = payload.cpu()
         group.send([payload.reshape(-1).view(torch.uint8)], 1, 0).wait(_timeout(seconds))
+        settle(kind, payload)
         conn.settimeout(seconds)
         conn.recv(1)  # the receiver has it (or went away): the group may go
     finally:
@@ -114,6 +125,7 @@ def receive_blocks(sock: socket.socket, host: str, port: int, kind: str, dst: to
             raise KVWireError(f"torch_dist pull failed: {exc}") from None
         for s, d, n in runs(range(len(dst_ids)), dst_ids):
             dst[:, :, d:d + n].copy_(staging[:, :, s:s + n])
+        settle(kind, dst)  # the blocks are in the cache before the sender may let go
         sock.sendall(DONE)
         return staging.numel() * staging.element_size()
     finally:

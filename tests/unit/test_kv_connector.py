@@ -230,12 +230,28 @@ def test_a_peer_process_copies_blocks_device_to_device_over_cuda_ipc() -> None:
 
 @pytest.mark.parametrize("via", ["tcp", "torch_dist"])
 def test_pulls_from_a_block_server_over_tcp_and_torch_dist(tmp_path, via: str) -> None:
+    pull_from_a_block_server(tmp_path, via, "cpu", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", [("cuda:0", "cpu"), ("cuda:0", "cuda:1")],
+                         ids=["gloo-from-gpu", "nccl"])
+def test_a_torch_dist_pull_from_a_gpu_cache(tmp_path, devices: tuple[str, str]) -> None:
+    """GPU to host over gloo, and GPU to GPU over NCCL, whose wait returns before the bytes
+    land (dist_blocks.settle): the blocks must be in the cache when the pull returns."""
+    if devices[1] == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a device per rank: two GPUs")
+    pull_from_a_block_server(tmp_path, "torch_dist", *devices)
+
+
+def pull_from_a_block_server(tmp_path, via: str, sender_device: str,
+                             receiver_device: str) -> None:
     key = grant_mac.new_key()
     config = KVConnectorConfig(shm_dir=str(tmp_path), grant_secret=key, io_timeout_s=20)
-    sender = KVConnector(config, torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)),
-                         None)
+    cache = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    sender = KVConnector(config, cache.to(sender_device), None)
     receiver = KVConnector(KVConnectorConfig(shm_dir=str(tmp_path), tcp=False),
-                           torch.zeros(SHAPE), None)
+                           torch.zeros(SHAPE, device=receiver_device), None)
     sender.start()
     try:
         exported = [9, 2, 3, 17]
@@ -248,7 +264,7 @@ def test_pulls_from_a_block_server_over_tcp_and_torch_dist(tmp_path, via: str) -
                           (layers, block_size, heads, head_dim), "float32", deadline_s=20)
         receiver.load(source, 1, [4, 5, 11])  # the first block: the receiver's own hit
         for dst, src in zip([4, 5, 11], exported[1:], strict=True):
-            assert torch.equal(receiver.cache[:, :, dst], sender.cache[:, :, src])
+            assert torch.equal(receiver.cache[:, :, dst].cpu(), cache[:, :, src])
         with pytest.raises(KVTransferDenied):  # the grant was used
             receiver.load(source, 1, [4, 5, 11])
     finally:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from pdmesh.kvstore.connector.dist_blocks import process_group
+from pdmesh.kvstore.connector.dist_blocks import process_group, settle
 from pdmesh.kvstore.transfer.backends.availability import torch_dist_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer, run_blocking
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -96,6 +96,7 @@ class Server(DataPlaneServer):
             with self.table.reading(grant.transfer_id, grant.token, abort=lambda: None) as src:
                 group = process_group(scoped, 0, kind, self.config.advertise_host, seconds)
                 group.send([_payload(src.kv)], 1, _TAG).wait(_timeout(seconds))
+                settle(kind, src.kv)
                 # Keep the store up until the receiver has everything it needs from it.
                 scoped.wait(["done"], _timeout(seconds))
         except (RuntimeError, KVTransferError) as exc:
@@ -184,6 +185,7 @@ def _pull(
         check_header(decode_header(header_bytes), handle)
         group = process_group(scoped, 1, kind, _local_host(host), deadline.remaining())
         group.recv([_payload(handoff.staging)], 0, _TAG).wait(_timeout(deadline.remaining()))
+        settle(kind, handoff.staging)
         scoped.set("done", "1")
         handoff.deliver()
     except (RuntimeError, OSError) as exc:  # c10d raises DistStoreError (a RuntimeError)
