@@ -192,7 +192,7 @@ def test_the_step_channel_carries_a_step_and_block_copies(tmp_path: Path) -> Non
 
 def test_a_header_that_does_not_add_up_is_refused(tmp_path: Path) -> None:
     def send(tp: TensorParallel) -> None:
-        tp.broadcast(torch.tensor([int(Op.STEP), 5, 4, 1, 1, 2, 2, 2]))  # lays out 23, not 5
+        tp.broadcast_host(torch.tensor([int(Op.STEP), 5, 4, 1, 1, 2, 2, 2]))  # lays out 23
         tp.broadcast(torch.zeros(5, dtype=torch.int64))
 
     def receive(tp: TensorParallel) -> object:
@@ -200,6 +200,40 @@ def test_a_header_that_does_not_add_up_is_refused(tmp_path: Path) -> None:
 
     _, got = _pair(tmp_path, send, receive)
     assert isinstance(got, ValueError) and "does not lay out 5 values" in str(got)
+
+
+def test_headers_go_over_the_control_group_beside_the_payloads_group(tmp_path: Path) -> None:
+    """On CUDA the ranks' group is NCCL, and the step channel's headers go over a gloo group
+    beside it (an idle rank then waits asleep, not in a spinning NCCL kernel); two real gloo
+    groups here, the second as the control group: a step and a stop cross in order."""
+    from torch import distributed as dist
+
+    from pdmesh.engine.worker.parallel.group import _gloo_group
+
+    def join(r: int) -> TensorParallel:
+        store = dist.FileStore(str(tmp_path / "pair"), 2)
+        group = _gloo_group(dist.PrefixStore("group", store), r, 2)
+        return TensorParallel(r, 2, group, _gloo_group(dist.PrefixStore("control", store), r, 2))
+
+    results: list[object] = [None, None]
+
+    def rank(r: int) -> None:
+        tp = join(r)
+        channel = StepChannel(tp, torch.device("cpu"))
+        if r == 0:
+            channel.send_step(_step())
+            channel.send_stop()
+            results[r] = True
+        else:
+            results[r] = [channel.receive().op for _ in range(2)]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [True, [Op.STEP, Op.STOP]]
+    assert _pair(tmp_path, lambda tp: tp.control, lambda tp: tp.control) == [None, None]
 
 
 def test_joining_stops_when_a_rank_that_has_not_joined_is_gone(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The tensor-parallel group: this rank, the world, and the few collectives the model uses.
 
 A group is made straight from a `torch.distributed` store and backend (gloo on CPU, NCCL on
-CUDA) rather than through `init_process_group`, so no process-global default group exists:
+CUDA, with a gloo group beside it for the step channel's headers: `broadcast_host`) rather
+than through `init_process_group`, so no process-global default group exists:
 an offline `LLM` with tensor parallelism leaves `torch.distributed` of its host process as it
 found it. A single-rank group (`SINGLE`) makes every collective a no-op, so the model runs the
 same code at every size and at size 1 exactly the ops it ran before tensor parallelism.
@@ -71,6 +72,8 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None for a single rank
+    control: Any = None
+    """A gloo group for host tensors beside an NCCL `group` (None: `group` is gloo)."""
 
     @property
     def is_first(self) -> bool:
@@ -91,14 +94,25 @@ class TensorParallel:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` of the first rank, in place on every rank."""
+        """`tensor` of the first rank, in place on every rank (on the group's device)."""
+        return self._broadcast(self.group, tensor)
+
+    def broadcast_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, a host tensor, of the first rank, in place on every rank, over a CPU
+        group. What an idle rank waits in: on NCCL that wait would keep a kernel spinning on
+        its GPU and its thread spinning in a stream synchronize for as long as the engine is
+        idle; a gloo wait sleeps."""
+        return self._broadcast(self.control if self.control is not None else self.group,
+                               tensor)
+
+    def _broadcast(self, group: Any, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
         times = _recording
         started = times.clock() if times is not None else 0.0
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([tensor], opts).wait()
+        group.broadcast([tensor], opts).wait()
         if times is not None:
             times.add("broadcast", started)
         return tensor
@@ -149,19 +163,23 @@ def join_group(store_path: str, rank: int, world_size: int, device: torch.device
         return SINGLE
     store = dist.FileStore(store_path, world_size)
     _wait_for_ranks(store, rank, world_size, join_timeout_s, alive)
-    store = dist.PrefixStore("group", store)
-    timeout = COLLECTIVE_TIMEOUT
     if backend_for(device) == "nccl":
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        group = dist.ProcessGroupGloo(store, rank, world_size, opts)
-    return TensorParallel(rank, world_size, group)
+        opts._timeout = COLLECTIVE_TIMEOUT
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("group", store), rank, world_size, opts)
+        # The NCCL group connects at its first collective; the gloo one, here, once all join.
+        control = _gloo_group(dist.PrefixStore("control", store), rank, world_size)
+        return TensorParallel(rank, world_size, group, control)
+    return TensorParallel(rank, world_size,
+                          _gloo_group(dist.PrefixStore("group", store), rank, world_size))
+
+
+def _gloo_group(store: dist.Store, rank: int, world_size: int) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = COLLECTIVE_TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: float,

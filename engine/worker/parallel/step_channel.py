@@ -1,9 +1,11 @@
 """The step's inputs, from the first rank to the others: explicitly laid-out int64 tensors.
 
 Every step of a tensor-parallel engine runs SPMD: the first rank (the engine core) prepares
-the step as it always does, then broadcasts it over the group itself (gloo on CPU, NCCL on
-CUDA, where the inputs already live on the device) as two tensors: a fixed header of sizes
-and one int64 payload whose sections the header lays out. Nothing is pickled; a header that
+the step as it always does, then broadcasts it as two tensors: a fixed header of sizes, on the
+host over the group's CPU side (`TensorParallel.broadcast_host`: an idle rank waits for the
+next header asleep, not in a spinning NCCL kernel), and one int64 payload whose sections the
+header lays out, over the group itself (gloo on CPU, NCCL on CUDA, where the inputs already
+live on the device). Nothing is pickled; a header that
 does not add up is refused. The other ranks rebuild the step's `StepInputs` from them and run
 the same forward (whose all-reduces pair up with the first rank's), then their columns of the
 logits for the rows the first rank samples.
@@ -117,13 +119,13 @@ class StepChannel:
         n = 0 if payload is None else int(payload.numel())
         header = [int(op), n, *sizes]
         header += [0] * (HEADER - len(header))
-        self.tp.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device))
+        self.tp.broadcast_host(torch.tensor(header, dtype=torch.int64))
         if payload is not None and n:
             self.tp.broadcast(payload)
 
     # -- the other ranks ------------------------------------------------------------------
     def receive(self) -> StepMessage:
-        header = self.tp.broadcast(torch.zeros(HEADER, dtype=torch.int64, device=self.device))
+        header = self.tp.broadcast_host(torch.zeros(HEADER, dtype=torch.int64))
         op_value, n, *sizes = header.tolist()
         if op_value not in {int(o) for o in Op} or n < 0:
             raise ValueError(f"step channel: malformed header {header.tolist()}")
