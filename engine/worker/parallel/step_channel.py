@@ -5,10 +5,10 @@ the step as it always does, then broadcasts it as two tensors: a fixed header of
 host over the group's CPU side (`TensorParallel.broadcast_host`: an idle rank waits for the
 next header asleep, not in a spinning NCCL kernel), and one int64 payload whose sections the
 header lays out, over the group itself (gloo on CPU, NCCL on CUDA, where the inputs already
-live on the device). Nothing is pickled; a header that
-does not add up is refused. The other ranks rebuild the step's `StepInputs` from them and run
-the same forward (whose all-reduces pair up with the first rank's), then their columns of the
-logits for the rows the first rank samples.
+live on the device). Nothing is pickled; a header that does not add up is refused. The other
+ranks rebuild the step's `StepInputs` from them and run the same forward (whose all-reduces
+pair up with the first rank's), then their columns of the logits for the rows the first rank
+samples.
 """
 
 from __future__ import annotations
