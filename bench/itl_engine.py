@@ -119,11 +119,12 @@ def main() -> None:
     parser.add_argument("--itl-target-ms", type=float, default=None)
     parser.add_argument("--stall-stream-s", type=float, default=None,
                         help="the auto target's stall budget for this run")
+    parser.add_argument("--dtype", default="auto", help="weights and KV dtype (EngineConfig)")
     args = parser.parse_args()
     if args.stall_stream_s is not None:
         step_budget.AUTO_STALL_STREAM_S = args.stall_stream_s
     engine = LLMEngine(EngineConfig(model="smollm2", engine_core_process=False,
-                                    itl_target_ms=args.itl_target_ms))
+                                    itl_target_ms=args.itl_target_ms, dtype=args.dtype))
     serve(engine, 1, 1, 0.0)  # warm-up: one request, and the step-cost model starts learning
     run, wall = serve(engine, args.requests, args.conc, args.rate)
     ms = 1e3
