@@ -177,10 +177,10 @@ static uint64_t xxh64_digest(const xxh64_state *st) {
 #define GROUP 4
 
 /* Each stream is prefetched this far ahead, into the start of its next piece near a piece's
- * end, and the destination for writing. A piece is 2 * layers pieces away from the next
- * (num_blocks pieces apart in memory), a jump no hardware prefetcher follows, and a store to a
- * line not in cache waits for the line to be read first: measured on a cold 64-block pull
- * (2 threads), 15 % off the copy and the hash alike (bench/README.md). */
+ * end, and the destination for writing. A block's next piece lies num_blocks pieces further
+ * on in memory, a jump no hardware prefetcher follows, and a store to a line not in cache
+ * waits for the line to be read first: measured on a cold 64-block pull (2 threads), 15 % off
+ * the copy and the hash alike (bench/README.md). */
 #define PREFETCH_AHEAD 2048
 typedef uint64_t u64x4 __attribute__((vector_size(32)));
 
