@@ -78,8 +78,9 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--itl-target-ms", type=float, default=None,
                     help="the engine's ITL target (default: auto; 0: off)")
+    ap.add_argument("--dtype", default="auto", help="weights and KV dtype (auto: float32 on CPU)")
     args = ap.parse_args()
-    llm = LLM("smollm2", max_num_seqs=16, itl_target_ms=args.itl_target_ms)
+    llm = LLM("smollm2", max_num_seqs=16, itl_target_ms=args.itl_target_ms, dtype=args.dtype)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(256)]}
                for _ in range(args.requests)]

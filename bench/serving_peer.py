@@ -183,6 +183,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--pdmesh-args", default="--colocated",
                         help="extra `pdmesh serve` flags")
+    parser.add_argument("--vllm-args", default="",
+                        help="extra vLLM server flags (after the peer script's own: e.g. "
+                             "'--dtype bfloat16' overrides its float32)")
     parser.add_argument("--baseline-args", default="",
                         help="also run pdmesh once with these flags instead (e.g. "
                              "'--colocated --no-engine-core-process'), labelled pdmesh-baseline")
@@ -199,7 +202,8 @@ def main() -> None:
     args = parser.parse_args()
     model = model_dir()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    vllm_argv = ["bash", str(PEER / "vllm-cpu-serve.sh"), model, str(args.port)]
+    vllm_argv = ["bash", str(PEER / "vllm-cpu-serve.sh"), model, str(args.port),
+                 *shlex.split(args.vllm_args)]
     pdmesh_argv = [str(ROOT / ".venv/bin/pdmesh"), "serve", model, "--port", str(args.port),
                    "--served-model-name", "smollm2", *shlex.split(args.pdmesh_args)]
     runs: list[Run] = []
@@ -221,7 +225,8 @@ def main() -> None:
                                     Path(f"/tmp/serving-peer-baseline-{i}.log"), env=base_env)
         print(f"round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
 
-    print(f"\npdmesh serve {args.pdmesh_args}; vLLM `bench serve`, 256 in / 64 out, ignore_eos\n")
+    print(f"\npdmesh serve {args.pdmesh_args}; vllm-cpu {args.vllm_args or '(the peer script)'}; "
+          "vLLM `bench serve`, 256 in / 64 out, ignore_eos\n")
     print("| server | scenario | run | out tok/s | TTFT p50 ms | TPOT p50 ms | TPOT p99 ms | "
           "ITL p99 ms | gaps > 200 ms | ITL max ms | goodput req/s | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c", CSRC / "kv_blocks_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c",
+           CSRC / "layer_ops_bf16_cpu.c", CSRC / "kv_blocks_cpu.c")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
@@ -195,6 +196,10 @@ def library() -> ctypes.CDLL | None:
         ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
         ("pdmesh_silu_and_mul_f32", [ptr] * 2 + [i64] * 2),
         ("pdmesh_rope_f32", [ptr] * 4 + [i64] * 6),
+        ("pdmesh_rms_norm_bf16", [ptr] * 3 + [i64] * 2 + [f32]),
+        ("pdmesh_add_rms_norm_bf16", [ptr] * 4 + [i64] * 2 + [f32]),
+        ("pdmesh_silu_and_mul_bf16", [ptr] * 2 + [i64] * 2),
+        ("pdmesh_rope_bf16", [ptr] * 4 + [i64] * 6),
         ("pdmesh_kv_blocks_xxh64", [ptr] + [i64] * 3 + [ptr, i64, ptr, i64]),
         ("pdmesh_kv_copy_blocks_xxh64", [ptr, i64, ptr] + [i64] * 3 + [ptr, ptr, i64, ptr, i64]),
     ):
@@ -269,10 +274,19 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Te
 
 
 # -- per-layer elementwise ops (csrc/layer_ops_cpu.c) ---------------------------------------------
+LAYER_OP_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops*_cpu.c
+
+
 def supports_layer_ops(*tensors: torch.Tensor) -> bool:
-    """Whether the native layer ops can take these tensors (float32 on CPU)."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and library() is not None)
+    """Whether the native layer ops can take these tensors: on the CPU, all float32 or all
+    bfloat16."""
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in LAYER_OP_DTYPES
+            and all(t.device.type == "cpu" for t in tensors) and library() is not None)
+
+
+def _layer_op(lib: ctypes.CDLL, name: str, x: torch.Tensor) -> Callable[..., int]:
+    """The kernel `name` for `x`'s dtype (`pdmesh_rms_norm_f32`, `..._bf16`)."""
+    return getattr(lib, f"pdmesh_{name}_{LAYER_OP_DTYPES[x.dtype]}")
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -295,8 +309,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.numel() != n:
         raise ValueError(f"rms_norm: weight of {weight.numel()} for rows of {n}")
     out = torch.empty_like(x)
-    _check(lib.pdmesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n,
-                                   eps), "rms_norm")
+    _check(_layer_op(lib, "rms_norm", x)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
+                                         n, eps), "rms_norm")
     return out
 
 
@@ -312,8 +326,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if weight.numel() != n:
         raise ValueError(f"add_rms_norm: weight of {weight.numel()} for rows of {n}")
     out = torch.empty_like(residual)
-    _check(lib.pdmesh_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                       out.data_ptr(), rows, n, eps), "add_rms_norm")
+    _check(_layer_op(lib, "add_rms_norm", x)(x.data_ptr(), residual.data_ptr(),
+                                             weight.data_ptr(), out.data_ptr(), rows, n, eps),
+           "add_rms_norm")
     return out
 
 
@@ -324,8 +339,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"silu_and_mul: an odd last dimension ({width})")
     out = gate_up.new_empty((*gate_up.shape[:-1], width // 2))
-    _check(lib.pdmesh_silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2),
-           "silu_and_mul")
+    _check(_layer_op(lib, "silu_and_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), rows,
+                                                   width // 2), "silu_and_mul")
     return out
 
 
@@ -345,8 +360,9 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
     if cos.shape != (tokens, dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
-    _check(lib.pdmesh_rope_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                               tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)), "rope")
+    _check(_layer_op(lib, "rope", q)(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                     tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)),
+           "rope")
 
 
 # -- KV blocks: per-block XXH64 and the pull that hashes while it copies (csrc/kv_blocks_cpu.c) ---

@@ -5,15 +5,15 @@ On a GPU each of these is one kernel instead of the 3-6 that eager torch issues 
 was five: cast, pow, mean, rsqrt, mul), which matters because a decode step is host-bound by
 its launch count. On CPU a decode step's few rows make each op a few kilobytes of work
 wrapped in several ATen dispatches, so the CPU path runs native kernels (`cpu_native`,
-csrc/layer_ops_cpu.c: one pass per row) for float32, and the fastest plain torch form of each
-op (bench/layer_ops.py) where they are not built.
+csrc/layer_ops_cpu.c, layer_ops_bf16_cpu.c: one pass per row) for float32 and bfloat16, and
+the fastest plain torch form of each op (bench/layer_ops.py) where they are not built.
 
 Three implementations of one small interface:
 
 | name     | where | what |
 |----------|-------|------|
 | `torch`  | any   | the reference: the textbook formulas, as transformers computes them |
-| `cpu`    | CPU   | native C kernels (float32), else `F.rms_norm` and in-place RoPE on half-views |
+| `cpu`    | CPU   | native C kernels (float32, bfloat16), else `F.rms_norm`, half-view RoPE |
 | `triton` | CUDA (CPU with TRITON_INTERPRET=1, for tests) | our kernels, triton_layer_ops.py |
 
 `add_rms_norm(x, residual, ...)` is the residual stream's step: `residual += x`, then the
@@ -99,7 +99,8 @@ class TorchLayerOps:
 
 class CpuLayerOps(TorchLayerOps):
     """The fastest form of each op on CPU: the native kernels (`cpu_native`, one pass per row)
-    for float32 where they are built, else the plain-torch forms bench/layer_ops.py picked."""
+    for float32 and bfloat16 where they are built, else the plain-torch forms
+    bench/layer_ops.py picked."""
 
     name = "cpu"
 

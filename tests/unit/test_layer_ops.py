@@ -104,8 +104,8 @@ for _dtype in (torch.float32, torch.bfloat16):
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpu_ops_match_reference(name: str, native: bool, monkeypatch: pytest.MonkeyPatch
                                  ) -> None:
-    """Both CPU paths: the native kernels (float32, where a compiler built them) and the
-    plain-torch forms used without them."""
+    """Both CPU paths: the native kernels (float32 and bfloat16, where a compiler built
+    them) and the plain-torch forms used without them."""
     if native and cpu_native.library() is None:
         pytest.skip("no C compiler: the native kernels are not built")
     if not native:
@@ -126,6 +126,35 @@ def test_native_silu_at_extreme_gates_and_the_native_path_is_taken() -> None:
     q = torch.randn(3, 4, 8)
     assert cpu_native.can_rope(q, q[:, :2])
     assert not cpu_native.can_rope(q.transpose(0, 1), q)  # heads not contiguous: torch path
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rows", [1, 7, 64])  # 64: rows split over threads
+def test_native_bfloat16_ops_round_where_the_reference_rounds(rows: int) -> None:
+    """In bfloat16 the native kernels compute in float32 and round back where the reference
+    (and transformers) round: the same bits, not just close ones."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    x, res, w = _inputs(rows, 576, torch.bfloat16, seed=rows)
+    assert cpu_native.supports_layer_ops(x, res, w)
+    assert not cpu_native.supports_layer_ops(x, w.float())  # mixed dtypes: the torch path
+    assert torch.equal(cpu_native.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
+    res_ref = res.clone()
+    assert torch.equal(cpu_native.add_rms_norm(x, res, w, 1e-6),
+                       REF.add_rms_norm(x, res_ref, w, 1e-6))
+    assert torch.equal(res, res_ref)
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (3 * torch.randn(rows, 2 * 1536, generator=gen)).bfloat16()
+    assert torch.equal(cpu_native.silu_and_mul(gate_up), REF.silu_and_mul(gate_up))
+    qkv = torch.randn(rows, 15 * 64, generator=gen).bfloat16()
+    angles = torch.rand(rows, 32, generator=gen) * 6.0
+    expected = qkv.clone()
+    REF.rope_(expected[:, :576].view(rows, 9, 64), expected[:, 576:768].view(rows, 3, 64),
+              angles.cos(), angles.sin())
+    q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+    assert cpu_native.can_rope(q, k)
+    cpu_native.rope_(q, k, angles.cos(), angles.sin())
+    assert torch.equal(qkv, expected)
 
 
 @pytest.mark.fast
