@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c",
            CSRC / "layer_ops_bf16_cpu.c", CSRC / "kv_blocks_cpu.c")
+HEADERS = (CSRC / "exp_f32.h",)  # included by the sources: part of what a library is built from
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
@@ -99,7 +100,8 @@ def fitting_levels(flags: frozenset[str]) -> list[str]:
 
 
 def _source_key() -> str:
-    return hashlib.sha256(b"\0".join(src.read_bytes() for src in SOURCES)).hexdigest()[:16]
+    return hashlib.sha256(b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
+                          ).hexdigest()[:16]
 
 
 def prebuilt_name(level: str) -> str:
@@ -151,7 +153,8 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (*(src.read_text() for src in SOURCES), version,
+        b"\0".join(x.encode() for x in (*(src.read_text() for src in (*SOURCES, *HEADERS)),
+                                         version,
                                          " ".join(CFLAGS), platform.machine(),
                                          _cpu_identity()))
     ).hexdigest()[:16]

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_f32.h"
+
 #define BF16_PARALLEL_MIN_ELEMS 32768 /* below this, one thread: waking the others costs more */
 #define BF16_LANES 16
 
@@ -36,26 +38,6 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* The exp of layer_ops_cpu.c (Cephes-style, ~1 ulp in float32): vectorizes where expf does not. */
-static inline float bf16_exp_f32(float x) {
-    x = x < -87.33654f ? -87.33654f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 static inline void normalize_row_bf16(const uint16_t *h, const uint16_t *w, uint16_t *out,
                                       int64_t n, float eps) {
@@ -109,7 +91,7 @@ int pdmesh_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t row
         uint16_t *o = out + r * n;
         for (int64_t i = 0; i < n; i++) {
             const float g = bf16_to_f32(gate[i]);
-            o[i] = f32_to_bf16(bf16_round(g / (1.0f + bf16_exp_f32(-g))) * bf16_to_f32(up[i]));
+            o[i] = f32_to_bf16(bf16_round(g / (1.0f + exp_f32(-g))) * bf16_to_f32(up[i]));
         }
     }
     return 0;

@@ -9,13 +9,15 @@
  *
  * Numerics follow the torch reference (kernels/layer_ops.py, TorchLayerOps) up to float32
  * rounding: sums of squares in 16 partial sums, and exp from a Cephes-style polynomial
- * (~1 ulp) because the C library's expf does not vectorize without -ffast-math.
+ * (~1 ulp, exp_f32.h) because the C library's expf does not vectorize without -ffast-math.
  *
  * Return codes: 0 ok, 1 bad shape.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "exp_f32.h"
 
 #define PARALLEL_MIN_ELEMS 32768 /* below this, one thread: waking the others costs more */
 #define LANES 16
@@ -58,28 +60,6 @@ int pdmesh_add_rms_norm_f32(const float *x, float *residual, const float *w, flo
         normalize_row(h, w, out + r * n, n, eps);
     }
     return 0;
-}
-
-/* exp(x) for float32 without the C library: range reduction by ln 2 in two parts, a degree-6
- * polynomial on [-ln2/2, ln2/2], and 2^n built in the exponent bits. Inputs are clamped to
- * where 2^n stays a normal number; branch-free, so loops over it vectorize. */
-static inline float exp_f32(float x) {
-    x = x < -87.33654f ? -87.33654f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* gate_up[r] = [gate | up] (2n values); out[r] = silu(gate) * up */
