@@ -12,9 +12,9 @@ but faster where the profile showed time going:
 
 Decode rows go to the native kernel (`cpu_native.py`: C, compiled on first use) where it can
 be built: it reads K and V once where they lie instead of copying the context first, 1.5-4x
-faster than gather + SDPA at serving batch sizes (bench/attention.py). Same results up to
-float32 summation order; the gather + SDPA path below stays for float16/bfloat16 and for
-machines without a compiler.
+faster than gather + SDPA at serving batch sizes (bench/attention.py), in float32 and in
+bfloat16 (computed in float32, rounded once). Same results up to float32 summation order; the
+gather + SDPA path below stays for float16 and for machines without a compiler.
 """
 
 from __future__ import annotations

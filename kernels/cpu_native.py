@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c",
            CSRC / "layer_ops_bf16_cpu.c", CSRC / "kv_blocks_cpu.c")
-HEADERS = (CSRC / "exp_f32.h",)  # included by the sources: part of what a library is built from
+# included by the sources: part of what a library is built from
+HEADERS = (CSRC / "exp_f32.h", CSRC / "bf16.h", CSRC / "paged_attention_body.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
@@ -195,6 +196,8 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in (
         ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 7 + [f32]),
         ("pdmesh_reshape_and_cache_f32", [ptr] * 4 + [i64] * 5),
+        ("pdmesh_paged_decode_attention_bf16", [ptr] * 5 + [i64] * 7 + [f32]),
+        ("pdmesh_reshape_and_cache_bf16", [ptr] * 4 + [i64] * 5),
         ("pdmesh_rms_norm_f32", [ptr] * 3 + [i64] * 2 + [f32]),
         ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
         ("pdmesh_silu_and_mul_f32", [ptr] * 2 + [i64] * 2),
@@ -213,18 +216,23 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+ATTENTION_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/paged_attention_cpu.c
+
+
 def supports(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """Whether `paged_decode_attention` can take these tensors."""
+    """Whether `paged_decode_attention` can take these tensors: on the CPU, both float32 or
+    both bfloat16, the cache contiguous."""
     return (query.device.type == "cpu" and kv_layer.device.type == "cpu"
-            and query.dtype == torch.float32 and kv_layer.dtype == torch.float32
+            and query.dtype == kv_layer.dtype and query.dtype in ATTENTION_DTYPES
             and kv_layer.is_contiguous() and library() is not None)
 
 
 def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """Decode rows `query[B, Hq, D]` against their paged context (float32, CPU): the same
-    result as `torch_ref.paged_decode_attention` up to float32 summation order."""
+    """Decode rows `query[B, Hq, D]` against their paged context (CPU): the same result as
+    `torch_ref.paged_decode_attention` up to float32 summation order (bfloat16: computed in
+    float32, rounded once)."""
     lib = library()
     assert lib is not None, "check supports() first"
     batch, num_q_heads, head_dim = query.shape
@@ -238,7 +246,7 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
     if tables.shape[0] != batch or lens.shape != (batch,):
         raise ValueError("attention: block tables / lengths do not match the batch")
     out = torch.empty_like(q)
-    code = lib.pdmesh_paged_decode_attention_f32(
+    code = getattr(lib, f"pdmesh_paged_decode_attention_{ATTENTION_DTYPES[q.dtype]}")(
         q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1],
         scale)
@@ -250,12 +258,12 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
 
 def can_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
               slot_mapping: torch.Tensor) -> bool:
-    """Whether `reshape_and_cache` takes these: float32 on CPU, each token's K (and V) row
-    contiguous, the cache contiguous, int64 slots."""
+    """Whether `reshape_and_cache` takes these: on CPU, K, V and the cache all float32 or all
+    bfloat16, each token's K (and V) row contiguous, the cache contiguous, int64 slots."""
     return (key.dim() == 3 and key.shape == value.shape
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
             and slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1]
-            and supports(key, kv_layer) and value.dtype == torch.float32)
+            and supports(key, kv_layer) and value.dtype == key.dtype)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor,
@@ -269,7 +277,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Te
         raise ValueError(f"cache write: key {tuple(key.shape)} does not fit KV "
                          f"{tuple(kv_layer.shape)}")
     slots = slot_mapping.contiguous()
-    code = lib.pdmesh_reshape_and_cache_f32(
+    code = getattr(lib, f"pdmesh_reshape_and_cache_{ATTENTION_DTYPES[kv_layer.dtype]}")(
         key.data_ptr(), value.data_ptr(), kv_layer.data_ptr(), slots.data_ptr(),
         key.shape[0], row, key.stride(0), value.stride(0), num_blocks * block_size)
     if code != 0:

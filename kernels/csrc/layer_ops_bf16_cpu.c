@@ -16,28 +16,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp_f32.h"
 
 #define BF16_PARALLEL_MIN_ELEMS 32768 /* below this, one thread: waking the others costs more */
 #define BF16_LANES 16
-
-static inline float bf16_to_f32(uint16_t v) {
-    const uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest, ties to even; a NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 static inline void normalize_row_bf16(const uint16_t *h, const uint16_t *w, uint16_t *out,
                                       int64_t n, float eps) {

@@ -222,7 +222,36 @@ def test_native_decode_kernel_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         cpu_native.paged_decode_attention(q[:, :3], kv, meta.decode_block_tables,
                                           meta.decode_seq_lens, 0.125)
-    assert not cpu_native.supports(q.to(torch.bfloat16), kv.to(torch.bfloat16))
+    assert not cpu_native.supports(q.to(torch.float16), kv.to(torch.float16))
+    assert not cpu_native.supports(q.to(torch.bfloat16), kv)  # mixed dtypes: the SDPA path
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "block_size", "decode_lens", "chunks"), [
+    (3, 3, 16, [1, 17, 300, 40], []),
+    (1, 8, 32, [900, 5, 2100, 64], [(30, 30), (75, 11)]),
+])
+def test_native_bfloat16_decode_is_the_float32_math_rounded_once(kv_heads, group, block_size,
+                                                                  decode_lens, chunks) -> None:
+    """In bfloat16 the native kernels read the cache's bfloat16 K/V, compute in float32 and
+    round the output once: the float32 reference on the same bfloat16 values, rounded, up to
+    one bfloat16 step; the step's K/V rows land in the cache bit for bit."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot be built here")
+    meta, kv, qkv = random_step(11, kv_heads, group, block_size, decode_lens, chunks)
+    kv16 = kv.to(torch.bfloat16)
+    q16, k16, v16 = (t.to(torch.bfloat16) for t in qkv)
+    assert cpu_native.supports(q16, kv16) and cpu_native.can_cache(k16, v16, kv16,
+                                                                   meta.slot_mapping)
+    ref_cache = kv16.float()
+    expected = TorchAttentionBackend().forward(q16.float(), k16.float(), v16.float(), ref_cache,
+                                               meta, 0.125)
+    actual = CpuAttentionBackend().forward(q16, k16, v16, kv16, meta, 0.125)
+    assert actual.dtype == torch.bfloat16
+    assert torch.equal(kv16.float(), ref_cache)
+    nd = meta.num_decode_tokens  # the decode rows: the native kernel's
+    torch.testing.assert_close(actual[:nd].float(), expected[:nd].to(torch.bfloat16).float(),
+                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_native_cache_write_takes_qkv_views_and_refuses_slots_outside_the_cache() -> None:
