@@ -26,7 +26,7 @@ int PA_ATTENTION(
         float *scores = NULL;
         int64_t capacity = 0;
         float *acc = malloc(sizeof(float) * 2 * R * D); /* the item's output rows, then its q */
-        float *qf = acc + R * D;
+        float *qf = acc != NULL ? acc + R * D : NULL;
         if (acc == NULL) {
 #pragma omp atomic write
             failed = 2;
