@@ -39,10 +39,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c",
-           CSRC / "layer_ops_bf16_cpu.c", CSRC / "kv_blocks_cpu.c")
-# included by the sources: part of what a library is built from
-HEADERS = (CSRC / "exp_f32.h", CSRC / "bf16.h", CSRC / "paged_attention_body.h")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c", CSRC / "kv_blocks_cpu.c")
+# What a library is built from: the sources and the headers they include.
+BUILD_INPUTS = (*SOURCES, *(CSRC / h for h in ("exp_f32.h", "bf16.h", "paged_attention_body.h",
+                                               "layer_ops_body.h")))
 BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "PDMESH_CPU_KERNELS"
@@ -101,8 +101,7 @@ def fitting_levels(flags: frozenset[str]) -> list[str]:
 
 
 def _source_key() -> str:
-    return hashlib.sha256(b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
-                          ).hexdigest()[:16]
+    return hashlib.sha256(b"\0".join(src.read_bytes() for src in BUILD_INPUTS)).hexdigest()[:16]
 
 
 def prebuilt_name(level: str) -> str:
@@ -154,8 +153,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (*(src.read_text() for src in (*SOURCES, *HEADERS)),
-                                         version,
+        b"\0".join(x.encode() for x in (*(src.read_text() for src in BUILD_INPUTS), version,
                                          " ".join(CFLAGS), platform.machine(),
                                          _cpu_identity()))
     ).hexdigest()[:16]
@@ -216,14 +214,21 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-ATTENTION_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/paged_attention_cpu.c
+# The dtypes the attention, cache-write and layer-op kernels are built for, and the suffix of
+# their names (csrc/*_body.h, included once per type).
+NATIVE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _kernel(lib: ctypes.CDLL, name: str, dtype: torch.dtype) -> Callable[..., int]:
+    """The kernel `name` built for `dtype` (`pdmesh_rms_norm_f32`, `..._bf16`)."""
+    return getattr(lib, f"pdmesh_{name}_{NATIVE_DTYPES[dtype]}")
 
 
 def supports(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` can take these tensors: on the CPU, both float32 or
     both bfloat16, the cache contiguous."""
     return (query.device.type == "cpu" and kv_layer.device.type == "cpu"
-            and query.dtype == kv_layer.dtype and query.dtype in ATTENTION_DTYPES
+            and query.dtype == kv_layer.dtype and query.dtype in NATIVE_DTYPES
             and kv_layer.is_contiguous() and library() is not None)
 
 
@@ -246,7 +251,7 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
     if tables.shape[0] != batch or lens.shape != (batch,):
         raise ValueError("attention: block tables / lengths do not match the batch")
     out = torch.empty_like(q)
-    code = getattr(lib, f"pdmesh_paged_decode_attention_{ATTENTION_DTYPES[q.dtype]}")(
+    code = _kernel(lib, "paged_decode_attention", q.dtype)(
         q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1],
         scale)
@@ -277,7 +282,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Te
         raise ValueError(f"cache write: key {tuple(key.shape)} does not fit KV "
                          f"{tuple(kv_layer.shape)}")
     slots = slot_mapping.contiguous()
-    code = getattr(lib, f"pdmesh_reshape_and_cache_{ATTENTION_DTYPES[kv_layer.dtype]}")(
+    code = _kernel(lib, "reshape_and_cache", kv_layer.dtype)(
         key.data_ptr(), value.data_ptr(), kv_layer.data_ptr(), slots.data_ptr(),
         key.shape[0], row, key.stride(0), value.stride(0), num_blocks * block_size)
     if code != 0:
@@ -285,19 +290,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Te
 
 
 # -- per-layer elementwise ops (csrc/layer_ops_cpu.c) ---------------------------------------------
-LAYER_OP_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops*_cpu.c
-
-
 def supports_layer_ops(*tensors: torch.Tensor) -> bool:
     """Whether the native layer ops can take these tensors: on the CPU, all float32 or all
     bfloat16."""
-    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in LAYER_OP_DTYPES
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in NATIVE_DTYPES
             and all(t.device.type == "cpu" for t in tensors) and library() is not None)
-
-
-def _layer_op(lib: ctypes.CDLL, name: str, x: torch.Tensor) -> Callable[..., int]:
-    """The kernel `name` for `x`'s dtype (`pdmesh_rms_norm_f32`, `..._bf16`)."""
-    return getattr(lib, f"pdmesh_{name}_{LAYER_OP_DTYPES[x.dtype]}")
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -320,8 +317,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.numel() != n:
         raise ValueError(f"rms_norm: weight of {weight.numel()} for rows of {n}")
     out = torch.empty_like(x)
-    _check(_layer_op(lib, "rms_norm", x)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
-                                         n, eps), "rms_norm")
+    _check(_kernel(lib, "rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                             rows, n, eps), "rms_norm")
     return out
 
 
@@ -337,9 +334,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if weight.numel() != n:
         raise ValueError(f"add_rms_norm: weight of {weight.numel()} for rows of {n}")
     out = torch.empty_like(residual)
-    _check(_layer_op(lib, "add_rms_norm", x)(x.data_ptr(), residual.data_ptr(),
-                                             weight.data_ptr(), out.data_ptr(), rows, n, eps),
-           "add_rms_norm")
+    _check(_kernel(lib, "add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(),
+                                                 weight.data_ptr(), out.data_ptr(), rows, n,
+                                                 eps), "add_rms_norm")
     return out
 
 
@@ -350,8 +347,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"silu_and_mul: an odd last dimension ({width})")
     out = gate_up.new_empty((*gate_up.shape[:-1], width // 2))
-    _check(_layer_op(lib, "silu_and_mul", gate_up)(gate_up.data_ptr(), out.data_ptr(), rows,
-                                                   width // 2), "silu_and_mul")
+    _check(_kernel(lib, "silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(),
+                                                       rows, width // 2), "silu_and_mul")
     return out
 
 
@@ -371,9 +368,9 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
     if cos.shape != (tokens, dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
-    _check(_layer_op(lib, "rope", q)(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                     tokens, hq, k.shape[1], dim, q.stride(0), k.stride(0)),
-           "rope")
+    _check(_kernel(lib, "rope", q.dtype)(q.data_ptr(), k.data_ptr(), cos.data_ptr(),
+                                         sin.data_ptr(), tokens, hq, k.shape[1], dim,
+                                         q.stride(0), k.stride(0)), "rope")
 
 
 # -- KV blocks: per-block XXH64 and the pull that hashes while it copies (csrc/kv_blocks_cpu.c) ---

@@ -5,7 +5,7 @@ On a GPU each of these is one kernel instead of the 3-6 that eager torch issues 
 was five: cast, pow, mean, rsqrt, mul), which matters because a decode step is host-bound by
 its launch count. On CPU a decode step's few rows make each op a few kilobytes of work
 wrapped in several ATen dispatches, so the CPU path runs native kernels (`cpu_native`,
-csrc/layer_ops_cpu.c, layer_ops_bf16_cpu.c: one pass per row) for float32 and bfloat16, and
+csrc/layer_ops_cpu.c: one pass per row) for float32 and bfloat16, and
 the fastest plain torch form of each op (bench/layer_ops.py) where they are not built.
 
 Three implementations of one small interface:
