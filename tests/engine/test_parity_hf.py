@@ -40,6 +40,18 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def prompt_logprobs_pair(out, hf_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt token's log-probability as the engine reported it (`prompt_logprobs=0`)
+    and as `hf_model` computes it over the same ids."""
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    ours = torch.tensor(
+        [out.prompt_logprobs[i + 1][ids[i + 1]].logprob for i in range(len(ids) - 1)]
+    )
+    return ours, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
 @pytest.fixture(scope="module")
 def reference(hf_model, hf_tokenizer):
     prompt_ids = [hf_tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -132,14 +144,8 @@ def test_async_scheduling_under_preemption_matches(reference):
 def test_prefill_logits_match_transformers(llm, hf_model, hf_tokenizer):
     prompt = PROMPTS[3]
     out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = out.prompt_token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     assert out.prompt_logprobs[0] is None
-    ours = torch.tensor(
-        [out.prompt_logprobs[i + 1][ids[i + 1]].logprob for i in range(len(ids) - 1)]
-    )
-    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    ours, theirs = prompt_logprobs_pair(out, hf_model)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 

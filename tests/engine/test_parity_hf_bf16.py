@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdmesh import LLM, SamplingParams
+from tests.engine.test_parity_hf import hf_greedy, prompt_logprobs_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights]
 
@@ -41,20 +42,12 @@ def test_greedy_matches_transformers_in_bfloat16(llm_bf16, hf_bf16, hf_tokenizer
     outputs = llm_bf16.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
                                                         ignore_eos=True))
     for prompt, out in zip(PROMPTS, outputs, strict=True):
-        ids = torch.tensor([hf_tokenizer(prompt)["input_ids"]])
-        with torch.no_grad():
-            expected = hf_bf16.generate(ids, attention_mask=torch.ones_like(ids),
-                                        max_new_tokens=MAX_NEW, do_sample=False)
-        assert list(out.outputs[0].token_ids) == expected[0, ids.shape[1]:].tolist(), prompt
+        expected = hf_greedy(hf_bf16, hf_tokenizer(prompt)["input_ids"], MAX_NEW)
+        assert list(out.outputs[0].token_ids) == expected, prompt
 
 
 def test_prompt_logprobs_match_transformers_in_bfloat16(llm_bf16, hf_bf16,
                                                         hf_tokenizer) -> None:
     out = llm_bf16.generate(PROMPTS[2], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = out.prompt_token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(hf_bf16(torch.tensor([ids])).logits[0].float(), dim=-1)
-    ours = torch.tensor([out.prompt_logprobs[i + 1][ids[i + 1]].logprob
-                         for i in range(len(ids) - 1)])
-    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    ours, theirs = prompt_logprobs_pair(out, hf_bf16)
     torch.testing.assert_close(ours, theirs, atol=0.1, rtol=0.05)

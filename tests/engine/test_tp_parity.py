@@ -17,7 +17,13 @@ import torch
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.structured_output import StructuredOutput
-from tests.engine.test_parity_hf import PROMPTS, assert_same, greedy, hf_greedy
+from tests.engine.test_parity_hf import (
+    PROMPTS,
+    assert_same,
+    greedy,
+    hf_greedy,
+    prompt_logprobs_pair,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.weights, pytest.mark.processes]
 
@@ -76,12 +82,7 @@ def test_async_scheduling_matches(reference) -> None:  # type: ignore[no-untyped
 def test_prompt_logprobs_match_transformers(hf_model) -> None:  # type: ignore[no-untyped-def]
     with tp_llm(kv_cache_memory="64MiB", max_num_batched_tokens=64) as llm:
         out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = out.prompt_token_ids
-    with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    ours = torch.tensor([out.prompt_logprobs[i + 1][ids[i + 1]].logprob
-                         for i in range(len(ids) - 1)])
-    theirs = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    ours, theirs = prompt_logprobs_pair(out, hf_model)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
