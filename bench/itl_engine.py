@@ -58,8 +58,10 @@ def arrivals(n: int, rate: float) -> list[float]:
     return out
 
 
-def serve(engine: LLMEngine, requests: int, conc: int, rate: float) -> tuple[Run, float]:
-    core, rng, run = engine.core, random.Random(0), Run()
+def serve(engine: LLMEngine, requests: int, conc: int, rate: float,
+          seed: int = 0) -> tuple[Run, float]:
+    """`seed` picks the prompts (a phase with another seed shares no prefix with this one)."""
+    core, rng, run = engine.core, random.Random(seed), Run()
     vocab = core.model_config.vocab_size
     started: dict[str, float] = {}
     last: dict[str, tuple[float, int]] = {}
@@ -120,13 +122,23 @@ def main() -> None:
     parser.add_argument("--stall-stream-s", type=float, default=None,
                         help="the auto target's stall budget for this run")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype (EngineConfig)")
+    parser.add_argument("--warm-rate", type=float, default=0.0,
+                        help="first serve --warm-requests at this Poisson rate, unmeasured (the "
+                             "served bench's 1 req/s scenario before its burst: the step-cost "
+                             "model starts the measured run with that history)")
+    parser.add_argument("--warm-requests", type=int, default=40)
     args = parser.parse_args()
     if args.stall_stream_s is not None:
         step_budget.AUTO_STALL_STREAM_S = args.stall_stream_s
     engine = LLMEngine(EngineConfig(model="smollm2", engine_core_process=False,
                                     itl_target_ms=args.itl_target_ms, dtype=args.dtype))
-    serve(engine, 1, 1, 0.0)  # warm-up: one request, and the step-cost model starts learning
+    serve(engine, 1, 1, 0.0, seed=2)  # warm-up: one request; the step-cost model starts learning
+    if args.warm_rate:
+        serve(engine, args.warm_requests, 0, args.warm_rate, seed=1)
+    model = engine.core.scheduler.step_cost
+    print(f"cost model before: {model.cost}, mixed ratio {model.mixed_ratio:.2f}")
     run, wall = serve(engine, args.requests, args.conc, args.rate)
+    print(f"cost model after: {model.cost}, mixed ratio {model.mixed_ratio:.2f}")
     ms = 1e3
     print(f"wall {wall:.1f} s, out tok/s {args.requests * OUTPUT_TOKENS / wall:.1f}, "
           f"{len(run.steps)} steps")

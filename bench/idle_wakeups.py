@@ -1,0 +1,138 @@
+"""What an idle mesh costs the CPUs: per process of `pdmesh serve`, CPU share and wake-ups.
+
+An engine core's step runs on OpenMP threads that meet at a barrier after every parallel region;
+on a host with as many CPUs as threads, any other thread that wakes takes a CPU from one of
+them and the whole region waits for it. So the wake-ups of the processes beside the core cost
+the model more than their CPU time says: ucxx's default progress thread, waking ~900 times a
+second in an idle core, cost a served mesh on 2 CPUs ~20 % of its throughput (bench/README.md,
+"An idle UCX listener"). This starts a mesh, lets it settle, and for `--seconds` reads each
+process's CPU time and each thread's voluntary context switches from /proc (Linux).
+
+    .venv/bin/python bench/idle_wakeups.py [--args="--colocated"] [--seconds 10] [--env K=V]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Sample:
+    cmd: str
+    cpu_s: float
+    switches: dict[int, tuple[str, int]]  # tid -> (thread name, voluntary context switches)
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _sample(pid: int) -> Sample | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        switches = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            switches[int(tid)] = (fields["Name"].strip(),
+                                  int(fields["voluntary_ctxt_switches"]))
+    except (OSError, KeyError, ValueError):
+        return None
+    return Sample(cmd, (int(stat[11]) + int(stat[12])) / TICK, switches)
+
+
+def _label(cmd: str) -> str:
+    words = cmd.split()
+    for marker in ("pdmesh.cli", "core_process", "redis-server", "serve"):
+        for i, word in enumerate(words):
+            if word.endswith(marker):
+                return " ".join([os.path.basename(word), *words[i + 1:i + 2]])[:40]
+    return cmd[:40]
+
+
+def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the mesh exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the mesh was not ready in {timeout_s:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--args", default="--colocated", help="`pdmesh serve` flags")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--port", type=int, default=8013)
+    parser.add_argument("--settle-s", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--thread-min", type=float, default=5.0,
+                        help="list threads waking at least this often (per second)")
+    args = parser.parse_args()
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env)}
+    argv = [str(ROOT / ".venv/bin/pdmesh"), "serve", args.model, "--port", str(args.port),
+            *shlex.split(args.args)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env=env)
+    try:
+        _wait_ready(args.port, proc, 600)
+        time.sleep(args.settle_s)  # start-up work (warm-ups, first heartbeats) is not idling
+        pids = _descendants(proc.pid)
+        before = {pid: _sample(pid) for pid in pids}
+        started = time.monotonic()
+        time.sleep(args.seconds)
+        after = {pid: _sample(pid) for pid in pids}
+        elapsed = time.monotonic() - started
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+    print(f"pdmesh serve {args.model} {args.args}; idle for {elapsed:.1f} s\n")
+    print("| process | CPU % | wake-ups/s | busiest threads (wake-ups/s) |")
+    print("|---|---:|---:|---|")
+    total_cpu = total_wakes = 0.0
+    for pid in pids:
+        a, b = before.get(pid), after.get(pid)
+        if a is None or b is None:
+            continue
+        rates = {tid: (name, (n - a.switches[tid][1]) / elapsed)
+                 for tid, (name, n) in b.switches.items() if tid in a.switches}
+        wakes = sum(rate for _, rate in rates.values())
+        cpu = (b.cpu_s - a.cpu_s) / elapsed * 100
+        total_cpu, total_wakes = total_cpu + cpu, total_wakes + wakes
+        busy = sorted(rates.values(), key=lambda r: -r[1])
+        shown = ", ".join(f"{name} {rate:.0f}" for name, rate in busy if rate >= args.thread_min)
+        print(f"| {_label(b.cmd)} | {cpu:.1f} | {wakes:.0f} | {shown} |")
+    print(f"| **all** | {total_cpu:.1f} | {total_wakes:.0f} | |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
