@@ -19,11 +19,11 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from serving_peer import ROOT, wait_ready
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -74,19 +74,6 @@ def _label(cmd: str) -> str:
     return cmd[:40]
 
 
-def _wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the mesh exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"the mesh was not ready in {timeout_s:.0f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -104,7 +91,7 @@ def main() -> None:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=env)
     try:
-        _wait_ready(args.port, proc, 600)
+        wait_ready(args.port, proc, timeout_s=600)
         time.sleep(args.settle_s)  # start-up work (warm-ups, first heartbeats) is not idling
         pids = _descendants(proc.pid)
         before = {pid: _sample(pid) for pid in pids}
