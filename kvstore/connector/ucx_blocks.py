@@ -157,11 +157,7 @@ class _EventLoop:
                                  daemon=True).start()
                 # UCX initialised on the loop it progresses on: in blocking mode its worker's
                 # event fd is watched by the loop that is running when it starts.
-                try:
-                    asyncio.run_coroutine_threadsafe(_init_ucx(), loop).result()
-                except BaseException:
-                    loop.call_soon_threadsafe(loop.stop)  # no idle loop thread left behind
-                    raise
+                asyncio.run_coroutine_threadsafe(_init_ucx(), loop).result()
                 cls._loop = loop
             return cls._loop
 

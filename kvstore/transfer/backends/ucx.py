@@ -55,7 +55,7 @@ def progress_mode(env: Mapping[str, str] = os.environ) -> str:
     UCXPY_PROGRESS_MODE says otherwise. ucxx's own default, a progress thread, wakes ~900 times
     a second even with no transfer in flight; in an engine core that is a thread taking a CPU
     from the model's OpenMP threads every millisecond, and on 2 CPUs it cost a served mesh
-    12-25 % of its throughput (bench/README.md, "An idle UCX listener"). Blocking mode costs
+    ~20 % of its throughput (bench/README.md, "An idle UCX listener"). Blocking mode costs
     nothing while idle; a pull waits for the loop to wake on the event fd."""
     return env.get("UCXPY_PROGRESS_MODE", "") or "blocking"
 
