@@ -136,12 +136,6 @@ class _Refusal(Exception):
         self.status = status
 
 
-async def _init_ucx() -> None:
-    from pdmesh.kvstore.transfer.backends.ucx import ucxx_runtime
-
-    ucxx_runtime()
-
-
 class _EventLoop:
     """The process's ucxx event loop on a daemon thread, started on first use."""
 
@@ -152,12 +146,12 @@ class _EventLoop:
     def get(cls) -> asyncio.AbstractEventLoop:
         with cls._lock:
             if cls._loop is None:
+                from pdmesh.kvstore.transfer.backends.ucx import ucxx_runtime
+
+                ucxx_runtime()  # initialise UCX before the loop's first endpoint
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="kv-ucx-loop",
                                  daemon=True).start()
-                # UCX initialised on the loop it progresses on: in blocking mode its worker's
-                # event fd is watched by the loop that is running when it starts.
-                asyncio.run_coroutine_threadsafe(_init_ucx(), loop).result()
                 cls._loop = loop
             return cls._loop
 

@@ -312,37 +312,3 @@ def test_device_caches_move_over_ucx_without_host_copies(first: int, count: int)
     finally:
         receiver.close()
         sender.close()
-
-
-def test_progress_mode_is_blocking_unless_the_environment_says() -> None:
-    from pdmesh.kvstore.transfer.backends.ucx import progress_mode
-
-    assert progress_mode({}) == "blocking"
-    assert progress_mode({"UCXPY_PROGRESS_MODE": ""}) == "blocking"
-    assert progress_mode({"UCXPY_PROGRESS_MODE": "thread"}) == "thread"
-
-
-@needs_ucxx
-def test_the_core_loop_progresses_ucx_on_its_event_fd() -> None:
-    """In a fresh process: UCX started for the core's loop runs in blocking mode, progressed by
-    that running loop, with no progress thread of its own (ucxx's default thread woke ~900
-    times a second in an idle engine core)."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import asyncio, ucxx.core\n"
-        "from ucxx._lib_async.application_context import ProgressTasks\n"
-        "from pdmesh.kvstore.connector import ucx_blocks\n"
-        "loop = ucx_blocks._EventLoop.get()\n"
-        "async def modes():\n"
-        "    return [type(t).__name__ for t in ProgressTasks.values()], "
-        "asyncio.get_running_loop() in ProgressTasks\n"
-        "names, own = asyncio.run_coroutine_threadsafe(modes(), loop).result(10)\n"
-        "print(ucxx.core._get_ctx().progress_mode, sorted(set(names)), own)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "UCXPY_PROGRESS_MODE"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split("\n")[-2]
-    assert out == "blocking ['BlockingMode'] True"

@@ -50,27 +50,17 @@ _LENGTH = struct.Struct("<Q")
 unavailable_reason = ucxx_unavailable_reason
 
 
-def progress_mode(env: Mapping[str, str] = os.environ) -> str:
-    """How UCX's worker is progressed: `blocking` (its event fd on the asyncio loop) unless
-    UCXPY_PROGRESS_MODE says otherwise. ucxx's own default, a progress thread, wakes ~900 times
-    a second even with no transfer in flight; in an engine core that is a thread taking a CPU
-    from the model's OpenMP threads every millisecond, and on 2 CPUs it cost a served mesh
-    ~20 % of its throughput (bench/README.md, "An idle UCX listener"). Blocking mode costs
-    nothing while idle; a pull waits for the loop to wake on the event fd."""
-    return env.get("UCXPY_PROGRESS_MODE", "") or "blocking"
-
-
 @functools.cache
 def ucxx_runtime() -> Any:
-    """Import and initialise UCX once per process, on first use; the engine core's own UCX
-    transport (`connector/ucx_blocks.py`) shares it."""
+    """Import and initialise UCX once per process, on first use (it starts worker threads);
+    the engine core's own UCX transport (`connector/ucx_blocks.py`) shares it."""
     import ucxx
 
     options = {"WARN_UNUSED_ENV_VARS": "n"}  # ucxx itself sets UCX_MEMTYPE_CACHE
     if "UCX_TLS" not in os.environ and not torch.cuda.is_available():
         options["TLS"] = "tcp,self,sm"
     with contextlib.suppress(RuntimeError):  # already initialised: keep the owner's settings
-        ucxx.init(options=options, env_takes_precedence=True, progress_mode=progress_mode())
+        ucxx.init(options=options, env_takes_precedence=True)
     return ucxx
 
 
