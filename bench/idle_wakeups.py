@@ -4,9 +4,10 @@ An engine core's step runs on OpenMP threads that meet at a barrier after every 
 on a host with as many CPUs as threads, any other thread that wakes takes a CPU from one of
 them and the whole region waits for it. So the wake-ups of the processes beside the core cost
 the model more than their CPU time says: ucxx's default progress thread, waking ~900 times a
-second in an idle core, cost a served mesh on 2 CPUs ~20 % of its throughput (bench/README.md,
-"An idle UCX listener"). This starts a mesh, lets it settle, and for `--seconds` reads each
-process's CPU time and each thread's voluntary context switches from /proc (Linux).
+second in an idle core, cost a served mesh on 2 CPUs 12-25 % of its throughput, and it still
+runs (bench/README.md, "An idle UCX listener"). This starts a mesh, lets it settle, and for
+`--seconds` reads each process's CPU time and each thread's voluntary context switches from
+/proc (Linux).
 
     .venv/bin/python bench/idle_wakeups.py [--args="--colocated"] [--seconds 10] [--env K=V]
 """
@@ -22,56 +23,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from profile_serving import cpu_seconds, mesh_processes
 from serving_peer import ROOT, wait_ready
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
 class Sample:
-    cmd: str
     cpu_s: float
     switches: dict[int, tuple[str, int]]  # tid -> (thread name, voluntary context switches)
 
 
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
-
-
 def _sample(pid: int) -> Sample | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         switches = {}
         for tid in os.listdir(f"/proc/{pid}/task"):
             status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
             fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
             switches[int(tid)] = (fields["Name"].strip(),
                                   int(fields["voluntary_ctxt_switches"]))
+        return Sample(cpu_seconds(pid), switches)
     except (OSError, KeyError, ValueError):
         return None
-    return Sample(cmd, (int(stat[11]) + int(stat[12])) / TICK, switches)
-
-
-def _label(cmd: str) -> str:
-    words = cmd.split()
-    for marker in ("pdmesh.cli", "core_process", "redis-server", "serve"):
-        for i, word in enumerate(words):
-            if word.endswith(marker):
-                return " ".join([os.path.basename(word), *words[i + 1:i + 2]])[:40]
-    return cmd[:40]
 
 
 def main() -> None:
@@ -93,7 +65,8 @@ def main() -> None:
     try:
         wait_ready(args.port, proc, timeout_s=600)
         time.sleep(args.settle_s)  # start-up work (warm-ups, first heartbeats) is not idling
-        pids = _descendants(proc.pid)
+        names = {p.pid: p.name for p in mesh_processes(proc.pid)}
+        pids = list(names)
         before = {pid: _sample(pid) for pid in pids}
         started = time.monotonic()
         time.sleep(args.seconds)
@@ -117,7 +90,7 @@ def main() -> None:
         total_cpu, total_wakes = total_cpu + cpu, total_wakes + wakes
         busy = sorted(rates.values(), key=lambda r: -r[1])
         shown = ", ".join(f"{name} {rate:.0f}" for name, rate in busy if rate >= args.thread_min)
-        print(f"| {_label(b.cmd)} | {cpu:.1f} | {wakes:.0f} | {shown} |")
+        print(f"| {names[pid]} | {cpu:.1f} | {wakes:.0f} | {shown} |")
     print(f"| **all** | {total_cpu:.1f} | {total_wakes:.0f} | |")
 
 
