@@ -32,6 +32,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2
 
+from pdmesh.devices import engines_use_cuda
 from pdmesh.engine.frontend.async_engine import AsyncEngine
 from pdmesh.engine_svc.config import EngineServiceConfig
 from pdmesh.engine_svc.kv_peer import SENDER_BACKENDS, KVPeerPart, lends_kv
@@ -49,6 +50,7 @@ from pdmesh.kvstore.instance_registry import (
 )
 from pdmesh.kvstore.redis_conn import RedisConnection
 from pdmesh.kvstore.transfer.backends import limit_torch_threads, unavailable_reason
+from pdmesh.kvstore.transfer.backends.availability import ucx_tcp_only
 from pdmesh.metrics import (
     EngineCollector,
     EngineMetrics,
@@ -129,9 +131,11 @@ async def _drain(
 
 def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
     """The usable KV data planes this instance offers (prefill) or accepts (decode); asked
-    without importing the planes' modules (torch)."""
-    sends_only = role == "prefill"
-    preferred = SENDER_BACKENDS if sends_only else RECEIVER_BACKENDS
+    without importing the planes' modules (torch). Under `auto`, ucxx only where it has more
+    than TCP to use (`ucx_tcp_only`): elsewhere its listener's thread only costs CPU."""
+    preferred = SENDER_BACKENDS if role == "prefill" else RECEIVER_BACKENDS
+    if ucx_tcp_only(engines_use_cuda(config.engine.device)):
+        preferred = tuple(b for b in preferred if b != "ucxx")
     return tuple(b for b in config.kv_backends(preferred) if unavailable_reason(b) is None)
 
 

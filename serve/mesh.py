@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from functools import partial
 from types import TracebackType
 
+from pdmesh.devices import engines_use_cuda
 from pdmesh.engine.worker.cpu_threads import usable_cpus
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.grpc_common import TEARDOWN_BOUND_S
@@ -57,7 +58,6 @@ from pdmesh.serve.child_config import (
     router_placement,
 )
 from pdmesh.serve.config import MeshConfig
-from pdmesh.serve.devices import engines_use_cuda
 from pdmesh.serve.supervisor import Backoff, ChildSpec, Supervised, Supervisor
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ def _threads_flag(mesh: LocalMesh) -> str | None:
 
 def test_local_mesh_shares_the_cpus_among_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pdmesh.serve.mesh.usable_cpus", lambda: 16)
-    monkeypatch.setattr("pdmesh.serve.devices.cuda_available", lambda: False)
+    monkeypatch.setattr("pdmesh.devices.cuda_available", lambda: False)
     env: dict[str, str] = {}
     assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=2), env=env)) == "5"
     assert _threads_flag(LocalMesh(MeshConfig(colocated=True, num_decode=1), env=env)) is None
@@ -60,7 +60,7 @@ def test_local_mesh_shares_the_cpus_among_its_engines(monkeypatch: pytest.Monkey
     assert _threads_flag(LocalMesh(four, env=env)) == "4"
     omp = {"OMP_NUM_THREADS": "2"}
     assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=2), env=omp)) is None
-    monkeypatch.setattr("pdmesh.serve.devices.cuda_available", lambda: True)
+    monkeypatch.setattr("pdmesh.devices.cuda_available", lambda: True)
     assert _threads_flag(LocalMesh(MeshConfig(num_prefill=1, num_decode=2), env=env)) is None
     cpu = MeshConfig(num_prefill=1, num_decode=2, engine=EngineConfig(device="cpu"))
     assert _threads_flag(LocalMesh(cpu, env=env)) == "5"  # engines told to stay on the CPU

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pdmesh.serve.devices import engines_use_cuda
+from pdmesh.devices import engines_use_cuda
 
 NO_TORCH = """
 import sys

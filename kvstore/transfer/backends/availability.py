@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import os
 import subprocess
 import sys
 from functools import cache
@@ -37,6 +38,15 @@ def ucxx_unavailable_reason() -> str | None:
     except Exception as exc:  # a broken native install should disable, not crash
         return f"importing ucxx failed: {exc}"
     return None
+
+
+def ucx_tcp_only(uses_cuda: bool) -> bool:
+    """Whether UCX would move KV over TCP alone here: no CUDA buffers and no transports chosen
+    by the operator (`UCX_TLS`), where `ucx.py` restricts it to tcp,self,sm. It is then slower
+    than the core's own tcp plane while its progress thread wakes ~900 times a second even
+    idle, taking CPUs from the engine core (bench/README.md, "An idle UCX listener"): `auto`
+    does not offer it there (engine_svc/process.py); `--kv-backend ucxx` still does."""
+    return not uses_cuda and "UCX_TLS" not in os.environ
 
 
 def torch_dist_unavailable_reason() -> str | None:

@@ -7,7 +7,7 @@ into the destination tensor, and a one-byte "done" from the receiver before eith
 closes. Without explicit configuration, CPU-only hosts use `UCX_TLS=tcp,self,sm`; set
 UCX_* environment variables to override. (With the PyPI wheels on the dev box UCX picks
 tcp over loopback even between local processes, so this backend is slower than tcp/shm
-there; it is meant for RDMA and GPU hosts.)
+there; it is meant for RDMA and GPU hosts, and `auto` offers it only there: `ucx_tcp_only`.)
 
 Optional: install `ucxx-cu12` (+ `libucxx-cu12`, `libucx-cu12`, `librmm-cu12`,
 `rapids-logger`, `nvidia-ml-py`) with --no-deps; the backend is offered only when it imports.
@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdmesh.kvstore.transfer.backends.availability import ucxx_unavailable_reason
+from pdmesh.kvstore.transfer.backends.availability import ucx_tcp_only, ucxx_unavailable_reason
 from pdmesh.kvstore.transfer.backends.base import DataPlaneClient, DataPlaneServer
 from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import (
@@ -57,7 +56,7 @@ def ucxx_runtime() -> Any:
     import ucxx
 
     options = {"WARN_UNUSED_ENV_VARS": "n"}  # ucxx itself sets UCX_MEMTYPE_CACHE
-    if "UCX_TLS" not in os.environ and not torch.cuda.is_available():
+    if ucx_tcp_only(torch.cuda.is_available()):
         options["TLS"] = "tcp,self,sm"
     with contextlib.suppress(RuntimeError):  # already initialised: keep the owner's settings
         ucxx.init(options=options, env_takes_precedence=True)

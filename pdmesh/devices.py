@@ -1,9 +1,11 @@
-"""Whether `pdmesh serve`'s engines will run on CUDA, answered without importing torch.
+"""Whether engines will run on CUDA, answered without importing torch.
 
-The supervisor needs the answer once (a CPU host's engines share its CPUs, serve/mesh.py) but
-not torch itself, which would cost it ~250 MiB of RSS for as long as the mesh runs. A host
-without an NVIDIA device node cannot run CUDA, so it is answered at once; only where one
-exists does a short-lived interpreter ask torch, whose memory goes with it.
+Two processes need the answer but not torch, which would cost each ~250 MiB of RSS for as long
+as it runs: `pdmesh serve`'s supervisor (a CPU host's engines share its CPUs, serve/mesh.py)
+and an engine service choosing the KV planes it offers (engine_svc/process.py: UCX only
+where it has more than TCP to use). A host without an NVIDIA device node cannot run CUDA, so
+it is answered at once; only where one exists does a short-lived interpreter ask torch, whose
+memory goes with it.
 """
 
 from __future__ import annotations
