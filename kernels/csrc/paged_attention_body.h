@@ -1,8 +1,171 @@
 /* The body of the paged decode attention and cache-write kernels, once per element type:
  * paged_attention_cpu.c includes it with PA_T (the element type), PA_LOAD (an element as
- * float32), PA_STORE_ROWS (float32 rows into elements) and the two function names defined.
- * The arithmetic is float32 whatever the element type; only loads and the final store differ.
+ * float32), PA_LOAD16 (16 elements as a float32 vector, where PA_AVX512 is defined),
+ * PA_STORE_ROWS (float32 rows into elements), the two function names and PA_FN (a helper's
+ * name for that type) defined. The arithmetic is float32 whatever the
+ * element type; only loads and the final store differ.
  */
+#ifdef PA_AVX512
+/* q . k as 16 partial sums (D a multiple of 16) */
+static inline __attribute__((always_inline)) __m512 PA_FN(dot16)(
+    const float *restrict q, const PA_T *restrict k, const int64_t D)
+{
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), PA_LOAD16(k));
+    for (int64_t c = 16; c < D; c += 16) {
+        s = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), PA_LOAD16(k + c), s);
+    }
+    return s;
+}
+#endif
+
+/* scores[r][t0 + i] = q_r . k_i * scale for the `len` tokens of one block, query rows
+ * r0 .. r0 + G - 1 sharing the KV head whose rows start at `kh` (generic C). */
+static inline __attribute__((always_inline)) void PA_FN(block_scores)(
+    const float *restrict qf, const PA_T *restrict kh, float *restrict scores, int64_t n,
+    int64_t t0, int64_t len, int64_t r0, int64_t G, int64_t token_stride, float scale,
+    const int64_t D)
+{
+#ifdef PA_AVX512
+    if (D % 16 == 0) {
+        /* 16 tokens at a time: each dot a vector of partial sums, the 16 reduced together */
+        for (int64_t i0 = 0; i0 < len; i0 += 16) {
+            const int64_t m = len - i0 < 16 ? len - i0 : 16;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qr = qf + (r0 + g) * D;
+                __m512 part[16];
+                const PA_T *k = kh + i0 * token_stride;
+                if (m == 16) {
+                    for (int64_t t = 0; t < 16; t++) {
+                        part[t] = PA_FN(dot16)(qr, k + t * token_stride, D);
+                    }
+                } else {
+                    for (int64_t t = 0; t < 16; t++) {
+                        part[t] = t < m ? PA_FN(dot16)(qr, k + t * token_stride, D)
+                                        : _mm512_setzero_ps();
+                    }
+                }
+                const __m512 sums = _mm512_mul_ps(pa_sum16x16(part), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + (r0 + g) * n + t0 + i0,
+                                      (__mmask16)((1u << m) - 1u), sums);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < len; i++) {
+        const PA_T *k = kh + i * token_stride;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qr = qf + (r0 + g) * D;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; d++) {
+                s += qr[d] * PA_LOAD(k[d]);
+            }
+            scores[(r0 + g) * n + t0 + i] = s * scale;
+        }
+    }
+}
+
+/* orow += sum_i p[i] v_i over the `len` tokens of one block whose V rows (of one head) start
+ * at `vh`: the row's sums stay in registers across the block. */
+static inline __attribute__((always_inline)) void PA_FN(block_values)(
+    const float *restrict p, const PA_T *restrict vh, float *restrict orow, int64_t len,
+    int64_t token_stride, const int64_t D)
+{
+#ifdef PA_AVX512
+    if (D % 16 == 0 && D <= 16 * PA_MAX_VECTORS) {
+        __m512 o[PA_MAX_VECTORS];
+        for (int64_t c = 0; c < D / 16; c++) {
+            o[c] = _mm512_loadu_ps(orow + 16 * c);
+        }
+        for (int64_t i = 0; i < len; i++) {
+            const __m512 pi = _mm512_set1_ps(p[i]);
+            const PA_T *v = vh + i * token_stride;
+            for (int64_t c = 0; c < D / 16; c++) {
+                o[c] = _mm512_fmadd_ps(pi, PA_LOAD16(v + 16 * c), o[c]);
+            }
+        }
+        for (int64_t c = 0; c < D / 16; c++) {
+            _mm512_storeu_ps(orow + 16 * c, o[c]);
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < len; i++) {
+        const PA_T *v = vh + i * token_stride;
+        const float pi = p[i];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            orow[d] += pi * PA_LOAD(v[d]);
+        }
+    }
+}
+
+/* One work item: the R = HC * G query rows of KV heads h0 .. h0 + HC - 1 of one sequence of n
+ * tokens, whose blocks `table` lists (k_base, v_base: head h0's rows in block 0). Always
+ * inlined where D is a constant (64, 128), so the loops over D unroll into straight vector
+ * code. Each block's K rows, then later its V rows, are read once, the next block's asked for
+ * ahead (pa_prefetch): blocks lie anywhere in the cache. */
+static inline __attribute__((always_inline)) void PA_FN(attend)(
+    const float *restrict qf, const PA_T *restrict k_base, const PA_T *restrict v_base,
+    const int64_t *table, int64_t n, int64_t HC, int64_t G, int64_t token_stride,
+    int64_t block_stride, int64_t block_size, float scale, float *restrict scores,
+    float *restrict acc, const int64_t D)
+{
+    const int64_t R = HC * G;
+    const int64_t row_bytes = HC * D * (int64_t)sizeof(PA_T);
+    const int64_t blocks = (n + block_size - 1) / block_size;
+    for (int64_t j = 0; j < blocks; j++) {
+        const int64_t t0 = j * block_size;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (j + 1 < blocks) {
+            pa_prefetch_rows(k_base + table[j + 1] * block_stride, block_size, token_stride,
+                             row_bytes, sizeof(PA_T));
+        }
+        const PA_T *kb = k_base + table[j] * block_stride;
+        for (int64_t h = 0; h < HC; h++) {
+            PA_FN(block_scores)(qf, kb + h * D, scores, n, t0, len, h * G, G, token_stride,
+                                scale, D);
+        }
+    }
+    pa_prefetch_rows(v_base + table[0] * block_stride, block_size, token_stride, row_bytes,
+                     sizeof(PA_T));
+    /* softmax per query row; exp_f32 vectorizes where the C library's expf does not */
+    for (int64_t r = 0; r < R; r++) {
+        float *row = scores + r * n;
+        float peak = row[0];
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 1; t < n; t++) {
+            peak = row[t] > peak ? row[t] : peak;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) {
+            row[t] = exp_f32(row[t] - peak);
+            sum += row[t];
+        }
+        const float f = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) {
+            row[t] *= f;
+        }
+    }
+    /* o_r = sum_t p[r][t] v_t(head of r); a block's V rows stay in L1 across its rows */
+    for (int64_t j = 0; j < blocks; j++) {
+        const int64_t t0 = j * block_size;
+        const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        if (j + 1 < blocks) {
+            pa_prefetch_rows(v_base + table[j + 1] * block_stride, block_size, token_stride,
+                             row_bytes, sizeof(PA_T));
+        }
+        const PA_T *vb = v_base + table[j] * block_stride;
+        for (int64_t r = 0; r < R; r++) {
+            PA_FN(block_values)(scores + r * n + t0, vb + (r / G) * D, acc + r * D, len,
+                                token_stride, D);
+        }
+    }
+}
+
 int PA_ATTENTION(
     const PA_T *q, const PA_T *kv, const int64_t *tables, const int64_t *lens, PA_T *out,
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t num_blocks,
@@ -72,58 +235,16 @@ int PA_ATTENTION(
                     PA_STORE_ROWS(o, acc, R * D);
                     continue;
                 }
-
-                /* scores[r][t] = q_r . k_t(head of r) * scale */
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                    const PA_T *kb = kv + table[t0 / block_size] * block_stride + h0 * D;
-                    const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-                    for (int64_t i = 0; i < len; i++) {
-                        const PA_T *krow = kb + i * token_stride;
-                        for (int64_t r = 0; r < R; r++) {
-                            const PA_T *k = krow + (r / G) * D;
-                            const float *qr = qf + r * D;
-                            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                            for (int64_t d = 0; d < D; d++) {
-                                s += qr[d] * PA_LOAD(k[d]);
-                            }
-                            scores[r * n + t0 + i] = s * scale;
-                        }
-                    }
-                }
-                /* softmax per query row; its 1 / sum is applied at the end */
-                for (int64_t r = 0; r < R; r++) {
-                    float *row = scores + r * n;
-                    float peak = row[0];
-                    for (int64_t t = 1; t < n; t++) {
-                        peak = row[t] > peak ? row[t] : peak;
-                    }
-                    float sum = 0.0f;
-                    for (int64_t t = 0; t < n; t++) {
-                        row[t] = expf(row[t] - peak);
-                        sum += row[t];
-                    }
-                    const float f = 1.0f / sum;
-                    for (int64_t t = 0; t < n; t++) {
-                        row[t] *= f;
-                    }
-                }
-                /* o_r = sum_t p[r][t] v_t(head of r) */
-                for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-                    const PA_T *vb = v_base + table[t0 / block_size] * block_stride + h0 * D;
-                    const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-                    for (int64_t i = 0; i < len; i++) {
-                        const PA_T *vrow = vb + i * token_stride;
-                        for (int64_t r = 0; r < R; r++) {
-                            const PA_T *v = vrow + (r / G) * D;
-                            const float p = scores[r * n + t0 + i];
-                            float *orow = acc + r * D;
-#pragma omp simd
-                            for (int64_t d = 0; d < D; d++) {
-                                orow[d] += p * PA_LOAD(v[d]);
-                            }
-                        }
-                    }
+                const PA_T *kh = kv + h0 * D, *vh = v_base + h0 * D;
+                if (D == 64) {
+                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
+                                  block_size, scale, scores, acc, 64);
+                } else if (D == 128) {
+                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
+                                  block_size, scale, scores, acc, 128);
+                } else {
+                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
+                                  block_size, scale, scores, acc, D);
                 }
                 PA_STORE_ROWS(o, acc, R * D);
             }

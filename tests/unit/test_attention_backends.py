@@ -138,11 +138,11 @@ def random_step(
     block_size: int,
     decode_lens: list[int],
     chunks: list[tuple[int, int]],
+    head_dim: int = 64,
 ) -> tuple[AttentionMetadata, torch.Tensor, list[torch.Tensor]]:
     """A mixed step (decodes, then prompt chunks given as (context, chunk length)) over a
     cache with random contents; returns the metadata, the cache and query/key/value."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim = 64
     lens = decode_lens + [c for c, _ in chunks]
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 2
@@ -209,6 +209,31 @@ def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, deco
     assert meta.step_cache or not decode_lens or native
     again = cpu.forward(q, k, v, kv, meta, 0.125)
     torch.testing.assert_close(again, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "dtype"), [
+    (128, 16, torch.float32),  # Llama's heads: a compiled-in size, like 64
+    (80, 16, torch.float32),  # a multiple of 16 the kernel does not specialize
+    (72, 16, torch.float32),  # not a multiple of 16: the plain C loops
+    (64, 8, torch.float32),  # blocks shorter than 16 tokens
+    (64, 24, torch.float32),  # blocks of 16 tokens and a remainder
+    (128, 16, torch.bfloat16),
+    (72, 8, torch.bfloat16),
+])
+def test_native_decode_head_sizes_and_block_sizes(head_dim, block_size, dtype) -> None:
+    """Every head size and block size the kernel's paths split on (16-token groups, 16-wide
+    vectors, compiled-in head sizes) against the float32 reference on the same values."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the native CPU kernels cannot be built here")
+    lens = [1, 15, 16, 17, 33, 250, 600]
+    meta, kv, (q, _, _) = random_step(13, 2, 3, block_size, lens, [], head_dim=head_dim)
+    kv, q = kv.to(dtype), q.to(dtype)
+    expected = torch_ref.paged_decode_attention(q.float(), kv.float(), meta.decode_block_tables,
+                                                meta.decode_seq_lens, head_dim**-0.5)
+    actual = cpu_native.paged_decode_attention(q, kv, meta.decode_block_tables,
+                                               meta.decode_seq_lens, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)
 
 
 def test_native_decode_kernel_refuses_what_it_cannot_read() -> None:
