@@ -39,7 +39,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c", CSRC / "kv_blocks_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "layer_ops_cpu.c", CSRC / "kv_blocks_cpu.c",
+           CSRC / "linear_cpu.c")
 # What a library is built from: the sources and the headers they include.
 BUILD_INPUTS = (*SOURCES, *(CSRC / h for h in ("exp_f32.h", "bf16.h", "paged_attention_body.h",
                                                "layer_ops_body.h")))
@@ -204,6 +205,8 @@ def library() -> ctypes.CDLL | None:
         ("pdmesh_add_rms_norm_bf16", [ptr] * 4 + [i64] * 2 + [f32]),
         ("pdmesh_silu_and_mul_bf16", [ptr] * 2 + [i64] * 2),
         ("pdmesh_rope_bf16", [ptr] * 4 + [i64] * 6),
+        ("pdmesh_linear_pack_f32", [ptr] * 2 + [i64] * 2),
+        ("pdmesh_linear_f32", [ptr] * 3 + [i64] * 3),
         ("pdmesh_kv_blocks_xxh64", [ptr] + [i64] * 3 + [ptr, i64, ptr, i64]),
         ("pdmesh_kv_copy_blocks_xxh64", [ptr, i64, ptr] + [i64] * 3 + [ptr, ptr, i64, ptr, i64]),
     ):
@@ -287,6 +290,47 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Te
         key.shape[0], row, key.stride(0), value.stride(0), num_blocks * block_size)
     if code != 0:
         raise IndexError("cache write: a slot lies outside the KV cache")
+
+
+# -- float32 linear layers from a weight packed at load time (csrc/linear_cpu.c) ---------------
+LINEAR_BLOCK = 16
+"""Output features per block of a packed weight ([ceil(N/16)][K][16])."""
+
+
+def supports_linear(weight: torch.Tensor) -> bool:
+    """Whether `linear` is the engine's GEMM for this weight: float32 on the CPU, the kernels
+    built, and AVX-512 (where it was measured faster than oneDNN's packed GEMM; bench/README.md,
+    "A GEMM for the decode step's rows")."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and "avx512f" in _cpu_flags() and library() is not None)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A Linear's weight [N, K] in `linear`'s layout: blocks of 16 output features, k-major,
+    zero past N."""
+    lib = library()
+    assert lib is not None, "check supports_linear() first"
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    packed = torch.empty(-(-n // LINEAR_BLOCK), k, LINEAR_BLOCK, dtype=torch.float32)
+    _check(lib.pdmesh_linear_pack_f32(weight.data_ptr(), packed.data_ptr(), n, k), "linear pack")
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`x @ W.T` for `packed = pack_linear_weight(W)`, x [..., K] float32."""
+    lib = library()
+    assert lib is not None, "check supports_linear() first"
+    blocks, k = packed.shape[0], packed.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} for a weight of {k} inputs")
+    if not (blocks - 1) * LINEAR_BLOCK < out_features <= blocks * LINEAR_BLOCK:
+        raise ValueError(f"linear: {out_features} outputs from {blocks} blocks of 16")
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    _check(lib.pdmesh_linear_f32(rows.data_ptr(), packed.data_ptr(), out.data_ptr(),
+                                 rows.shape[0], k, out_features), "linear")
+    return out.view(*x.shape[:-1], out_features)
 
 
 # -- per-layer elementwise ops (csrc/layer_ops_cpu.c) ---------------------------------------------

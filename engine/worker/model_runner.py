@@ -40,7 +40,8 @@ from pdmesh.engine.worker.cuda_graphs import (
 from pdmesh.engine.worker.in_flight import InFlightStep, may_overlap
 from pdmesh.engine.worker.input_batch import InputBatch, PendingTokens, StepInputs
 from pdmesh.engine.worker.model_loader import drop_file_pages, release_free_heap
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, pack_linears
+from pdmesh.engine.worker.models.packed_linear import can_pack_linears
 from pdmesh.engine.worker.parallel.step_channel import StepChannel
 from pdmesh.engine.worker.step_sampling import Sample, StepSampler, prompt_logprobs
 from pdmesh.kernels.backend import AttentionBackend

@@ -21,6 +21,14 @@
  * (sequence, KV head) pairs. Built with -fopenmp it shares the OpenMP runtime torch has
  * loaded (the same libgomp.so.1), so it uses torch's threads. Scores are kept per item
  * (its query heads x len floats), then one softmax, then one pass over V.
+ *
+ * The arithmetic was the cost, then memory stalls: one step of SmolLM2's 30 layers (16
+ * sequences of ~300 tokens) took 20-22 ms where reading its K/V takes ~9. With AVX-512 the
+ * scores of 16 tokens are reduced together (pa_sum16x16: a transpose-and-add tree, ~3
+ * instructions a dot instead of a horizontal sum each) and a row's output stays in registers
+ * across a block; the next block's rows are prefetched as the current one is read (blocks lie
+ * anywhere, so the hardware prefetcher cannot follow); head sizes 64 and 128 are compiled in.
+ * Now ~13 ms. Other CPUs and head sizes take the plain C loops.
  */
 #include <math.h>
 #include <omp.h>

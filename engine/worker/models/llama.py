@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdmesh.engine.worker.models.packed_linear import PackedLinear
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.engine.worker.parallel.sharding import ModelShard
 from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
@@ -117,36 +118,6 @@ class RotaryEmbedding(nn.Module):
         """cos and sin `[T, D/2]` of the step's positions, in the model's dtype."""
         return (self.cos.index_select(0, positions).to(dtype),
                 self.sin.index_select(0, positions).to(dtype))
-
-
-class PackedLinear(nn.Module):
-    """A float32 CPU linear layer whose weight oneDNN reordered once, at load time.
-
-    `F.linear` goes to MKL's sgemm, which re-packs the whole weight on every call; at the few
-    rows of a decode step (M = batch size) the packing costs more than the multiply. Measured
-    on the 2-core dev VM, one thread: 2x faster at M=4..8 (SmolLM2's LM head at M=8:
-    29 ms -> 11 ms), equal at M=1 and M>=512. Results differ from `F.linear` only in the
-    float32 summation order.
-    """
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = 8) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        # An opaque oneDNN tensor: kept as a plain attribute, not a parameter or buffer.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
 
 
 def pack_linears(model: LlamaForCausalLM) -> None:
