@@ -3,6 +3,11 @@ torch reference, and the memory-bandwidth floor, for one layer of a decode step.
 
     python bench/attention.py            # SmolLM2-135M and Llama-3-8B head shapes (~1 min)
     python bench/attention.py --quick    # fewer shapes, shorter timing (~15 s)
+    python bench/attention.py --step 30  # one decode step: 30 layers' distinct caches
+
+`--step N` times what a decode step of the served benchmark asks (SmolLM2's heads, 16
+sequences of ~300 tokens) over N layers of distinct caches, as the engine runs them: no layer's
+K/V is still in cache when it is read, so memory stalls count (one layer timed alone hides them).
 
 - naive: what a first implementation does: per sequence, gather its blocks with advanced
   indexing, repeat the KV heads for GQA, SDPA.
@@ -136,15 +141,43 @@ def copy_bandwidth(budget_s: float) -> float:
     return 2 * src.numel() * src.element_size() / seconds
 
 
+def step_table(layers: int, block_size: int, bandwidth: float, runs: int = 15) -> None:
+    """One decode step's attention over `layers` distinct caches: native and gather + SDPA."""
+    shape = SHAPES[0]
+    cases = [make_case(shape, 16, 300, block_size, seed=i) for i in range(layers)]
+    kv_bytes = sum(c.kv_bytes for c in cases)
+    fns = [native, cpu_path] if cpu_native.library() is not None else [cpu_path]
+    for fn in fns:
+        torch.testing.assert_close(fn(cases[0]), reference(cases[0]), atol=1e-5, rtol=1e-4)
+    print(f"{layers} layers x 16 sequences of ~300 tokens, {shape.name} heads, "
+          f"{kv_bytes / 1e6:.0f} MB of K/V, floor {1e3 * kv_bytes / bandwidth:.1f} ms "
+          "(as the table's floor: the bytes at the copy bandwidth)\n")
+    print("| path | step ms | K/V GB/s |\n|---|---:|---:|")
+    for fn in fns:
+        best = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for case in cases:
+                fn(case)
+            best = min(best, time.perf_counter() - t0)
+        print(f"| {fn.__name__} | {1e3 * best:.2f} | {kv_bytes / best / 1e9:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--budget", type=float, default=0.4, help="seconds of timing per cell")
+    ap.add_argument("--step", type=int, default=0, metavar="LAYERS",
+                    help="time one decode step over LAYERS distinct layer caches instead")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.step:
+        with torch.inference_mode():
+            step_table(args.step, args.block_size, copy_bandwidth(args.budget))
+        return
     batches, contexts = ((1, 8), (512,)) if args.quick else ((1, 8, 32), (512, 2048))
     budget = args.budget / 2 if args.quick else args.budget
     shapes = SHAPES[:1] if args.quick else SHAPES
