@@ -101,6 +101,19 @@ static inline __attribute__((always_inline)) void PA_FN(block_values)(
     }
 }
 
+/* Block j of a sequence (its rows of K or of V, from `base`), the next block's rows asked for
+ * as this one is read. */
+static inline __attribute__((always_inline)) const PA_T *PA_FN(block)(
+    const PA_T *base, const int64_t *table, int64_t j, int64_t blocks, int64_t block_stride,
+    int64_t block_size, int64_t token_stride, int64_t row_bytes)
+{
+    if (j + 1 < blocks) {
+        pa_prefetch_rows(base + table[j + 1] * block_stride, block_size, token_stride, row_bytes,
+                         sizeof(PA_T));
+    }
+    return base + table[j] * block_stride;
+}
+
 /* One work item: the R = HC * G query rows of KV heads h0 .. h0 + HC - 1 of one sequence of n
  * tokens, whose blocks `table` lists (k_base, v_base: head h0's rows in block 0). Always
  * inlined where D is a constant (64, 128), so the loops over D unroll into straight vector
@@ -118,11 +131,8 @@ static inline __attribute__((always_inline)) void PA_FN(attend)(
     for (int64_t j = 0; j < blocks; j++) {
         const int64_t t0 = j * block_size;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (j + 1 < blocks) {
-            pa_prefetch_rows(k_base + table[j + 1] * block_stride, block_size, token_stride,
-                             row_bytes, sizeof(PA_T));
-        }
-        const PA_T *kb = k_base + table[j] * block_stride;
+        const PA_T *kb = PA_FN(block)(k_base, table, j, blocks, block_stride, block_size,
+                                      token_stride, row_bytes);
         for (int64_t h = 0; h < HC; h++) {
             PA_FN(block_scores)(qf, kb + h * D, scores, n, t0, len, h * G, G, token_stride,
                                 scale, D);
@@ -154,11 +164,8 @@ static inline __attribute__((always_inline)) void PA_FN(attend)(
     for (int64_t j = 0; j < blocks; j++) {
         const int64_t t0 = j * block_size;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
-        if (j + 1 < blocks) {
-            pa_prefetch_rows(v_base + table[j + 1] * block_stride, block_size, token_stride,
-                             row_bytes, sizeof(PA_T));
-        }
-        const PA_T *vb = v_base + table[j] * block_stride;
+        const PA_T *vb = PA_FN(block)(v_base, table, j, blocks, block_stride, block_size,
+                                      token_stride, row_bytes);
         for (int64_t r = 0; r < R; r++) {
             PA_FN(block_values)(scores + r * n + t0, vb + (r / G) * D, acc + r * D, len,
                                 token_stride, D);
