@@ -81,6 +81,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+@functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
