@@ -134,7 +134,8 @@ def _kv_backends(config: EngineServiceConfig, role: Role) -> tuple[str, ...]:
     without importing the planes' modules (torch). Under `auto`, ucxx only where it has more
     than TCP to use (`ucx_tcp_only`): elsewhere its listener's thread only costs CPU."""
     preferred = SENDER_BACKENDS if role == "prefill" else RECEIVER_BACKENDS
-    if ucx_tcp_only(engines_use_cuda(config.engine.device)):
+    if ("ucxx" in preferred and unavailable_reason("ucxx") is None  # before the CUDA probe
+            and ucx_tcp_only(engines_use_cuda(config.engine.device))):
         preferred = tuple(b for b in preferred if b != "ucxx")
     return tuple(b for b in config.kv_backends(preferred) if unavailable_reason(b) is None)
 
