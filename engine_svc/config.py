@@ -38,7 +38,8 @@ class EngineServiceConfig:
         "redis://host:port/db of the cluster index; empty = run without Redis"))
     heartbeat_ttl_s: float = field(default=10.0, metadata=about("registration TTL (seconds)"))
     kv_backend: str = field(default="auto", metadata=about(
-        "KV transfer data plane: auto|shm|tcp|ucxx|torch_dist"))
+        "KV transfer data plane: auto|shm|tcp|ucxx|torch_dist (auto: shm on one host, else "
+        "the fastest both ends have; ucxx only with CUDA engines or UCX_TLS set)"))
     kv_port: int = field(default=0, metadata=about("KV transfer control port (prefill side)"))
     tls_cert: str | None = field(default=None, metadata=about("PEM certificate; enables TLS"))
     tls_key: str | None = field(default=None, metadata=about("PEM private key"))
