@@ -2,8 +2,8 @@
  * paged_attention_cpu.c includes it with PA_T (the element type), PA_LOAD (an element as
  * float32), PA_LOAD16 (16 elements as a float32 vector, where PA_AVX512 is defined),
  * PA_STORE_ROWS (float32 rows into elements), the two function names and PA_FN (a helper's
- * name for that type) defined. The arithmetic is float32 whatever the
- * element type; only loads and the final store differ.
+ * name for that type) defined. The arithmetic is float32 whatever the element type; only
+ * loads and the final store differ.
  */
 #ifdef PA_AVX512
 /* q . k as 16 partial sums (D a multiple of 16) */
@@ -19,7 +19,7 @@ static inline __attribute__((always_inline)) __m512 PA_FN(dot16)(
 #endif
 
 /* scores[r][t0 + i] = q_r . k_i * scale for the `len` tokens of one block, query rows
- * r0 .. r0 + G - 1 sharing the KV head whose rows start at `kh` (generic C). */
+ * r0 .. r0 + G - 1 sharing the KV head whose rows start at `kh`. */
 static inline __attribute__((always_inline)) void PA_FN(block_scores)(
     const float *restrict qf, const PA_T *restrict kh, float *restrict scores, int64_t n,
     int64_t t0, int64_t len, int64_t r0, int64_t G, int64_t token_stride, float scale,
@@ -34,7 +34,7 @@ static inline __attribute__((always_inline)) void PA_FN(block_scores)(
                 const float *qr = qf + (r0 + g) * D;
                 __m512 part[16];
                 const PA_T *k = kh + i0 * token_stride;
-                if (m == 16) {
+                if (m == 16) { /* a whole group, no test per token: ~9 % off a step (--step 30) */
                     for (int64_t t = 0; t < 16; t++) {
                         part[t] = PA_FN(dot16)(qr, k + t * token_stride, D);
                     }
