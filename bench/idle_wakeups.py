@@ -4,10 +4,10 @@ An engine core's step runs on OpenMP threads that meet at a barrier after every 
 on a host with as many CPUs as threads, any other thread that wakes takes a CPU from one of
 them and the whole region waits for it. So the wake-ups of the processes beside the core cost
 the model more than their CPU time says: ucxx's default progress thread, waking ~900 times a
-second in an idle core, cost a served mesh on 2 CPUs 12-25 % of its throughput, and it still
-runs (bench/README.md, "An idle UCX listener"). This starts a mesh, lets it settle, and for
-`--seconds` reads each process's CPU time and each thread's voluntary context switches from
-/proc (Linux).
+second in an idle core, cost a served mesh on 2 CPUs 12-25 % of its throughput; a CPU host's
+cores no longer start it under `--kv-backend auto` (bench/README.md, "An idle UCX
+listener"). This starts a mesh, lets it settle, and for `--seconds` reads each process's CPU
+time and each thread's voluntary context switches from /proc (Linux).
 
     .venv/bin/python bench/idle_wakeups.py [--args="--colocated"] [--seconds 10] [--env K=V]
 """

@@ -45,19 +45,10 @@ def main() -> None:
     torch.manual_seed(0)
     linears = [[nn.Linear(i, o, bias=False) for i, o in SHAPES] for _ in range(LAYERS)]
     weights = [[lin.weight.detach() for lin in layer] for layer in linears]
-    native_ok = cpu_native.library() is not None and cpu_native.supports_linear(weights[0][0])
+    native_ok = cpu_native.supports_linear(weights[0][0])
     native = ([[cpu_native.pack_linear_weight(w) for w in layer] for layer in weights]
               if native_ok else [])
-    onednn = []
-    for layer in linears:
-        packed = []
-        for lin in layer:
-            p = PackedLinear(lin)
-            if p.native is not None:  # the oneDNN packing, whatever this CPU would pick
-                p.native = None
-                p.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 8)
-            packed.append(p)
-        onednn.append(packed)
+    onednn = [[PackedLinear(lin, native=False) for lin in layer] for layer in linears]
     size = sum(w.numel() * 4 for layer in weights for w in layer)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, {LAYERS} layers x "
           f"{len(SHAPES)} projections, {size / 1e6:.0f} MB of float32 weights"

@@ -300,8 +300,8 @@ LINEAR_BLOCK = 16
 
 def supports_linear(weight: torch.Tensor) -> bool:
     """Whether `linear` is the engine's GEMM for this weight: float32 on the CPU, the kernels
-    built, and AVX-512 (where it was measured faster than oneDNN's packed GEMM; bench/README.md,
-    "A GEMM for the decode step's rows")."""
+    built, and AVX-512 (where it was measured faster than oneDNN's packed GEMM at a decode
+    step's rows; bench/README.md, "The decode step's kernels")."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
             and "avx512f" in _cpu_flags() and library() is not None)
 

@@ -2,16 +2,17 @@
  *
  * Why: a decode step multiplies a few rows (one per running sequence) by every weight of the
  * model, so its GEMMs are a stream of the weights through the cores. oneDNN's packed GEMM
- * (engine/worker/models/llama.py, PackedLinear) streamed them at about half the memory
- * bandwidth at 16 rows (bench/README.md, "A GEMM for the decode step's rows"). Here the weight
+ * (engine/worker/models/packed_linear.py) streamed them at about half the memory bandwidth at
+ * 16 rows (bench/README.md, "The decode step's kernels"; bench/linear.py). Here the weight
  * is stored in blocks of 16 output features, each block k-major ([N/16][K][16]), so a tile of
  * the output is a sequence of outer products: per k, up to three 16-wide loads of the weight,
  * one broadcast of each row's x[m][k], and a multiply-add into a register per (row, block).
  * There is no horizontal sum, each weight is read once per chunk of rows, in address order,
  * the next tile's weights prefetched while the current tile's last rows run from L2 (so memory
  * and arithmetic overlap), and the same code serves a prefill chunk's hundreds of rows in
- * chunks whose x stays in L2. Measured in the engine (SmolLM2, 2 cores, AVX-512): a decode
- * step's GEMMs 35 -> 26 ms; a prefill step's within 4 % of oneDNN's.
+ * chunks whose x stays in L2. Measured (SmolLM2, 2 cores, AVX-512): a decode step's GEMMs
+ * 35 -> 26 ms in the engine; from 512 rows 5-9 % behind oneDNN, whose large-M kernels
+ * block K for L1 (slicing K here, the sums reloaded per slice, was slower still).
  *
  * The 16-wide vectors are GCC vector extensions: one register with AVX-512, two with AVX2.
  * The engine uses this kernel where AVX-512 is present (measured there); elsewhere oneDNN's.
@@ -19,8 +20,8 @@
  * Return codes: 0 ok, 1 bad shape.
  */
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 /* acc += x * w as one fused multiply-add: -std=c11 turns contraction off, and without it each
  * step is a multiply and an add (twice the instructions, twice the latency). */

@@ -42,7 +42,7 @@
 /* Ask for `rows` rows of `row_bytes` each, `stride` elements of `elem` bytes apart, ahead of
  * use: a sequence's blocks lie anywhere in the cache, so the hardware prefetcher cannot guess
  * the next one, and without this a core waits on memory at every block (bench/README.md,
- * "Native CPU decode attention"). */
+ * "The decode step's kernels"). */
 static inline void pa_prefetch_rows(const void *p, int64_t rows, int64_t stride,
                                     int64_t row_bytes, size_t elem) {
     const char *c = (const char *)p;

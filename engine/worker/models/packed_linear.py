@@ -6,7 +6,8 @@ faster where it runs:
 
 - the native kernel's (`kernels/csrc/linear_cpu.c`): blocks of 16 output features, k-major,
   multiplied as outer products with no horizontal sums; on CPUs with AVX-512, where it was
-  measured (bench/README.md, "A GEMM for the decode step's rows");
+  measured (bench/README.md, "The decode step's kernels"; `bench/linear.py`): fastest up to
+  256 rows, 5-9 % behind oneDNN from 512;
 - oneDNN's reorder (`torch.ops.mkldnn`), elsewhere: 2x faster than `F.linear` at M=4..8 on the
   2-core dev VM, equal at M=1 and M>=512.
 
@@ -23,7 +24,10 @@ from pdmesh.kernels import cpu_native
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, batch_hint: int = 8) -> None:
+    """`linear` packed: natively where `cpu_native.supports_linear` says so and `native` allows
+    (a bias always goes to oneDNN), else by oneDNN."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 8, native: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
@@ -31,7 +35,7 @@ class PackedLinear(nn.Module):
         # Opaque packed tensors: kept as plain attributes, not parameters or buffers.
         self.native: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        if self.bias is None and cpu_native.supports_linear(weight):
+        if native and self.bias is None and cpu_native.supports_linear(weight):
             self.native = cpu_native.pack_linear_weight(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
