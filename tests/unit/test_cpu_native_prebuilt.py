@@ -65,3 +65,14 @@ def test_without_a_compiler_the_prebuilt_library_for_this_cpu_is_loaded(
     finally:
         monkeypatch.undo()
         cpu_native.library.cache_clear()
+
+
+@pytest.mark.fast
+def test_the_sources_build_where_there_is_a_compiler() -> None:
+    """The kernel tests skip where `library()` is None (no compiler, no prebuilt library), so a
+    source that stopped compiling would only skip them; where a compiler exists, it must build
+    (the compiler's error is the failure)."""
+    compiler = cpu_native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    assert cpu_native._build(compiler).is_file()
