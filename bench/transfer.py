@@ -6,7 +6,10 @@ sender's cache and writes n of the receiver's, each side a fixed shuffle of its 
 for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run). Rows:
 
 * `local copy_` / `local clone`: `dst.copy_(src)` / `src.clone()` of the same bytes, contiguous,
-  in one process: the reference.
+  in one process, back to back: the reference (at 64 blocks its 94 MB can stay in a large
+  last-level cache between rounds, which a handoff's bytes do not: the control plane runs
+  between its reads). `local copy_ (cold)`: the same copy after a sweep through 1.5x the
+  largest CPU cache (untimed) has evicted both tensors: the memory's speed.
 * `staged shm|tcp` (today's path): a child process holding the prefill cache gathers the blocks
   (`cache.index_select(2, ids)`, the core's ReadKV) and `KVSender.publish`es them (whole-tensor
   checksum); here `KVReceiver.fetch` pulls them into a fresh tensor (verify, ack) and
@@ -18,7 +21,9 @@ for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run)
   `KVSender(core=CoreCache(...))` `publish_export`s them. Here, the decode core: `KVReceiver.begin`,
   `KVConnector.load` into this process's own shared cache (one copy, then per-block verify),
   `KVReceiver.finish` (ack). `core X (load only)` is the `load` alone, in the same rounds (the
-  rest is control plane and export); `core export` is the child's `export` alone.
+  rest is control plane and export); `core export` is the child's `export` alone; `core X
+  (ack, after)` the ack, awaited after the clock stopped (an engine sends it in the
+  background, `CorePulls.finish_soon`: a first token does not wait for it).
 * `core ucxx`: the cores' own UCX transport (`connector/ucx_blocks.py`): the child's core runs a
   ucxx listener, the pull is received straight into this process's cache (where the `ucxx`
   package is installed; `--backends ucxx` also gives today's `staged ucxx` row).
@@ -35,10 +40,13 @@ is set; libgomp reads it when it loads, so the bench restarts itself once with i
 libgomp's default (~10 ms of spinning after every parallel region) one core's spin after its
 export or load took a CPU from the other's on a 2-CPU host.
 
-A staged or core round is timed here from the request to the child (a Pipe round trip) until
-the destination cache holds the verified blocks and the ack is answered. ms: median of up to
---reps rounds within --budget-s per cell, after a warm-up round. `of copy_`: local copy_ ms /
-this ms. `vs staged`: staged ms / this ms, same transport (above 1: faster than today).
+A staged round is timed here from the request to the child (a Pipe round trip) until the
+destination cache holds the verified blocks (`fetch` includes its ack); a core round until the
+decode core's cache holds the verified blocks, which is what a first token waits for (the
+engine's kv_source message to its core, a few hundred bytes, is not counted). ms: median of up
+to --reps rounds within --budget-s per cell, after a warm-up round. `of copy_` / `of cold
+copy_`: local copy_ / copy_ (cold) ms / this ms. `vs staged`: staged ms / this ms, same
+transport (above 1: faster than today).
 
     .venv/bin/python bench/transfer.py [--blocks 64,512] [--budget-s 3] [--reps 10]
         [--tls off|on|both] [--backends shm,tcp] [--ids shuffled|consecutive] [--threads N]
@@ -261,9 +269,11 @@ class Decoder:
             await self.pulls.finish(pull, error=f"{type(exc).__name__}: {exc}")
             raise
         loaded = time.perf_counter()
+        # The ack is after the clock, as in an engine (`CorePulls.finish_soon`: a first token
+        # does not wait for it), but awaited here so that no round overlaps the next.
         await self.pulls.finish(pull, nbytes=nbytes)
-        return {"total": time.perf_counter() - start, "load": loaded - loading,
-                "export": float(reply["export_s"])}
+        return {"total": loaded - start, "load": loaded - loading,
+                "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
 
 
 async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: int,
@@ -292,6 +302,7 @@ async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: 
                             partial(decoder.core, backend, n, dst_ids), reps, budget_s)
                         row(f"core {name}", n, name, samples, "total")
                         row(f"core {name} (load only)", n, name, samples, "load")
+                        row(f"core {name} (ack, after)", n, "", samples, "ack")
                         if n not in exported:  # the same work whatever the transport
                             exported.add(n)
                             row("core export", n, "", samples, "export")
@@ -300,18 +311,39 @@ async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: 
     return rows
 
 
-async def local_rounds(blocks: int, reps: int, budget_s: float) -> dict[str, float]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = path.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+async def local_rounds(blocks: int, reps: int, budget_s: float,
+                       sweep: torch.Tensor) -> dict[str, float]:
+    """copy_ back to back (its bytes stay in the caches: the best case), copy_ of bytes
+    evicted first (`sweep` read through, untimed: the state a handoff's bytes are in after
+    the milliseconds of control plane around them), and clone."""
     src = torch.randn(kv_shape(blocks))
     dst = torch.empty_like(src)
 
-    async def timed(fn: Callable[[], object]) -> Timings:
+    async def timed(fn: Callable[[], object], evict: bool = False) -> Timings:
+        if evict:
+            sweep.sum()
         start = time.perf_counter()
         fn()
         return {"total": time.perf_counter() - start}
 
-    return {name: statistics.median(t["total"] for t in await rounds(
-                partial(timed, fn), reps, budget_s))
-            for name, fn in (("copy_", lambda: dst.copy_(src)), ("clone", src.clone))}
+    def copy() -> None:
+        dst.copy_(src)
+
+    cells = (("copy_", partial(timed, copy)), ("copy_ (cold)", partial(timed, copy, True)),
+             ("clone", partial(timed, src.clone)))
+    return {name: statistics.median(t["total"] for t in await rounds(one, reps, budget_s))
+            for name, one in cells}
 
 
 def bench_certificates(directory: str) -> TLSConfig:
@@ -328,16 +360,19 @@ def print_table(rows: list[dict[str, object]], shuffled: bool, cache_blocks: int
           f"heads x {HEAD_DIM} dims, float32), caches of {cache_blocks} blocks, "
           f"{'shuffled' if shuffled else 'consecutive'} block ids, core block checksums "
           f"{algo}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"| {'path':<24} | {'blocks':>6} | {'MB':>7} | {'ms':>8} | {'GB/s':>6} | "
-          f"{'of copy_':>8} | {'vs staged':>9} |")
-    print(f"|{'-' * 26}|{'-' * 7}:|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 9}:|{'-' * 10}:|")
+    print(f"| {'path':<26} | {'blocks':>6} | {'MB':>7} | {'ms':>8} | {'GB/s':>6} | "
+          f"{'of copy_':>8} | {'of cold copy_':>13} | {'vs staged':>9} |")
+    print(f"|{'-' * 28}|{'-' * 7}:|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 9}:|{'-' * 14}:|"
+          f"{'-' * 10}:|")
     for row in rows:
         seconds, nbytes = float(row["seconds"]), int(row["bytes"])
         of_copy = f"{float(row['vs_copy']):.0%}" if "vs_copy" in row else ""
+        of_cold = f"{float(row['vs_cold_copy']):.0%}" if "vs_cold_copy" in row else ""
         vs_staged = f"{float(row['vs_staged']):.2f}x" if "vs_staged" in row else ""
-        print(f"| {row['path']!s:<24} | {row['blocks']:>6} | {nbytes / 1e6:>7.1f} | "
-              f"{seconds * 1e3:>8.2f} | {nbytes / seconds / 1e9:>6.2f} | {of_copy:>8} | "
-              f"{vs_staged:>9} |")
+        rate = "" if "(ack" in str(row["path"]) else f"{nbytes / seconds / 1e9:.2f}"
+        print(f"| {row['path']!s:<26} | {row['blocks']:>6} | {nbytes / 1e6:>7.1f} | "
+              f"{seconds * 1e3:>8.2f} | {rate:>6} | {of_copy:>8} | "
+              f"{of_cold:>13} | {vs_staged:>9} |")
 
 
 def as_core_process() -> None:
@@ -375,7 +410,10 @@ def main() -> None:
             else parse_algo(args.checksum))
 
     torch.set_num_threads(args.threads)
-    local = {n: asyncio.run(local_rounds(n, args.reps, args.budget_s)) for n in blocks_list}
+    sweep = torch.ones(3 * last_level_cache_bytes() // 2 // 4)  # 1.5x the largest cache
+    local = {n: asyncio.run(local_rounds(n, args.reps, args.budget_s, sweep))
+             for n in blocks_list}
+    del sweep
     rows: list[dict[str, object]] = [
         {"path": f"local {name}", "blocks": n, "bytes": n * BLOCK_BYTES, "seconds": seconds}
         for n, timings in local.items() for name, seconds in timings.items()]
@@ -400,6 +438,7 @@ def main() -> None:
     for row in (r for r in rows if r.get("transport")):
         key, seconds = (row["blocks"], row["transport"]), float(row["seconds"])
         row["vs_copy"] = local[int(row["blocks"])]["copy_"] / seconds
+        row["vs_cold_copy"] = local[int(row["blocks"])]["copy_ (cold)"] / seconds
         if key in staged and not str(row["path"]).startswith("staged "):
             row["vs_staged"] = float(staged[key]) / seconds
     rows.sort(key=lambda r: int(r["blocks"]))  # stable: the order measured within a count
