@@ -240,7 +240,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.PrefillProgress]:
         """`Prefill` with the export growing chunk by chunk: first the handle, published
-        with the prompt's first ready blocks, then the response. The export's blocks are
+        when the core starts computing the prompt, then the response. The export's blocks are
         released exactly once, as `Prefill`'s are (on_release), or here when its transfer
         already ended."""
         received = time.monotonic()

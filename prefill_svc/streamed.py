@@ -1,14 +1,16 @@
 """A PrefillStream call: the KV lent while the prompt is computed (chunked prefill).
 
 Its first message is the handle of the growing export (`KVSender.publish_stream`), published
-when the engine reports the prompt's first ready blocks, not when the request arrives: a prompt
-queued behind others holds no lease, no blocks and no Decode call on the decode instance while
-it waits (a 2k-token prompt can wait tens of seconds on a busy prefill instance, which a
-decode instance would otherwise count as a stalled pull). Then the engine's progress
-(`AsyncEngine.prefill_export(on_kv_progress=...)`) goes to the sender's log, which the decode
-instance follows (WatchTransfer); the last message is the usual response, with the sealed
-handle. A preempted prefill fails its export: the request is aborted and the call ends with
-ABORTED, so the router re-plans it.
+when the engine core starts computing the prompt (its announcement, sent before the step that
+runs the first chunk: `KVExports.announce_scheduled`), so the router's Decode call,
+StartTransfer and WatchTransfer overlap that chunk instead of following it; not when the
+request arrives: a prompt queued behind others holds no lease, no blocks and no Decode call on
+the decode instance while it waits (a 2k-token prompt can wait tens of seconds on a busy
+prefill instance, which a decode instance would otherwise count as a stalled pull). Then the
+engine's progress (`AsyncEngine.prefill_export(on_kv_progress=...)`) goes to the sender's log,
+which the decode instance follows (WatchTransfer); the last message is the usual response,
+with the sealed handle. A preempted prefill fails its export: the request is aborted and the
+call ends with ABORTED, so the router re-plans it.
 
 The export's blocks are released exactly once, as `Prefill`'s are (the servicer's
 `on_release`), or here when its transfer already ended (nothing to continue, or the transfer
@@ -47,7 +49,8 @@ async def prefill_stream(
     context: grpc.aio.ServicerContext, received: float, span: Span,
 ) -> AsyncIterator[engine_pb2.PrefillProgress]:
     """`PrefillServicer.PrefillStream`'s messages: the growing export's handle, published
-    with the prompt's first ready blocks, then the response (module docstring)."""
+    when the core starts the prompt (or with its first ready blocks), then the response
+    (module docstring)."""
     rid = request.request_id
     params = await servicer.checked(request, context, span)
     sender = servicer.sender

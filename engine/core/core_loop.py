@@ -48,7 +48,7 @@ from pdmesh.engine.core_protocol import (
     StopSequences,
     events_to_wire,
 )
-from pdmesh.engine.core_types import EngineLoadSnapshot
+from pdmesh.engine.core_types import CoreOutput, EngineLoadSnapshot
 from pdmesh.engine.engine_request import KVCacheFullError
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class CoreLoop:
         self.core = core
         self.transport = transport
         self._deferred: list[_Deferred] = []
+        core.send_early = self._send_early
 
     def run(self) -> None:
         """Until a `Shutdown` command; every request still in the core is aborted then."""
@@ -257,6 +258,10 @@ class CoreLoop:
         # No step ran and nothing came out: waiting requests are blocked (e.g. on pinned KV).
         # Block on the commands until something (a release, an abort) changes that.
         return core.num_steps != steps_before or bool(outputs)
+
+    def _send_early(self, outputs: list[CoreOutput]) -> None:
+        """Outputs the core sends before its step runs (`EngineCore.send_early`)."""
+        self.transport.send(Batch(outputs, self._load()))
 
     def _fail_all(self, exc: BaseException) -> None:
         self.core.drop_in_flight()

@@ -163,6 +163,10 @@ class EngineCore:
         self._pending_outputs: set[str] = set()  # changed outside step() (commands)
         self._grammar_compiler: GrammarCompiler | None = None  # built on first structured output
         self._in_flight: InFlightStep | None = None  # async scheduling: a step not landed yet
+        # Outputs that must leave before a step runs (a streamed export's announcement, which
+        # starts the decode side's transfer while the first chunk computes); set by the loop
+        # that sends outputs (core_loop.py). None: they are not sent (in-process `LLM`).
+        self.send_early: Callable[[list[CoreOutput]], None] | None = None
         self.num_steps = 0
         self.step_seconds = 0.0  # host wall time inside steps: busy = its rate
         self.scheduled_tokens = 0
@@ -354,6 +358,11 @@ class EngineCore:
         self._pending_outputs.clear()
         previous, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
+        if self.send_early is not None and self.exports.streams and not sched.is_empty:
+            announced = self.exports.announce_scheduled(s.seq.request_id
+                                                        for s in sched.scheduled)
+            if announced:
+                self.send_early(announced)
         if sched.is_empty:
             if previous is None:
                 self._check_progress()

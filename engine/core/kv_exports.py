@@ -11,16 +11,20 @@ of a peer's prompt that this core's prefix cache holds (turn N's prompt and answ
 decode instance that wrote them, when turn N+1 is prefilled elsewhere). They are pinned like
 an export under the loan's id and released the same way.
 
-A *streamed* export (`EngineRequest.stream_kv`) is lent while its prompt is computed: after
-every step the blocks its prefill has filled are checksummed and served (`advance_streams`,
-reported in the request's `CoreOutput.kv_stream`), so a decode core pulls one chunk's blocks
-while the next computes; when the prefill ends the last (partial) block follows and the
-export is sealed and lent as above. A preempted prefill frees its blocks, so its stream
-fails at once (nothing more is served); the request itself goes on as a plain export.
+A *streamed* export (`EngineRequest.stream_kv`) is lent while its prompt is computed: it is
+announced (an empty report) before the step that starts its prompt runs
+(`announce_scheduled`), so the decode side's transfer starts while the first chunk computes;
+after every step the blocks its prefill has filled are checksummed and served
+(`advance_streams`, reported in the request's `CoreOutput.kv_stream`), so a decode core pulls
+one chunk's blocks while the next computes; when the prefill ends the last (partial) block
+follows and the export is sealed and lent as above. A preempted prefill frees its blocks, so
+its stream fails at once (nothing more is served); the request itself goes on as a plain
+export.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,7 @@ class ExportStream:
     block_ids: list[int] = field(default_factory=list)
     checksums: list[int] = field(default_factory=list)
     failed: str = ""
+    announced: bool = False  # its prompt was scheduled and said so (`announce_scheduled`)
 
 
 class KVExports:
@@ -140,6 +145,24 @@ class KVExports:
     def drop_stream(self, request_id: str) -> None:
         """The request was aborted (the caller releases it from the connector)."""
         self.streams.pop(request_id, None)
+
+    def announce_scheduled(self, scheduled: Iterable[str]) -> list[CoreOutput]:
+        """An empty report (no block ready yet) for each streamed export whose prompt the
+        coming step starts computing, sent before the step runs: the serving process then
+        publishes the export, and the router's Decode call, StartTransfer and WatchTransfer
+        happen while the first chunk computes, not after it (for a prompt of one chunk: not
+        after the whole prefill). A prompt still queued is not announced: it engages nothing
+        on the decode side while it waits."""
+        out: list[CoreOutput] = []
+        for request_id in scheduled:
+            stream = self.streams.get(request_id)
+            if stream is None or stream.announced or stream.failed:
+                continue
+            stream.announced = True
+            assert self.connector is not None
+            out.append(CoreOutput(request_id, kv_stream=ExportProgress(
+                0, checksum_algo=str(self.connector.algo))))
+        return out
 
     def advance_streams(self) -> dict[str, ExportProgress]:
         """After a step: each streamed export's newly filled blocks, checksummed and served;

@@ -21,6 +21,7 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.core_loop import CoreLoop
 from pdmesh.engine.core.engine_core import EngineCore
 from pdmesh.engine.core_protocol import Batch, Reply
+from pdmesh.engine.core_types import CoreOutput
 from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
@@ -194,6 +195,56 @@ def test_streamed_pull_overlaps_the_prefill_and_equals_colocated(pair, colocated
     assert prefill.num_free_blocks == free[0]
     assert not decode.core.admission.loading and drid not in decode.core.requests
     assert decode.num_free_blocks == free[1]  # the prompt stays cached, in free blocks
+
+
+def test_a_streamed_export_is_announced_before_its_first_chunk_runs(pair, colocated) -> None:
+    """Before the step that starts a streamed prompt runs, the core sends an empty report
+    (the serving process publishes the export on it, so the decode side's transfer starts
+    while the first chunk computes); a prompt still queued is announced only when a step
+    starts it. The decode core takes the empty report as nothing to pull yet."""
+    prefill, decode = pair
+    core = prefill.core
+    assert core.connector is not None
+    ids = prefill.tokenize(PROMPT)[1]
+    early: list[tuple[int, CoreOutput]] = []  # (steps run before it was sent, the output)
+    core.send_early = lambda outs: early.extend((core.num_steps, o) for o in outs)
+    free = (prefill.num_free_blocks, decode.num_free_blocks)
+    try:
+        for rid in ("p-early", "p-queued"):  # the first's chunk takes the whole step budget
+            core.add(EngineRequest(rid, ids, greedy(), cache_salt=rid, export_kv=True,
+                                   stream_kv=True))
+        decode.core.add(EngineRequest("d-early", ids, greedy(), cache_salt="d-early",
+                                      kv_source=shm_source(core, len(ids))))
+        steps = core.num_steps
+        outputs = core.step()
+        assert [(n, o.request_id) for n, o in early] == [(steps, "p-early")]
+        announced = early[0][1]
+        assert announced == CoreOutput("p-early", kv_stream=ExportProgress(
+            0, checksum_algo=str(core.connector.algo)))
+        grown = next(o.kv_stream for o in outputs if o.request_id == "p-early" and o.kv_stream)
+        assert grown.first_index == 0 and len(grown.block_ids) == CHUNK // BLOCK
+
+        assert decode.core.kv_stream("d-early", announced.kv_stream)  # nothing to pull yet
+        assert not decode.core.loads_in_flight()
+        assert decode.core.kv_stream("d-early", grown)
+        land_pulls(decode.core)
+        first, _ = stream_prefill(core, decode.core, "p-early", "d-early")
+        assert first is not None and decode.core.kv_stream_first_tokens("d-early", [[first]])
+        tokens, load = decode_rest(decode.core, "d-early")
+        assert not load.error, load.error
+        assert [first, *tokens] == colocated
+
+        while not any(o.request_id == "p-queued" for _, o in early):
+            assert core.num_steps < steps + 64, "the queued prompt was never announced"
+            core.step()
+        assert [o.request_id for _, o in early].count("p-queued") == 1
+    finally:
+        core.send_early = None
+    assert core.export_kv("p-early").block_checksums
+    assert core.release_kv("p-early")
+    assert core.abort_request("p-queued")
+    assert prefill.num_free_blocks == free[0]
+    assert decode.num_free_blocks == free[1]
 
 
 def test_a_prefill_aborted_mid_stream_falls_back_to_recompute(pair, colocated) -> None:

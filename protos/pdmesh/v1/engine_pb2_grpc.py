@@ -81,8 +81,9 @@ class PrefillServicer:
     def PrefillStream(self, request, context):
         """The same, with the KV lent while the prompt is computed (chunked prefill): the first
         message carries the handle of the growing export (published under a lease once the
-        engine reports the prompt's first ready blocks; a decode instance may start the transfer and pull each
-        chunk's blocks as they are ready, following KVTransfer.WatchTransfer), the last one the
+        engine starts computing the prompt, before its first chunk's step; a decode instance
+        may start the transfer and pull each chunk's blocks as they are ready, following
+        KVTransfer.WatchTransfer), the last one the
         PrefillResponse (first tokens, its `kv` the sealed handle with every block checksum).
         A failure before the last message (the prefill was preempted, aborted, the instance died)
         ends the call with an error: the export serves nothing more.
