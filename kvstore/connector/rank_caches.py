@@ -91,6 +91,7 @@ class RankCaches:
     def canonical(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks with every KV head once, in model order, on rank 0's device:
         `[layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]` (a copy)."""
+        self._steps_done()
         first = self.first
         layers, _, _, block_size, _, head_dim = first.shape
         out = first.new_empty((layers, 2, len(block_ids), block_size, self.num_kv_heads,
@@ -108,6 +109,16 @@ class RankCaches:
         """Bytes of one canonical block (every KV head once) across every layer."""
         layers, block_size, heads, head_dim = self.layout
         return layers * 2 * block_size * heads * head_dim * self.first.element_size()
+
+    def _steps_done(self) -> None:
+        """Before reading another rank's cache on CUDA: wait for this thread's stream. The
+        other rank's cache is read through its IPC mapping on this process's stream, which
+        nothing orders after that rank's own process writing it, and a step left in flight
+        (async scheduling: a chunk with nothing to sample returns at once) may still be
+        writing; rank 0's step ends only after every rank reached its last collective, which
+        follows the step's KV writes on each rank, so once rank 0's work is done theirs is."""
+        if self.world > 1 and self.first.is_cuda:
+            torch.cuda.current_stream(self.first.device).synchronize()
 
     def read_piece(self, layer: int, kv: int, start: int, out: torch.Tensor) -> None:
         """`out` (`[n, block_size, num_kv_heads, head_dim]`, any device) = the canonical
@@ -133,6 +144,7 @@ class RankCaches:
         """Each block's checksum in its canonical form (at one rank: in place)."""
         if self.world == 1:
             return block_checksums(algo, self.first, block_ids)
+        self._steps_done()
         ids = list(block_ids)
         sums: list[int] = []
         for start in range(0, len(ids), CANONICAL_CHUNK_BLOCKS):
