@@ -311,12 +311,13 @@ class UcxBlockServer:
             staged = STAGING.take(staged_shape(self._cache, len(ids)), self._cache.dtype,
                                   self._cache.device)
         try:
-            if self._cache.is_cuda:  # the sends read device memory the model's stream wrote
-                with torch.cuda.device(self._cache.device):
-                    torch.cuda.synchronize()
-            elif staged is not None:
-                gathered(self._cache, ids, staged)
+            # A device cache's blocks are complete already: an export's checksums are read on
+            # the model's stream and answered to the host before any grant names its blocks,
+            # so no device-wide synchronize here (it would stall every UCX pull and listener
+            # on this loop thread behind the engine's queued steps); a receiver checks every
+            # block it landed against those checksums anyway.
             if staged is not None:
+                gathered(self._cache, ids, staged)
                 buffers = [_bytes(staged[layer]) for layer in range(staged.shape[0])]
             else:
                 buffers = _buffers(self._cache, ids, how.pieces)
