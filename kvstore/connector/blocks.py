@@ -63,10 +63,13 @@ def block_checksums(algo: ChecksumAlgo, cache: torch.Tensor,
     kernels load; lin64 reduces on the cache's own device."""
     if algo is ChecksumAlgo.LIN64:
         return lin64_checksums(cache, block_ids)
-    if cache.device.type != "cpu":
-        ids = torch.tensor(list(block_ids), device=cache.device)
-        host = cache.index_select(2, ids).cpu()
-        return block_checksums(algo, host, range(len(block_ids)))
+    if cache.device.type != "cpu":  # a few blocks at a time: the host copy is a temporary
+        ids = list(block_ids)
+        sums = []
+        for start in range(0, len(ids), HOST_CHUNK_BLOCKS):
+            part = torch.tensor(ids[start:start + HOST_CHUNK_BLOCKS], device=cache.device)
+            sums += block_checksums(algo, cache.index_select(2, part).cpu(), range(len(part)))
+        return sums
     if algo is ChecksumAlgo.XXH64 and cpu_native.supports_kv_blocks(cache):
         return cpu_native.kv_blocks_xxh64(cache, block_ids)
     data = byte_view(cache)
@@ -132,6 +135,7 @@ def on_device_of(cache: torch.Tensor) -> contextlib.AbstractContextManager[objec
 
 
 LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a temporary)
+HOST_CHUNK_BLOCKS = 16  # a device cache's blocks copied to the host at once to be hashed there
 
 
 def default_block_algo(cache: torch.Tensor) -> ChecksumAlgo:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
 logger = logging.getLogger(__name__)
+
+MAX_PEERS = 16  # peer device caches kept mapped (as cache_file.MAX_PEERS)
 
 _FIELDS = ("device_uuid", "handle", "size", "offset", "ref_handle", "ref_offset", "event",
            "event_sync", "shape", "dtype")
@@ -87,20 +90,26 @@ def open_peer(description: str) -> torch.Tensor:
 
 
 class PeerDeviceCaches:
-    """Peer caches opened on first use and kept (one IPC mapping per peer allocation)."""
+    """Peer caches opened on first use and kept, up to `MAX_PEERS`, most recent first (each
+    mapping keeps its peer's whole allocation alive on that GPU, even after the peer exited,
+    so a restarted peer's old mapping goes once newer ones push it out). Opened under the lock:
+    two pulls from a new peer share one mapping (each open takes a slot of torch's IPC
+    reference count)."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, torch.Tensor] = {}
+        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, description: str) -> torch.Tensor:
         with self._lock:
             tensor = self._maps.get(description)
-        if tensor is None:
-            tensor = open_peer(description)
-            with self._lock:
+            if tensor is None:
+                tensor = open_peer(description)
                 self._maps[description] = tensor
-        return tensor
+                while len(self._maps) > MAX_PEERS:
+                    self._maps.popitem(last=False)
+            self._maps.move_to_end(description)
+            return tensor
 
     def clear(self) -> None:
         with self._lock:

@@ -6,10 +6,13 @@ admission it shares: the signed one-time grant, the layout, the range. With `via
 the server answers with the port of a fresh two-rank rendezvous (`TCPStore`) instead of the
 bytes; both cores build a process group of their own on it (the sender rank 0, the receiver
 rank 1: a group per pull, never entangled with another pair's collectives, torn down after),
-the sender gathers the requested blocks on its device (one `index_select`) and sends them in
-one message, the receiver takes them into a staging tensor on its device and copies each run
-into its cache blocks. The block server's connection stays open to the end: the receiver says
-it has everything before the sender tears the group down.
+the sender gathers the requested blocks on its device (an `index_select` per message) and sends
+them in messages of at most `CHUNK_BYTES` (its reply names the blocks per message), the
+receiver takes each into one staging tensor on its device and copies each run into its cache
+blocks: the device temporaries are a chunk each side, not the whole pull (a long prompt's KV
+is gigabytes on a GPU, beside a cache sized to fill the device). The block server's
+connection stays open to the end: the receiver says it has everything before the sender tears
+the group down.
 
 Collectives cannot be interrupted: the group's timeout (the pull's deadline) bounds them.
 There is no TLS on this path (a sender with TLS offers tcp instead).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import socket
 
 import torch
@@ -29,6 +33,12 @@ from pdmesh.kvstore.transfer.deadline import Deadline
 from pdmesh.kvstore.transfer.errors import KVTransferTimeout, KVWireError
 
 DONE = b"\x01"
+CHUNK_BYTES = 64 << 20
+"""At most this many bytes of blocks per message (at least one block)."""
+
+
+def blocks_per_message(block_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // max(block_bytes, 1))
 
 
 def available() -> bool:
@@ -84,18 +94,22 @@ def open_store(config: KVConnectorConfig, seconds: float) -> torch.distributed.T
 
 
 def send_blocks(conn: socket.socket, store: torch.distributed.TCPStore, cache: torch.Tensor,
-                ids: tuple[int, ...], kind: str, config: KVConnectorConfig) -> None:
-    """Sender (a block-server thread, after the reply named the store): the blocks as one
-    message, then wait for the receiver's word that it is done before tearing down."""
+                ids: tuple[int, ...], kind: str, config: KVConnectorConfig,
+                per_message: int) -> None:
+    """Sender (a block-server thread, after the reply named the store): the blocks in
+    messages of `per_message` blocks, then wait for the receiver's word that it is done
+    before tearing down."""
     seconds = config.io_timeout_s
     group = process_group(store, 0, kind, config.tcp_advertise_host or config.tcp_host, seconds)
     try:
-        index = torch.tensor(list(ids), device=cache.device)
-        payload = cache.index_select(2, index)  # one gather on the sender's device
-        if kind == "gloo" and payload.device.type != "cpu":
-            payload = payload.cpu()
-        group.send([payload.reshape(-1).view(torch.uint8)], 1, 0).wait(_timeout(seconds))
-        settle(kind, payload)
+        for tag, start in enumerate(range(0, len(ids), per_message)):
+            index = torch.tensor(list(ids[start:start + per_message]), device=cache.device)
+            payload = cache.index_select(2, index)  # one gather on the sender's device
+            if kind == "gloo" and payload.device.type != "cpu":
+                payload = payload.cpu()
+            group.send([payload.reshape(-1).view(torch.uint8)], 1, tag).wait(
+                _timeout(seconds))
+            settle(kind, payload)
         conn.settimeout(seconds)
         conn.recv(1)  # the receiver has it (or went away): the group may go
     finally:
@@ -103,9 +117,10 @@ def send_blocks(conn: socket.socket, store: torch.distributed.TCPStore, cache: t
 
 
 def receive_blocks(sock: socket.socket, host: str, port: int, kind: str, dst: torch.Tensor,
-                   dst_ids: list[int], deadline: Deadline) -> int:
+                   dst_ids: list[int], deadline: Deadline, per_message: int) -> int:
     """Receiver (the pulling core, on the block server's connection): join the group, take
-    the blocks into a staging tensor, copy each run into the cache, say done."""
+    each message of `per_message` blocks into one staging tensor and copy its runs into the
+    cache, say done."""
     seconds = deadline.remaining()
     if seconds <= 0:
         raise KVTransferTimeout("the pull's deadline passed before its group formed")
@@ -113,20 +128,27 @@ def receive_blocks(sock: socket.socket, host: str, port: int, kind: str, dst: to
     local = sock.getsockname()[0]  # the interface that reaches the sender
     group = process_group(store, 1, kind, local, seconds)
     try:
-        shape = (dst.shape[0], 2, len(dst_ids), *dst.shape[3:])
+        block_shape = (dst.shape[0], 2, 1, *dst.shape[3:])
+        per_block = math.prod(block_shape)
         device = dst.device if kind == "nccl" else torch.device("cpu")
-        staging = torch.empty(shape, dtype=dst.dtype, device=device)
-        try:
-            group.recv([staging.reshape(-1).view(torch.uint8)], 0, 0).wait(
-                _timeout(deadline.remaining()))
-        except RuntimeError as exc:
-            if deadline.remaining() <= 0:
-                raise KVTransferTimeout(f"torch_dist pull timed out: {exc}") from None
-            raise KVWireError(f"torch_dist pull failed: {exc}") from None
-        for s, d, n in runs(range(len(dst_ids)), dst_ids):
-            dst[:, :, d:d + n].copy_(staging[:, :, s:s + n])
+        flat = torch.empty(min(per_message, len(dst_ids)) * per_block, dtype=dst.dtype,
+                           device=device)
+        for tag, start in enumerate(range(0, len(dst_ids), per_message)):
+            ids = dst_ids[start:start + per_message]
+            # (NCCL orders a receive after the current stream's copies out of the last one)
+            staging = flat[:len(ids) * per_block].view(*block_shape[:2], len(ids),
+                                                       *block_shape[3:])
+            try:
+                group.recv([staging.reshape(-1).view(torch.uint8)], 0, tag).wait(
+                    _timeout(deadline.remaining()))
+            except RuntimeError as exc:
+                if deadline.remaining() <= 0:
+                    raise KVTransferTimeout(f"torch_dist pull timed out: {exc}") from None
+                raise KVWireError(f"torch_dist pull failed: {exc}") from None
+            for s, d, n in runs(range(len(ids)), ids):
+                dst[:, :, d:d + n].copy_(staging[:, :, s:s + n])
         settle(kind, dst)  # the blocks are in the cache before the sender may let go
         sock.sendall(DONE)
-        return staging.numel() * staging.element_size()
+        return len(dst_ids) * per_block * dst.element_size()
     finally:
         _release(group)

@@ -206,9 +206,11 @@ class BlockServer:
             if req.via == "torch_dist":
                 store = dist_blocks.open_store(self._config, self._config.io_timeout_s)
                 kind = dist_blocks.group_kind(self._cache.device, req.device)
-                rendezvous = f"{store.port} {kind}".encode()  # the reply's reason field
+                per_message = dist_blocks.blocks_per_message(block_nbytes(self._cache))
+                rendezvous = f"{store.port} {kind} {per_message}".encode()  # reason field
                 conn.sendall(_REPLY.pack(b"PDBR", OK, len(rendezvous), payload) + rendezvous)
-                dist_blocks.send_blocks(conn, store, self._cache, ids, kind, self._config)
+                dist_blocks.send_blocks(conn, store, self._cache, ids, kind, self._config,
+                                        per_message)
                 return
             conn.sendall(_REPLY.pack(b"PDBR", OK, 0, payload))
             if self._cache.device.type == "cpu" and not isinstance(conn, ssl.SSLSocket):
@@ -392,13 +394,17 @@ class _Pull:
             if status != OK:
                 raise KVWireError(f"the block server refused the pull: {reason}")
             if self.request.via == "torch_dist":
-                port, _, kind = reason.partition(" ")
-                if (payload != count * block_nbytes(self.dst) or not port.isdigit()
-                        or kind not in ("gloo", "nccl")):
+                fields = reason.split(" ")
+                if len(fields) == 2:  # a sender from before messages were bounded: one
+                    fields.append(str(count))
+                if (len(fields) != 3 or payload != count * block_nbytes(self.dst)
+                        or not fields[0].isdigit() or fields[1] not in ("gloo", "nccl")
+                        or not fields[2].isdigit() or int(fields[2]) < 1):
                     raise KVWireError("the block server's rendezvous reply is malformed")
+                port, kind, per_message = fields
                 return dist_blocks.receive_blocks(
                     sock, self.address[0], int(port), kind, self.dst,
-                    self.dst_ids[offset:offset + count], self.deadline)
+                    self.dst_ids[offset:offset + count], self.deadline, int(per_message))
             per_block = (self.ranks.block_nbytes if self.ranks is not None
                          else block_nbytes(self.dst))
             if payload != count * per_block:

@@ -233,6 +233,16 @@ def test_pulls_from_a_block_server_over_tcp_and_torch_dist(tmp_path, via: str) -
     pull_from_a_block_server(tmp_path, via, "cpu", "cpu")
 
 
+def test_a_torch_dist_pull_moves_in_bounded_messages(tmp_path, monkeypatch) -> None:
+    """Messages of at most CHUNK_BYTES (here: one block each), through one staging tensor
+    the receiver reuses: every block lands where its own run says."""
+    from pdmesh.kvstore.connector import dist_blocks
+
+    monkeypatch.setattr(dist_blocks, "CHUNK_BYTES", 1)
+    assert dist_blocks.blocks_per_message(1 << 20) == 1
+    pull_from_a_block_server(tmp_path, "torch_dist", "cpu", "cpu")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("devices", [("cuda:0", "cpu"), ("cuda:0", "cuda:1")],
                          ids=["gloo-from-gpu", "nccl"])
@@ -296,6 +306,55 @@ def test_lin64_on_the_device_equals_the_host_and_is_the_gpu_default() -> None:
     ids = [0, 7, 23]
     assert block_checksums(ChecksumAlgo.LIN64, device, ids) == block_checksums(
         ChecksumAlgo.LIN64, cache, ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("algo", [ChecksumAlgo.XXH3_64, ChecksumAlgo.XXH64, ChecksumAlgo.CRC32])
+def test_host_hashed_checksums_of_a_device_cache_equal_the_host_cache(algo) -> None:
+    """A device cache checked with a host algorithm (a CPU peer's choice) is copied to the
+    host a few blocks at a time; every chunk boundary gives the host cache's sums."""
+    from pdmesh.kvstore.connector.blocks import HOST_CHUNK_BLOCKS
+
+    cache = torch.randn(SHAPE)
+    ids = list(range(SHAPE[2]))[::-1]
+    assert len(ids) > HOST_CHUNK_BLOCKS
+    assert block_checksums(algo, cache.cuda(), ids) == block_checksums(algo, cache, ids)
+
+
+def test_peer_device_caches_are_kept_most_recent_first_and_opened_once(monkeypatch) -> None:
+    """The open is faked (no GPU here): at most MAX_PEERS mappings, the least recently used
+    dropped first, and concurrent first uses of one peer share a single open."""
+    import threading
+    import time
+
+    from pdmesh.kvstore.connector import cuda_ipc
+
+    opened: list[str] = []
+
+    def fake_open(description: str) -> torch.Tensor:
+        opened.append(description)
+        time.sleep(0.01)  # a slow open: a second caller would open it again if unlocked
+        return torch.zeros(1)
+
+    monkeypatch.setattr(cuda_ipc, "open_peer", fake_open)
+    peers = cuda_ipc.PeerDeviceCaches()
+    first = [peers.get("p0"), peers.get("p0")]
+    assert first[0] is first[1] and opened == ["p0"]
+    for i in range(1, cuda_ipc.MAX_PEERS):
+        peers.get(f"p{i}")
+    peers.get("p0")  # used again: the most recent now
+    peers.get("new")  # one too many: p1, the least recently used, goes
+    assert peers.get("p0") is first[0]
+    assert opened.count("p0") == 1
+    peers.get("p1")
+    assert opened.count("p1") == 2
+
+    threads = [threading.Thread(target=peers.get, args=("shared",)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert opened.count("shared") == 1
 
 
 def test_room_for_a_cache_counts_what_sparse_caches_may_still_claim(tmp_path) -> None:
