@@ -24,6 +24,12 @@ for runs of consecutive ids; `--ids consecutive`: 0..n-1 on both sides, one run)
   rest is control plane and export); `core export` is the child's `export` alone; `core X
   (ack, after)` the ack, awaited after the clock stopped (an engine sends it in the
   background, `CorePulls.finish_soon`: a first token does not wait for it).
+* `core X (streamed)`: the same blocks as a one-chunk prompt's streamed export (the default
+  P/D path, `PrefillStream`): announced when its prompt was scheduled, so StartTransfer and
+  WatchTransfer are done while the chunk computes (untimed here, where no chunk computes);
+  timed from the end of the chunk's step (the child told to checksum and seal) until the
+  decode core's cache holds the verified blocks: the checksums, the sealed report over
+  WatchTransfer, the pull.
 * `core ucxx`: the cores' own UCX transport (`connector/ucx_blocks.py`): the child's core runs a
   ucxx listener, the pull is received straight into this process's cache (where the `ucxx`
   package is installed; `--backends ucxx` also gives today's `staged ucxx` row).
@@ -79,8 +85,9 @@ from pdmesh.kvstore.connector.blocks import default_block_algo
 from pdmesh.kvstore.connector.cache_file import shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.export_info import ExportProgress
 from pdmesh.kvstore.connector.grant_mac import new_key
-from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
+from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource, encode_blocks
 from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, parse_algo
 from pdmesh.kvstore.transfer.core_pull import CorePulls
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -162,19 +169,34 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
         for sender in senders.values():
             await sender.start()
         conn.send({"ready": True})
+        growing: dict[str, KVHandle] = {}  # streamed exports announced, not sealed yet
         # The next request is awaited off the loop: the loop serves the control plane meanwhile.
         while (msg := await loop.run_in_executor(None, receive, conn)) is not None:
             kind, n, rid = msg
             src = block_ids(setup.cache_blocks, n, 1, setup.shuffled)
+            layout = KVLayout(LAYERS, n, BLOCK, HEADS, HEAD_DIM, torch.float32, n * BLOCK)
             try:
                 if kind == "staged":  # ReadKV's gather, then today's publish
                     kv = cache.index_select(2, torch.tensor(src))
                     conn.send({"handle": senders[kind].publish(rid, kv, n * BLOCK).to_dict()})
                     continue
+                if kind == "announce":  # a streamed prompt was scheduled: nothing ready yet
+                    connector.open_stream(rid, n * BLOCK)
+                    growing[rid] = senders["core"].publish_stream(rid, layout, connector.algo)
+                    senders["core"].stream_progress(growing[rid], ExportProgress(
+                        0, checksum_algo=str(connector.algo)))
+                    conn.send({"handle": growing[rid].to_dict()})
+                    continue
                 start = time.perf_counter()
+                if kind == "seal":  # its (only) chunk's step ended: checksum, serve, seal
+                    sums = connector.extend_stream(rid, src)
+                    export_s = time.perf_counter() - start
+                    senders["core"].stream_progress(growing.pop(rid), ExportProgress(
+                        0, src, sums, str(connector.algo), sealed=True))
+                    conn.send({"export_s": export_s})
+                    continue
                 info = connector.export(rid, src, n * BLOCK)
                 export_s = time.perf_counter() - start
-                layout = KVLayout(LAYERS, n, BLOCK, HEADS, HEAD_DIM, torch.float32, n * BLOCK)
                 handle = senders[kind].publish_export(rid, layout, src, info.block_checksums,
                                                       parse_algo(info.checksum_algo))
                 conn.send({"handle": handle.to_dict(), "export_s": export_s})
@@ -276,6 +298,45 @@ class Decoder:
                 "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
 
 
+    async def streamed(self, backend: str, n: int, dst_ids: list[int]) -> Timings:
+        """A one-chunk prompt's handoff on the streamed path, as the engines run it: the
+        export announced when its prompt was scheduled, the transfer started and its
+        progress followed while the chunk computes (untimed: here no chunk computes); the
+        clock runs from the end of the chunk's step (the child told to checksum and seal)
+        until the decode core's cache holds the verified blocks."""
+        rid = f"t-{next(self.ids)}"
+        handle = KVHandle.from_dict(ask(self.conn, ("announce", n, rid))["handle"])
+        deadline = Deadline.after(DEADLINE_S)
+        pull = await self.pulls.begin(handle, deadline, backend=backend)
+        reports = pull.control.watch(handle, deadline)
+        try:
+            await anext(reports)  # the announcement: the stream is open
+            start = time.perf_counter()
+            self.conn.send(("seal", n, rid))
+            progress = await anext(reports)
+            if not progress.sealed:
+                raise RuntimeError(f"the streamed export did not seal: {progress}")
+            params = dict(pull.params)
+            if backend == "shm":  # what the decode core's pull stream does with a report
+                params["blocks"] = encode_blocks(progress.block_ids)
+            source = KVSource(backend, params, progress.block_checksums,
+                              progress.checksum_algo, n * BLOCK,
+                              (LAYERS, BLOCK, HEADS, HEAD_DIM), "float32",
+                              deadline_s=deadline.remaining())
+            loading = time.perf_counter()
+            nbytes = self.connector.load(source, 0, dst_ids)
+            loaded = time.perf_counter()
+        except BaseException as exc:
+            await self.pulls.finish(pull, error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            await reports.aclose()
+        await self.pulls.finish(pull, nbytes=nbytes)
+        reply = ask(self.conn, None)  # the seal's answer, sent before the blocks moved
+        return {"total": loaded - start, "load": loaded - loading,
+                "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
+
+
 async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: int,
                   budget_s: float, suffix: str, exported: set[int]) -> list[dict[str, object]]:
     """Staged and core rounds of every transport and block count."""
@@ -306,6 +367,9 @@ async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: 
                         if n not in exported:  # the same work whatever the transport
                             exported.add(n)
                             row("core export", n, "", samples, "export")
+                        samples = await rounds(
+                            partial(decoder.streamed, backend, n, dst_ids), reps, budget_s)
+                        row(f"core {name} (streamed)", n, name, samples, "total")
         finally:
             decoder.connector.close()  # unlinks its cache file
     return rows
