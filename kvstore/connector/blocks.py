@@ -134,6 +134,19 @@ def on_device_of(cache: torch.Tensor) -> contextlib.AbstractContextManager[objec
     return contextlib.nullcontext()
 
 
+def sending_stream(cache: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Where a sender reads its exported blocks on the device: a stream of its own. Those
+    blocks are complete (an export's checksums were read on the model's stream and answered
+    to the host before any grant names them), so nothing needs to order these reads after the
+    engine's queued steps, which a connector thread's current stream, the device's default
+    one, makes every copy and every `synchronize` wait for: a pull from a busy engine would
+    wait about a step per piece. A receiver's writes stay on the default stream (a block it
+    lands in may have been freed while a step still in flight writes it)."""
+    if cache.device.type == "cuda":
+        return torch.cuda.stream(torch.cuda.Stream(cache.device))
+    return contextlib.nullcontext()
+
+
 LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a temporary)
 HOST_CHUNK_BLOCKS = 16  # a device cache's blocks copied to the host at once to be hashed there
 

@@ -51,6 +51,7 @@ from pdmesh.kvstore.connector.blocks import (
     layout_mismatch,
     on_device_of,
     runs,
+    sending_stream,
 )
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
@@ -174,7 +175,7 @@ class BlockServer:
                 conn.close()
 
     def _serve_on_device(self, conn: socket.socket) -> None:
-        with on_device_of(self._cache):
+        with on_device_of(self._cache), sending_stream(self._cache):
             self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
