@@ -60,12 +60,22 @@ def core_threads(configured: int | None, device_type: str, cpus: int,
     return 1 if device_type == "cuda" else max(1, cpus)
 
 
+NCCL_ABORT_ONLY = "2"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed or timed-out NCCL group has its communicator
+aborted, and the process lives. torch's default (3) tears the process down: a KV pull over
+NCCL whose sender died (`kvstore/connector/dist_blocks.py`, a group per pull) would kill the
+pulling engine core, where the pull should fail and its request recompute."""
+
+
 def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a core process starts with: `environ` and a short OpenMP spin, unless
-    the user chose how threads wait (read by libgomp when it loads: it must be set here)."""
+    the user chose how threads wait (read by libgomp when it loads: it must be set here), and
+    NCCL's error handling that keeps the process (`NCCL_ABORT_ONLY`) unless the user chose
+    one (read when a group is made, so set before any thread runs)."""
     env = dict(environ)
     if not env.get("GOMP_SPINCOUNT") and not env.get("OMP_WAIT_POLICY"):
         env["GOMP_SPINCOUNT"] = SHORT_SPIN
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ABORT_ONLY)
     return env
 
 

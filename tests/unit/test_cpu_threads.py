@@ -7,7 +7,13 @@ import pytest
 
 from pdmesh.config import parse_config
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.worker.cpu_threads import SHORT_SPIN, core_environment, core_threads, usable_cpus
+from pdmesh.engine.worker.cpu_threads import (
+    NCCL_ABORT_ONLY,
+    SHORT_SPIN,
+    core_environment,
+    core_threads,
+    usable_cpus,
+)
 from pdmesh.serve import LocalMesh, MeshConfig
 
 pytestmark = pytest.mark.fast
@@ -29,9 +35,18 @@ def test_the_flag_then_omp_num_threads_win() -> None:
 
 
 def test_the_core_spins_briefly_unless_the_user_chose() -> None:
-    assert core_environment({"A": "1"}) == {"A": "1", "GOMP_SPINCOUNT": SHORT_SPIN}
+    assert core_environment({"A": "1"}) == {"A": "1", "GOMP_SPINCOUNT": SHORT_SPIN,
+                                            "TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ABORT_ONLY}
     assert core_environment({"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
     assert "GOMP_SPINCOUNT" not in core_environment({"OMP_WAIT_POLICY": "active"})
+
+
+def test_a_failed_nccl_group_keeps_the_core_unless_the_user_chose() -> None:
+    """torch's default tears the process down on a failed NCCL group: a KV pull's sender
+    dying would take the pulling core with it."""
+    assert core_environment({})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == NCCL_ABORT_ONLY == "2"
+    chosen = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert core_environment(chosen)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
 def test_usable_cpus_is_the_affinity_mask() -> None:
