@@ -140,11 +140,27 @@ def sending_stream(cache: torch.Tensor) -> contextlib.AbstractContextManager[obj
     to the host before any grant names them), so nothing needs to order these reads after the
     engine's queued steps, which a connector thread's current stream, the device's default
     one, makes every copy and every `synchronize` wait for: a pull from a busy engine would
-    wait about a step per piece. A receiver's writes stay on the default stream (a block it
-    lands in may have been freed while a step still in flight writes it)."""
+    wait about a step per piece. (A receiver's stream must wait for them first:
+    `receiving_stream`.)"""
     if cache.device.type == "cuda":
         return torch.cuda.stream(torch.cuda.Stream(cache.device))
     return contextlib.nullcontext()
+
+
+def receiving_stream(cache: torch.Tensor,
+                     after: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """Where a receiver writes pulled blocks into a device cache: a stream of its own that
+    first waits, on the device, for what `after` (the engine's model stream) has queued when
+    the pull begins: a block it lands in may have been freed by a request whose last step is
+    still in flight and writes it (async scheduling computes one token past a stop). Nothing
+    the engine queues later holds the pull up; on the default stream every piece's copy waited
+    for the engine's next step, and NCCL's wait made the model's stream wait for the transfer.
+    The pull's checks read on the same stream, after its writes."""
+    if cache.device.type != "cuda":
+        return contextlib.nullcontext()
+    side = torch.cuda.Stream(cache.device)
+    side.wait_stream(after if after is not None else torch.cuda.current_stream(cache.device))
+    return torch.cuda.stream(side)
 
 
 LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a temporary)

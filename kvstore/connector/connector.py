@@ -41,7 +41,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_checksums, default_block_algo, on_device_of
+from pdmesh.kvstore.connector.blocks import (
+    block_checksums,
+    default_block_algo,
+    on_device_of,
+    receiving_stream,
+)
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
@@ -80,6 +85,10 @@ class KVConnector:
         self._shm = ShmPeerTransport(config.shm_dir)
         self._server = None
         self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
+        # The stream the engine's steps run on (this is built on the core's thread): a pull's
+        # writes wait for what it queued when the pull began (`receiving_stream`).
+        self._model_stream = (torch.cuda.current_stream(cache.device)
+                              if cache.device.type == "cuda" else None)
         self.block_server_address = ""
         self._ucx = None
         self.ucx_address = ""  # the core's ucxx listener (`ucx_blocks.py`); empty: none
@@ -178,7 +187,7 @@ class KVConnector:
         return self._loads.submit(self._load_on_device, source, first_block, dst_ids)
 
     def _load_on_device(self, source: KVSource, first_block: int, dst_ids: list[int]) -> int:
-        with on_device_of(self.cache):
+        with on_device_of(self.cache), receiving_stream(self.cache, self._model_stream):
             return self.load(source, first_block, dst_ids)
 
     def load(self, source: KVSource, first_block: int, dst_ids: list[int]) -> int:

@@ -277,6 +277,8 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
                           tuple(layout), dtype_name(dst.dtype), via, dst.device.type)
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks)
+    if dst.device.type == "cuda":  # the caller's stream (`receiving_stream`), on every thread
+        pull.stream = torch.cuda.current_stream(dst.device)
     per_block = ranks.block_nbytes if ranks is not None else block_nbytes(dst)
     connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
     parts = connection_ranges(len(dst_ids), connections)
@@ -323,6 +325,7 @@ class _Pull:
         self.tls = client_context(_tls_config(config))
         self.error: KVTransferError | None = None
         self.nbytes = 0
+        self.stream: torch.cuda.Stream | None = None  # a device cache's writes go there
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._aborted = False
@@ -335,7 +338,8 @@ class _Pull:
                 _shutdown(sock)
 
     def run_on_device(self, offset: int, count: int) -> None:
-        with on_device_of(self.dst):
+        with on_device_of(self.dst), (torch.cuda.stream(self.stream) if self.stream is not None
+                                      else contextlib.nullcontext()):
             self.run(offset, count)
 
     def run(self, offset: int, count: int) -> None:

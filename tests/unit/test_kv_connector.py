@@ -272,11 +272,13 @@ def pull_from_a_block_server(tmp_path, via: str, sender_device: str,
                   "mac": grant_mac.sign(key, "r1", "t" * 32, "g" * 32)}
         source = KVSource(via, params, info.block_checksums, info.checksum_algo, 15,
                           (layers, block_size, heads, head_dim), "float32", deadline_s=20)
-        receiver.load(source, 1, [4, 5, 11])  # the first block: the receiver's own hit
+        # On a connector thread, as an engine pulls (a device cache: on its receiving stream);
+        # the first block is the receiver's own hit.
+        receiver.start_load(source, 1, [4, 5, 11]).result(timeout=60)
         for dst, src in zip([4, 5, 11], exported[1:], strict=True):
             assert torch.equal(receiver.cache[:, :, dst].cpu(), cache[:, :, src])
         with pytest.raises(KVTransferDenied):  # the grant was used
-            receiver.load(source, 1, [4, 5, 11])
+            receiver.start_load(source, 1, [4, 5, 11]).result(timeout=60)
     finally:
         sender.close()
         receiver.close()
