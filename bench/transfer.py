@@ -170,6 +170,7 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
             await sender.start()
         conn.send({"ready": True})
         growing: dict[str, KVHandle] = {}  # streamed exports announced, not sealed yet
+        reported: dict[str, int] = {}  # their blocks reported so far
         # The next request is awaited off the loop: the loop serves the control plane meanwhile.
         while (msg := await loop.run_in_executor(None, receive, conn)) is not None:
             kind, n, rid = msg
@@ -188,11 +189,18 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
                     conn.send({"handle": growing[rid].to_dict()})
                     continue
                 start = time.perf_counter()
-                if kind == "seal":  # its (only) chunk's step ended: checksum, serve, seal
-                    sums = connector.extend_stream(rid, src)
+                if kind in ("grow", "seal"):  # a chunk's step ended: checksum, serve, report
+                    first = reported.get(rid, 0)
+                    last = n // 2 if kind == "grow" else n  # "grow": the first of two chunks
+                    sums = connector.extend_stream(rid, src[first:last])
                     export_s = time.perf_counter() - start
-                    senders["core"].stream_progress(growing.pop(rid), ExportProgress(
-                        0, src, sums, str(connector.algo), sealed=True))
+                    reported[rid] = last
+                    sealed = kind == "seal"
+                    handle = growing.pop(rid) if sealed else growing[rid]
+                    senders["core"].stream_progress(handle, ExportProgress(
+                        first, src[first:last], sums, str(connector.algo), sealed=sealed))
+                    if sealed:
+                        reported.pop(rid)
                     conn.send({"export_s": export_s})
                     continue
                 info = connector.export(rid, src, n * BLOCK)
@@ -298,40 +306,55 @@ class Decoder:
                 "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
 
 
-    async def streamed(self, backend: str, n: int, dst_ids: list[int]) -> Timings:
-        """A one-chunk prompt's handoff on the streamed path, as the engines run it: the
-        export announced when its prompt was scheduled, the transfer started and its
-        progress followed while the chunk computes (untimed: here no chunk computes); the
-        clock runs from the end of the chunk's step (the child told to checksum and seal)
-        until the decode core's cache holds the verified blocks."""
+    async def streamed(self, backend: str, n: int, dst_ids: list[int],
+                       chunks: int = 1) -> Timings:
+        """A prompt's handoff on the streamed path, as the engines run it: the export announced
+        when its prompt was scheduled, the transfer started and its progress followed while
+        the first chunk computes (untimed: here no chunk computes); with two chunks the first
+        one's blocks are checksummed, reported and pulled while the second computes (untimed
+        too); the clock runs from the end of the last chunk's step (the child told to checksum
+        and seal) until the decode core's cache holds every verified block."""
         rid = f"t-{next(self.ids)}"
         handle = KVHandle.from_dict(ask(self.conn, ("announce", n, rid))["handle"])
         deadline = Deadline.after(DEADLINE_S)
         pull = await self.pulls.begin(handle, deadline, backend=backend)
         reports = pull.control.watch(handle, deadline)
-        try:
-            await anext(reports)  # the announcement: the stream is open
-            start = time.perf_counter()
-            self.conn.send(("seal", n, rid))
+        sums: list[int] = []
+        src_ids: list[int] = []
+
+        async def pull_next() -> ExportProgress:
+            """The next report's blocks pulled into theirs of `dst_ids`, as a pull stream does."""
             progress = await anext(reports)
-            if not progress.sealed:
-                raise RuntimeError(f"the streamed export did not seal: {progress}")
+            first = len(sums)
+            sums.extend(progress.block_checksums)
+            src_ids.extend(progress.block_ids)
             params = dict(pull.params)
             if backend == "shm":  # what the decode core's pull stream does with a report
-                params["blocks"] = encode_blocks(progress.block_ids)
-            source = KVSource(backend, params, progress.block_checksums,
-                              progress.checksum_algo, n * BLOCK,
+                params["blocks"] = encode_blocks(src_ids)
+            source = KVSource(backend, params, list(sums), progress.checksum_algo, n * BLOCK,
                               (LAYERS, BLOCK, HEADS, HEAD_DIM), "float32",
-                              deadline_s=deadline.remaining())
+                              deadline_s=deadline.remaining(), streamed=True)
+            self.connector.load(source, first, dst_ids[first:len(sums)])
+            return progress
+
+        try:
+            await anext(reports)  # the announcement: the stream is open
+            if chunks == 2:
+                self.conn.send(("grow", n, rid))
+                await pull_next()
+                ask(self.conn, None)
+            start = time.perf_counter()
+            self.conn.send(("seal", n, rid))
             loading = time.perf_counter()
-            nbytes = self.connector.load(source, 0, dst_ids)
+            if not (await pull_next()).sealed:
+                raise RuntimeError("the streamed export did not seal")
             loaded = time.perf_counter()
         except BaseException as exc:
             await self.pulls.finish(pull, error=f"{type(exc).__name__}: {exc}")
             raise
         finally:
             await reports.aclose()
-        await self.pulls.finish(pull, nbytes=nbytes)
+        await self.pulls.finish(pull, nbytes=n * BLOCK_BYTES)
         reply = ask(self.conn, None)  # the seal's answer, sent before the blocks moved
         return {"total": loaded - start, "load": loaded - loading,
                 "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
@@ -370,6 +393,9 @@ async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: 
                         samples = await rounds(
                             partial(decoder.streamed, backend, n, dst_ids), reps, budget_s)
                         row(f"core {name} (streamed)", n, name, samples, "total")
+                        samples = await rounds(
+                            partial(decoder.streamed, backend, n, dst_ids, 2), reps, budget_s)
+                        row(f"core {name} (str., 2 chunks)", n, name, samples, "total")
         finally:
             decoder.connector.close()  # unlinks its cache file
     return rows
