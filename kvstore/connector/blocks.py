@@ -66,8 +66,8 @@ def block_checksums(algo: ChecksumAlgo, cache: torch.Tensor,
     if cache.device.type != "cpu":  # a few blocks at a time: the host copy is a temporary
         ids = list(block_ids)
         sums = []
-        for start in range(0, len(ids), HOST_CHUNK_BLOCKS):
-            part = torch.tensor(ids[start:start + HOST_CHUNK_BLOCKS], device=cache.device)
+        for start in range(0, len(ids), DEVICE_CHUNK_BLOCKS):
+            part = torch.tensor(ids[start:start + DEVICE_CHUNK_BLOCKS], device=cache.device)
             sums += block_checksums(algo, cache.index_select(2, part).cpu(), range(len(part)))
         return sums
     if algo is ChecksumAlgo.XXH64 and cpu_native.supports_kv_blocks(cache):
@@ -163,8 +163,9 @@ def receiving_stream(cache: torch.Tensor,
     return torch.cuda.stream(side)
 
 
-LIN64_CHUNK_BLOCKS = 16  # blocks reduced at once (their int64 words are a temporary)
-HOST_CHUNK_BLOCKS = 16  # a device cache's blocks copied to the host at once to be hashed there
+DEVICE_CHUNK_BLOCKS = 16
+"""Blocks of a device cache checked at once: their temporary (lin64's int64 words, or the host
+copy the other algorithms hash) is this many blocks, not the whole list."""
 
 
 def default_block_algo(cache: torch.Tensor) -> ChecksumAlgo:
@@ -201,8 +202,8 @@ def lin64_checksums(cache: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
     ids = list(block_ids)
     out: list[int] = []
     with torch.no_grad():
-        for start in range(0, len(ids), LIN64_CHUNK_BLOCKS):
-            chunk = torch.tensor(ids[start:start + LIN64_CHUNK_BLOCKS], device=cache.device)
+        for start in range(0, len(ids), DEVICE_CHUNK_BLOCKS):
+            chunk = torch.tensor(ids[start:start + DEVICE_CHUNK_BLOCKS], device=cache.device)
             picked = words.index_select(2, chunk).to(torch.int64)
             sums = (picked * weights).sum(dim=(0, 1, 3))
             out += [int(v) & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]

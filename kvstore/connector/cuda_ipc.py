@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 
+from pdmesh.kvstore.connector.cache_file import MAX_PEERS
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
 logger = logging.getLogger(__name__)
-
-MAX_PEERS = 16  # peer device caches kept mapped (as cache_file.MAX_PEERS)
 
 _FIELDS = ("device_uuid", "handle", "size", "offset", "ref_handle", "ref_offset", "event",
            "event_sync", "shape", "dtype")

@@ -315,11 +315,11 @@ def test_lin64_on_the_device_equals_the_host_and_is_the_gpu_default() -> None:
 def test_host_hashed_checksums_of_a_device_cache_equal_the_host_cache(algo) -> None:
     """A device cache checked with a host algorithm (a CPU peer's choice) is copied to the
     host a few blocks at a time; every chunk boundary gives the host cache's sums."""
-    from pdmesh.kvstore.connector.blocks import HOST_CHUNK_BLOCKS
+    from pdmesh.kvstore.connector.blocks import DEVICE_CHUNK_BLOCKS
 
     cache = torch.randn(SHAPE)
     ids = list(range(SHAPE[2]))[::-1]
-    assert len(ids) > HOST_CHUNK_BLOCKS
+    assert len(ids) > DEVICE_CHUNK_BLOCKS
     assert block_checksums(algo, cache.cuda(), ids) == block_checksums(algo, cache, ids)
 
 
