@@ -29,6 +29,9 @@ OMP_WAIT_POLICY):
 
 A tensor-parallel engine splits its threads over its ranks (`rank_threads`): the host runs as
 many as one rank would, and each rank's GEMMs are that much smaller.
+
+`core_environment` is the one place a core process's environment is made (the spin above, and
+how NCCL treats a failed group: read at start-up, so set before the process runs).
 """
 
 from __future__ import annotations

@@ -144,7 +144,6 @@ class RankCaches:
         """Each block's checksum in its canonical form (at one rank: in place)."""
         if self.world == 1:
             return block_checksums(algo, self.first, block_ids)
-        self._steps_done()
         ids = list(block_ids)
         sums: list[int] = []
         for start in range(0, len(ids), CANONICAL_CHUNK_BLOCKS):

@@ -277,8 +277,6 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
                           tuple(layout), dtype_name(dst.dtype), via, dst.device.type)
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks)
-    if dst.device.type == "cuda":  # the caller's stream (`receiving_stream`), on every thread
-        pull.stream = torch.cuda.current_stream(dst.device)
     per_block = ranks.block_nbytes if ranks is not None else block_nbytes(dst)
     connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
     parts = connection_ranges(len(dst_ids), connections)
@@ -325,7 +323,9 @@ class _Pull:
         self.tls = client_context(_tls_config(config))
         self.error: KVTransferError | None = None
         self.nbytes = 0
-        self.stream: torch.cuda.Stream | None = None  # a device cache's writes go there
+        # A device cache's writes go to the caller's stream (`receiving_stream`) on every
+        # thread of the pull (this is built on the caller's).
+        self.stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._aborted = False
