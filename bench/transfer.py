@@ -169,8 +169,8 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
         for sender in senders.values():
             await sender.start()
         conn.send({"ready": True})
-        growing: dict[str, KVHandle] = {}  # streamed exports announced, not sealed yet
-        reported: dict[str, int] = {}  # their blocks reported so far
+        # Streamed exports announced, not sealed yet: the handle, and the blocks reported so far.
+        growing: dict[str, tuple[KVHandle, int]] = {}
         # The next request is awaited off the loop: the loop serves the control plane meanwhile.
         while (msg := await loop.run_in_executor(None, receive, conn)) is not None:
             kind, n, rid = msg
@@ -183,24 +183,23 @@ async def serve(conn: Connection, setup: Setup, connector: KVConnector) -> None:
                     continue
                 if kind == "announce":  # a streamed prompt was scheduled: nothing ready yet
                     connector.open_stream(rid, n * BLOCK)
-                    growing[rid] = senders["core"].publish_stream(rid, layout, connector.algo)
-                    senders["core"].stream_progress(growing[rid], ExportProgress(
+                    handle = senders["core"].publish_stream(rid, layout, connector.algo)
+                    senders["core"].stream_progress(handle, ExportProgress(
                         0, checksum_algo=str(connector.algo)))
-                    conn.send({"handle": growing[rid].to_dict()})
+                    growing[rid] = (handle, 0)
+                    conn.send({"handle": handle.to_dict()})
                     continue
                 start = time.perf_counter()
                 if kind in ("grow", "seal"):  # a chunk's step ended: checksum, serve, report
-                    first = reported.get(rid, 0)
+                    handle, first = growing.pop(rid)
                     last = n // 2 if kind == "grow" else n  # "grow": the first of two chunks
                     sums = connector.extend_stream(rid, src[first:last])
                     export_s = time.perf_counter() - start
-                    reported[rid] = last
-                    sealed = kind == "seal"
-                    handle = growing.pop(rid) if sealed else growing[rid]
+                    if kind == "grow":
+                        growing[rid] = (handle, last)
                     senders["core"].stream_progress(handle, ExportProgress(
-                        first, src[first:last], sums, str(connector.algo), sealed=sealed))
-                    if sealed:
-                        reported.pop(rid)
+                        first, src[first:last], sums, str(connector.algo),
+                        sealed=kind == "seal"))
                     conn.send({"export_s": export_s})
                     continue
                 info = connector.export(rid, src, n * BLOCK)
@@ -321,9 +320,11 @@ class Decoder:
         reports = pull.control.watch(handle, deadline)
         sums: list[int] = []
         src_ids: list[int] = []
+        nbytes = 0
 
         async def pull_next() -> ExportProgress:
             """The next report's blocks pulled into theirs of `dst_ids`, as a pull stream does."""
+            nonlocal nbytes
             progress = await anext(reports)
             first = len(sums)
             sums.extend(progress.block_checksums)
@@ -334,7 +335,7 @@ class Decoder:
             source = KVSource(backend, params, list(sums), progress.checksum_algo, n * BLOCK,
                               (LAYERS, BLOCK, HEADS, HEAD_DIM), "float32",
                               deadline_s=deadline.remaining(), streamed=True)
-            self.connector.load(source, first, dst_ids[first:len(sums)])
+            nbytes += self.connector.load(source, first, dst_ids[first:len(sums)])
             return progress
 
         try:
@@ -345,7 +346,6 @@ class Decoder:
                 ask(self.conn, None)
             start = time.perf_counter()
             self.conn.send(("seal", n, rid))
-            loading = time.perf_counter()
             if not (await pull_next()).sealed:
                 raise RuntimeError("the streamed export did not seal")
             loaded = time.perf_counter()
@@ -354,10 +354,9 @@ class Decoder:
             raise
         finally:
             await reports.aclose()
-        await self.pulls.finish(pull, nbytes=n * BLOCK_BYTES)
-        reply = ask(self.conn, None)  # the seal's answer, sent before the blocks moved
-        return {"total": loaded - start, "load": loaded - loading,
-                "export": float(reply["export_s"]), "ack": time.perf_counter() - loaded}
+        await self.pulls.finish(pull, nbytes=nbytes)
+        ask(self.conn, None)  # the seal's answer, sent before the blocks moved
+        return {"total": loaded - start}
 
 
 async def measure(conn: Connection, setup: Setup, blocks_list: list[int], reps: int,
