@@ -91,7 +91,7 @@ class RankCaches:
     def canonical(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks with every KV head once, in model order, on rank 0's device:
         `[layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]` (a copy)."""
-        self._steps_done()
+        self.wait_for_steps()
         first = self.first
         layers, _, _, block_size, _, head_dim = first.shape
         out = first.new_empty((layers, 2, len(block_ids), block_size, self.num_kv_heads,
@@ -110,15 +110,27 @@ class RankCaches:
         layers, block_size, heads, head_dim = self.layout
         return layers * 2 * block_size * heads * head_dim * self.first.element_size()
 
-    def _steps_done(self) -> None:
-        """Before reading another rank's cache on CUDA: wait for this thread's stream. The
-        other rank's cache is read through its IPC mapping on this process's stream, which
-        nothing orders after that rank's own process writing it, and a step left in flight
-        (async scheduling: a chunk with nothing to sample returns at once) may still be
-        writing; rank 0's step ends only after every rank reached its last collective, which
-        follows the step's KV writes on each rank, so once rank 0's work is done theirs is."""
+    def wait_for_steps(self) -> None:
+        """Before reading or writing another rank's cache on CUDA: wait on the host for this
+        thread's stream on rank 0's device (the core's model stream, or a pull's receiving
+        stream, which waits for what the model stream had queued when the pull began). The
+        other rank's cache is reached through its IPC mapping on this process's streams, which
+        nothing orders after that rank's own process using it, and a step left in flight
+        (async scheduling: a chunk with nothing to sample returns at once, a request computes
+        one token past its stop) may still be writing or reading it; rank 0's step ends only
+        after every rank reached its last collective, which follows the step's KV writes on
+        each rank, so once rank 0's work is done theirs is."""
         if self.world > 1 and self.first.is_cuda:
             torch.cuda.current_stream(self.first.device).synchronize()
+
+    def wait_for_writes(self) -> None:
+        """After this thread wrote blocks into the ranks' caches on CUDA: wait on the host for
+        its copies (each device's current stream here: the pull's receiving stream on rank
+        0's, the one a cross-device copy is ordered on elsewhere), before the rank
+        processes' next step reads them. Not the devices: a device-wide synchronize on rank
+        0's would also wait for every step the engine queued meanwhile."""
+        for device in {c.device for c in self.caches if c.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
 
     def read_piece(self, layer: int, kv: int, start: int, out: torch.Tensor) -> None:
         """`out` (`[n, block_size, num_kv_heads, head_dim]`, any device) = the canonical
@@ -167,6 +179,7 @@ def copy_across(algo: ChecksumAlgo, dst: RankCaches, dst_ids: Sequence[int],
     each side is the plain same-host pull (copied and hashed in one pass where it can)."""
     if dst.world == 1 and src.world == 1:
         return copy_blocks_checked(algo, dst.first, dst_ids, src.first, src_ids)
+    dst.wait_for_steps()  # a landing block may still be in use by a step in flight
     for copy in dst.plan_from(src):
         n = copy.heads.size
         whole_dst, whole_src = dst.caches[copy.dst_rank], src.caches[copy.src_rank]
@@ -177,6 +190,5 @@ def copy_across(algo: ChecksumAlgo, dst: RankCaches, dst_ids: Sequence[int],
         out_of = whole_src[..., copy.src_offset:copy.src_offset + n, :]
         for s, d, length in runs(src_ids, dst_ids):
             into[:, :, d:d + length].copy_(out_of[:, :, s:s + length])
-    for device in {c.device for c in dst.caches if c.device.type == "cuda"}:
-        torch.cuda.synchronize(device)  # landed before a rank's step reads it
+    dst.wait_for_writes()  # landed before a rank's step reads it
     return dst.checksums(algo, dst_ids)

@@ -460,6 +460,8 @@ def _move_ranks(ranks: RankCaches, ids: Sequence[int], io: Callable[[memoryview]
     stage = torch.empty(min(len(ids), limit) * per_block, dtype=first.dtype,
                         pin_memory=first.device.type == "cuda")
     pieces = [(s + i, min(limit, n - i)) for s, _, n in runs(ids, ids) for i in range(0, n, limit)]
+    if into:
+        ranks.wait_for_steps()  # a landing block may still be in use by a step in flight
     for layer in range(first.shape[0]):
         for kv in range(2):
             for s, n in pieces:
@@ -470,8 +472,7 @@ def _move_ranks(ranks: RankCaches, ids: Sequence[int], io: Callable[[memoryview]
                 if into:
                     ranks.write_piece(layer, kv, s, host)
     if into:
-        for device in {c.device for c in ranks.caches if c.device.type == "cuda"}:
-            torch.cuda.synchronize(device)  # landed before a rank's step reads it
+        ranks.wait_for_writes()  # landed before a rank's step reads it
 
 
 def _views(cache: torch.Tensor, ids: Sequence[int]) -> list[memoryview]:

@@ -143,21 +143,34 @@ class _EventLoop:
     _loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
+    def get(cls, device: torch.device | None = None) -> asyncio.AbstractEventLoop:
+        """The loop; the first call starts its thread with `device` current there (a core
+        process runs on one device)."""
         with cls._lock:
             if cls._loop is None:
                 from pdmesh.kvstore.transfer.backends.ucx import ucxx_runtime
 
                 ucxx_runtime()  # initialise UCX before the loop's first endpoint
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="kv-ucx-loop",
+                threading.Thread(target=_run_loop, args=(loop, device), name="kv-ucx-loop",
                                  daemon=True).start()
                 cls._loop = loop
             return cls._loop
 
     @classmethod
-    def run(cls, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, cls.get())
+    def run(cls, coro: Coroutine[Any, Any, _T],
+            device: torch.device | None = None) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, cls.get(device))
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop, device: torch.device | None) -> None:
+    """The loop thread. UCX moves device buffers (cuda_copy, cuda_ipc) with the CUDA context
+    current on the thread that progresses it, and a new thread has none: the cache's device
+    is made current here, as on every other thread of the core that touches the cache
+    (`blocks.on_device_of`), so no context is created on device 0 or missing altogether."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    loop.run_forever()
 
 
 def run_lengths(ids: Sequence[int]) -> list[int]:
@@ -227,7 +240,7 @@ class UcxBlockServer:
         """Listen on a port UCX picks; the address peers dial. ucxx binds every interface (it
         takes no address): what keeps strangers out is the signed grant, checked before any
         byte of KV is sent, and UCX carries no TLS, so `--tls` rules ucxx out."""
-        port = _EventLoop.run(self._listen()).result()
+        port = _EventLoop.run(self._listen(), self._cache.device).result()
         host = self._config.tcp_advertise_host or self._config.tcp_host
         return f"{format_host(host.strip('[]'))}:{port}"
 
@@ -372,9 +385,16 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
                       (dst.shape[0], *dst.shape[3:]), dtype_name(dst.dtype),
                       run_lengths(dst_ids), stage=not dst.is_cuda)
     where = f"UCX block pull from {address}"
+    if dst.is_cuda:
+        # UCX writes the blocks through no torch stream, so this thread's stream (the pull's
+        # receiving stream: it waits for the steps the engine had queued when the pull
+        # began, `blocks.receiving_stream`) is waited for here, on the host, before any
+        # receive is posted: a block freed by a request whose last step is in flight is
+        # written by that step first.
+        torch.cuda.current_stream(dst.device).synchronize()
     try:
         return _EventLoop.run(_pull(host.strip("[]"), int(port), request, dst, dst_ids,
-                                    deadline)).result()
+                                    deadline), dst.device).result()
     except KVTransferError as exc:
         if not exc.transfer_id:
             raise type(exc)(str(exc), **ids) from exc

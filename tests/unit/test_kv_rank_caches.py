@@ -92,3 +92,34 @@ def test_pieces_read_canonical_and_write_back_into_every_rank(shape: Shape, worl
                           strict=True):
         assert torch.equal(got, cache)
     assert ranks.block_nbytes == full[:, :, 0].numel() * full.element_size()
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="needs two CUDA devices (a rank on each)")
+
+
+@two_gpus
+def test_a_copy_into_ranks_on_two_devices_waits_for_the_step_in_flight() -> None:
+    """A landing block that a step still in flight writes on rank 1's device (a request's last
+    step, async scheduling): the pull's copies into rank 1 must come after it. Rank 0's model
+    stream stands for the step's end (it waits for rank 1, as its last collective does); the
+    pull runs on its receiving stream, as `KVConnector` runs it."""
+    from pdmesh.kvstore.connector.blocks import receiving_stream
+
+    full = whole(SMALL)
+    src = split_ranks(SMALL, full, 1)
+    zeros = split_ranks(SMALL, torch.zeros_like(full), 2)
+    dst = RankCaches((zeros.caches[0].to("cuda:0"), zeros.caches[1].to("cuda:1")), SMALL)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    rank1 = torch.cuda.Stream("cuda:1")
+    model = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(rank1):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the step still running on rank 1
+        dst.caches[1][:, :, 4].fill_(7.0)  # it writes the block the pull lands in
+    model.wait_stream(rank1)  # rank 0's step ends after rank 1's (the last collective)
+    with torch.cuda.device("cuda:0"), receiving_stream(dst.first, model):
+        copy_across(ChecksumAlgo.XXH64, dst, [4], src, [1])
+    want = split_ranks(SMALL, full[:, :, [1]].contiguous(), 2)
+    assert torch.equal(dst.caches[1][:, :, 4].cpu(), want.caches[1][:, :, 0])
+    assert torch.equal(dst.caches[0][:, :, 4].cpu(), want.caches[0][:, :, 0])

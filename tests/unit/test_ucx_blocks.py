@@ -6,6 +6,7 @@ refused. Skipped where ucxx is not installed (the piece arithmetic is checked ev
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -312,3 +313,24 @@ def test_device_caches_move_over_ucx_without_host_copies(first: int, count: int)
     finally:
         receiver.close()
         sender.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_loop_thread_runs_with_the_caches_device_current() -> None:
+    """UCX moves device buffers with the context current on the thread that progresses it: a
+    core on cuda:1 must not have its transfers run (or a context made) on device 0."""
+    loop = asyncio.new_event_loop()
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    thread = threading.Thread(target=ucx_blocks._run_loop, args=(loop, device), daemon=True)
+    thread.start()
+
+    async def current() -> int:
+        return torch.cuda.current_device()
+
+    try:
+        assert asyncio.run_coroutine_threadsafe(current(), loop).result(timeout=30) == \
+            device.index
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
