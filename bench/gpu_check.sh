@@ -115,7 +115,7 @@ cuda_tests() {  # every module that may hold a CUDA test; tests/cuda_selection.p
 throughput() {
     local shape status=0
     for shape in ${GPU_CHECK_SHAPES:-llama3-8b}; do
-        run_step "gpu_throughput $shape" "${BENCH_TIMEOUT:-260}" $PY -P bench/gpu_throughput.py \
+        run_step "gpu_throughput $shape" "${BENCH_TIMEOUT:-240}" $PY -P bench/gpu_throughput.py \
             --tokenizer "$TOKENIZER" --shapes "$shape" \
             --json "$OUT/gpu_throughput_$shape.json" || status=1
     done
@@ -130,7 +130,7 @@ check() {
     for step in $STEPS; do
         case $step in
         tests) cuda_tests || status=1 ;;
-        selftest) run_step "pdmesh selftest" "${SELFTEST_TIMEOUT:-80}" \
+        selftest) run_step "pdmesh selftest" "${SELFTEST_TIMEOUT:-100}" \
                       $PY -P -m pdmesh.cli selftest || status=1 ;;
         bench) throughput || status=1 ;;
         *) summary "unknown step $step"; status=1 ;;

@@ -5,8 +5,10 @@ on CUDA the Triton layer ops and attention, graph replay, async scheduling and o
 sampling; on a CPU the native kernels (kernels/cpu_native.py, cpu_attention.py, layer_ops.py)
 against the torch reference and the sampler — then a greedy parity run: an engine core on
 random weights of a config's shape against transformers' Llama on the same weights, float32,
-a handful of prompts, their token ids compared. Prints one table; exits 0 when nothing
-failed, 1 otherwise.
+a handful of prompts, their token ids compared; then every KV transport (shm or CUDA IPC,
+tcp, torch_dist, ucxx) moving blocks from a cache on the device to a receiving core in
+another process, on the second GPU where there is one (kvstore/connector/selfcheck.py).
+Prints one table; exits 0 when nothing failed, 1 otherwise.
 
     pdmesh selftest                          # a small Llama shape on the default device
     pdmesh selftest --model meta-llama/Llama-3.2-1B --device cuda   # that config's shape
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
     ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--skip-kv", action="store_true",
+                    help="skip the KV transports (blocks pulled by a second process)")
     args = ap.parse_args(argv)
     # float32 parity needs exact float32 GEMMs: TF32 would differ from the CPU-exact reference.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         device = config.torch_device()
         results = selfcheck_rows(config, model_dir, device)
         results += parity(config, model_dir, args.max_tokens)
+        if not args.skip_kv:
+            results += kv_rows(device)
     print(format_table(results))
     failed = [r.name for r in results if r.failed]
     print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
@@ -211,6 +217,16 @@ def selfcheck_rows(config: EngineConfig, model_dir: Path, device: torch.device
             results.setdefault(r.name, r)
         del model
     return list(results.values())
+
+
+def kv_rows(device: torch.device) -> list[CheckResult]:
+    """Every KV transport moving blocks to a receiving core in another process, in a private
+    directory of the shm directory the engines use (where the same-host caches live)."""
+    from pdmesh.kvstore.connector.config import DEFAULT_SHM_DIR
+    from pdmesh.kvstore.connector.selfcheck import check_transports
+
+    with tempfile.TemporaryDirectory(prefix="pdmesh-selftest-kv-", dir=DEFAULT_SHM_DIR) as shm_dir:
+        return check_transports(device, Path(shm_dir))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`pdmesh selftest` on this (CPU) machine, as an operator runs it on a new node: the native CPU
-kernels against the reference, the sampler, and greedy parity with transformers on random
-weights of the default small Llama shape; a table, exit 0.
+kernels against the reference, the sampler, greedy parity with transformers on random
+weights of the default small Llama shape, and every KV transport moving blocks to a second
+process; a table, exit 0.
 
 The pieces (table, config directory, prompts) are checked in-process below; the checks
 themselves in tests/unit/test_selfcheck.py.
@@ -38,6 +39,9 @@ def test_selftest_passes_on_this_cpu_and_prints_its_table() -> None:
     assert result["sampler"] == "pass"
     assert result["parity vs transformers"].startswith("pass: 4/4 prompts, 16 tokens each")
     assert result["cuda_graphs[float32]"].startswith("skip")  # none on a CPU
+    for backend in ("shm", "tcp", "torch_dist"):  # blocks pulled by a second process
+        assert result[f"kv transfer {backend}"].startswith("pass: 6 blocks"), proc.stdout
+    assert result["kv transfer ucxx"].startswith(("pass: 6 blocks", "skip")), proc.stdout
     assert "all checks passed" in proc.stdout
 
 
