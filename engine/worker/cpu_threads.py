@@ -66,8 +66,8 @@ def core_threads(configured: int | None, device_type: str, cpus: int,
 NCCL_ABORT_ONLY = "2"
 """TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed or timed-out NCCL group has its communicator
 aborted, and the process lives. torch's default (3) tears the process down: a KV pull over
-NCCL whose sender died (`kvstore/connector/dist_blocks.py`, a group per pull) would kill the
-pulling engine core, where the pull should fail and its request recompute."""
+NCCL whose sender died (`kvstore/connector/dist_blocks.py`, a group per pair of cores) would
+kill the pulling engine core, where the pull should fail and its request recompute."""
 
 
 def core_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -50,6 +50,7 @@ from pdmesh.kvstore.connector.blocks import (
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import share
+from pdmesh.kvstore.connector.dist_groups import PairGroups
 from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger
@@ -85,6 +86,7 @@ class KVConnector:
         self._shm = ShmPeerTransport(config.shm_dir)
         self._server = None
         self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load")
+        self._dist_groups = PairGroups()  # torch_dist: a group per sender core, kept
         # The stream the engine's steps run on (this is built on the core's thread): a pull's
         # writes wait for what it queued when the pull began (`receiving_stream`).
         self._model_stream = (torch.cuda.current_stream(cache.device)
@@ -209,7 +211,7 @@ class KVConnector:
                 grant=p["grant"], mac=p["mac"], first_block=first_block, dst=self.cache,
                 dst_ids=dst_ids, config=self.config,
                 deadline=Deadline.after(max(source.deadline_s, 0.001)), via=source.backend,
-                ranks=self.ranks,
+                ranks=self.ranks, groups=self._dist_groups,
             )
             actual = self.ranks.checksums(algo, dst_ids)
         elif source.backend == "ucxx":
@@ -237,6 +239,7 @@ class KVConnector:
 
     def close(self) -> None:
         self._loads.shutdown(wait=True)  # every load is bounded by its deadline
+        self._dist_groups.close()
         if self._server is not None:
             self._server.close()
         if self._ucx is not None:

@@ -54,6 +54,7 @@ from pdmesh.kvstore.connector.blocks import (
     sending_stream,
 )
 from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.dist_groups import PairGroups
 from pdmesh.kvstore.connector.exports import ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
 from pdmesh.kvstore.connector.rank_caches import RankCaches
@@ -84,7 +85,7 @@ _REPLY = struct.Struct("<4sBHQ")
 _Text = Annotated[str, msgspec.Meta(max_length=512)]
 
 
-class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     request_id: _Text
     transfer_id: _Text
     grant: _Text
@@ -95,6 +96,8 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: _Text
     via: _Text = "tcp"      # "torch_dist": the bytes go over a process group (dist_blocks.py)
     device: _Text = "cpu"   # the receiver's cache device type (NCCL needs both on GPUs)
+    group: _Text = ""       # torch_dist: the pair's kept group, by the sender's id (dist_groups)
+    keep: bool = False      # torch_dist: the receiver keeps the group for the next pull
 
 
 _DECODER = msgspec.msgpack.Decoder(PullRequest)
@@ -128,6 +131,7 @@ class BlockServer:
         self._closed = False
         self._lock = threading.Lock()
         self._conns: dict[threading.Thread, socket.socket] = {}
+        self._groups = PairGroups()  # torch_dist: a group per receiving core, kept
 
     def start(self) -> str:
         host = self._config.tcp_host.strip("[]")
@@ -153,6 +157,7 @@ class BlockServer:
             thread.join(timeout=CLOSE_GRACE_S)
             if thread.is_alive():
                 logger.warning("KV block server thread %s did not stop", thread.name)
+        self._groups.close()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -205,13 +210,12 @@ class BlockServer:
                 return
             payload = len(ids) * block_nbytes(self._cache)
             if req.via == "torch_dist":
-                store = dist_blocks.open_store(self._config, self._config.io_timeout_s)
-                kind = dist_blocks.group_kind(self._cache.device, req.device)
-                per_message = dist_blocks.blocks_per_message(block_nbytes(self._cache))
-                rendezvous = f"{store.port} {kind} {per_message}".encode()  # reason field
-                conn.sendall(_REPLY.pack(b"PDBR", OK, len(rendezvous), payload) + rendezvous)
-                dist_blocks.send_blocks(conn, store, self._cache, ids, kind, self._config,
-                                        per_message)
+                def answer(rendezvous: str) -> None:  # in the reason field
+                    text = rendezvous.encode()
+                    conn.sendall(_REPLY.pack(b"PDBR", OK, len(text), payload) + text)
+
+                dist_blocks.serve_pull(conn, answer, self._groups, req.group, req.keep,
+                                       self._cache, ids, req.device, self._config)
                 return
             conn.sendall(_REPLY.pack(b"PDBR", OK, 0, payload))
             if self._cache.device.type == "cpu" and not isinstance(conn, ssl.SSLSocket):
@@ -248,11 +252,12 @@ class BlockServer:
 def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, mac: str,
                 first_block: int, dst: torch.Tensor, dst_ids: list[int],
                 config: KVConnectorConfig, deadline: Deadline, via: str = "tcp",
-                ranks: RankCaches | None = None) -> int:
+                ranks: RankCaches | None = None, groups: PairGroups | None = None) -> int:
     """Receive export blocks [first_block, first_block + len(dst_ids)) of `request_id` from the
     BlockServer at `address` straight into dst[:, :, dst_ids]; returns bytes received.
     `ranks`: a tensor-parallel receiver's every rank's cache (`dst` is the first): each
-    received piece is split over them (over tcp only).
+    received piece is split over them (over tcp only). `groups`: the torch_dist groups this
+    core keeps, one per sender (None: a group for this pull only).
 
     Up to `config.tcp_connections` connections (the calling thread's and one thread each for
     the others), each a contiguous sub-range. The first failure shuts every socket down, and
@@ -276,9 +281,10 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
     layout = ranks.layout if ranks is not None else (dst.shape[0], *dst.shape[3:])
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
                           tuple(layout), dtype_name(dst.dtype), via, dst.device.type)
-    pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks)
+    pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks,
+                 groups)
     per_block = ranks.block_nbytes if ranks is not None else block_nbytes(dst)
-    connections = config.tcp_connections if via == "tcp" else 1  # one group per pull
+    connections = config.tcp_connections if via == "tcp" else 1  # one group per pair
     parts = connection_ranges(len(dst_ids), connections)
     threads = [threading.Thread(target=pull.run_on_device, args=part, name="kv-blocks-recv",
                                 daemon=True) for part in parts[1:]]
@@ -316,9 +322,9 @@ class _Pull:
 
     def __init__(self, address: tuple[str, int], request: PullRequest, dst: torch.Tensor,
                  dst_ids: list[int], config: KVConnectorConfig, deadline: Deadline,
-                 ranks: RankCaches | None = None) -> None:
+                 ranks: RankCaches | None = None, groups: PairGroups | None = None) -> None:
         self.address, self.request, self.dst, self.dst_ids = address, request, dst, dst_ids
-        self.ranks = ranks
+        self.ranks, self.groups = ranks, groups
         self.config, self.deadline = config, deadline
         self.tls = client_context(_tls_config(config))
         self.error: KVTransferError | None = None
@@ -382,12 +388,17 @@ class _Pull:
                 sock.close()
                 raise ConnectionAbortedError("the pull was aborted")
             self._socks.add(sock)
+        key = f"{self.address[0]}:{self.address[1]}"
+        held = (self.groups.take(key) if self.request.via == "torch_dist"
+                and self.groups is not None else None)  # the group kept for this sender
         try:
             sock.settimeout(self._timeout())
             sock.connect(sockaddr)  # and the TLS handshake
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            dist = ({"group": held.group_id if held is not None else "", "keep": True}
+                    if self.request.via == "torch_dist" and self.groups is not None else {})
             body = msgspec.msgpack.encode(msgspec.structs.replace(
-                self.request, first=self.request.first + offset, count=count))
+                self.request, first=self.request.first + offset, count=count, **dist))
             sock.settimeout(self._timeout())
             sock.sendall(_HELLO.pack(b"PDBQ", VERSION, len(body)) + body)
             magic, status, length, payload = _REPLY.unpack(_recv(sock, _REPLY.size, self._timeout))
@@ -399,17 +410,10 @@ class _Pull:
             if status != OK:
                 raise KVWireError(f"the block server refused the pull: {reason}")
             if self.request.via == "torch_dist":
-                fields = reason.split(" ")
-                if len(fields) == 2:  # a sender from before messages were bounded: one
-                    fields.append(str(count))
-                if (len(fields) != 3 or payload != count * block_nbytes(self.dst)
-                        or not fields[0].isdigit() or fields[1] not in ("gloo", "nccl")
-                        or not fields[2].isdigit() or int(fields[2]) < 1):
-                    raise KVWireError("the block server's rendezvous reply is malformed")
-                port, kind, per_message = fields
-                return dist_blocks.receive_blocks(
-                    sock, self.address[0], int(port), kind, self.dst,
-                    self.dst_ids[offset:offset + count], self.deadline, int(per_message))
+                group, held = held, None  # receive_pull gives it back or closes it
+                return dist_blocks.receive_pull(
+                    sock, self.address[0], reason, payload, group, self.groups, key, self.dst,
+                    self.dst_ids[offset:offset + count], self.deadline, self.config)
             per_block = (self.ranks.block_nbytes if self.ranks is not None
                          else block_nbytes(self.dst))
             if payload != count * per_block:
@@ -426,6 +430,8 @@ class _Pull:
                       into=True)
             return payload
         finally:
+            if held is not None:  # never used: still the pair's (a refusal, a timeout before)
+                self.groups.give_back(key, held)  # type: ignore[union-attr]
             with self._lock:
                 self._socks.discard(sock)
             sock.close()

@@ -57,7 +57,7 @@ def blocks_loaded(child: Child) -> dict[str, float]:
                                                   reason="needs the ucxx package"))])
 def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
     """auto: same host, so the decode core copies out of the prefill core's cache file (shm);
-    tcp: the prefill core's block server; torch_dist: a gloo group per pull; ucxx: the
+    tcp: the prefill core's block server; torch_dist: a gloo group the two cores keep; ucxx: the
     prefill core's ucxx listener."""
     config = MeshConfig(model="smollm2", num_prefill=1, num_decode=1, kv_cache_memory="64MiB",
                         local_prefill_threshold=0, kv_backend=request.param)
