@@ -105,20 +105,17 @@ def serve_pull(conn: socket.socket, answer: Callable[[str], None], groups: PairG
     if pair is not None and pair.kind != kind:
         pair.close()
         pair = None
-    store = None
-    if pair is None:
-        store = open_store(config, config.io_timeout_s)
-        group_id = new_group_id() if keep else ""
-        answer(f"{store.port} {kind} {per_message}" + (f" {group_id}" if keep else ""))
-    else:
-        answer(f"0 {kind} {per_message} {pair.group_id}")
     ok = False
     try:
         if pair is None:
-            assert store is not None
+            store = open_store(config, config.io_timeout_s)
+            group_id = new_group_id() if keep else ""
+            answer(f"{store.port} {kind} {per_message}" + (f" {group_id}" if keep else ""))
             host = config.tcp_advertise_host or config.tcp_host
             pair = PairGroup(group_id, kind,
                              process_group(store, 0, kind, host, config.io_timeout_s), store)
+        else:
+            answer(f"0 {kind} {per_message} {pair.group_id}")
         send_blocks(conn, pair.group, cache, ids, kind, config, per_message)
         ok = True
     finally:
