@@ -9,6 +9,10 @@ travels in `CoreInfo` and the `shm` plane's StartTransfer reply. A receiver open
 named by its UUID: two processes with different `CUDA_VISIBLE_DEVICES` number GPUs
 differently.
 
+CUDA cannot open an IPC handle in the process that made it (torch's own sharing keeps a cache
+for that case), so a description this process shared opens as its own tensor: two engines in
+one process (the tests' in-thread cores, an `LLM` beside another) pull from each other too.
+
 Never exercised without a GPU: everything here is guarded by `torch.cuda.is_available()` and
 a failure to share or open falls back to TCP (the sender offers no `shm` without a handle; a
 receiver that cannot open one fails the pull, which recomputes).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -28,6 +33,10 @@ from pdmesh.kvstore.connector.cache_file import MAX_PEERS
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
 logger = logging.getLogger(__name__)
+
+_OWN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+"""The caches this process shared, by (handle, offset): opening one of them is a no-op."""
+_OWN_LOCK = threading.Lock()
 
 _FIELDS = ("device_uuid", "handle", "size", "offset", "ref_handle", "ref_offset", "event",
            "event_sync", "shape", "dtype")
@@ -45,6 +54,8 @@ def share(cache: torch.Tensor) -> str:
     except Exception as exc:  # MIG slices, drivers without IPC: TCP it is
         logger.warning("the KV cache cannot be shared over CUDA IPC (%s); peers use tcp", exc)
         return ""
+    with _OWN_LOCK:
+        _OWN[(bytes(handle).hex(), int(offset))] = weakref.ref(cache)
     return json.dumps({
         "device_uuid": uuid, "handle": bytes(handle).hex(), "size": int(size),
         "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
@@ -70,11 +81,17 @@ def open_peer(description: str) -> torch.Tensor:
         if not isinstance(meta, dict) or any(f not in meta for f in _FIELDS):
             raise ValueError("fields missing")
         shape = [int(d) for d in meta["shape"]]
+        handle, offset = str(meta["handle"]), int(meta["offset"])
         dtype = getattr(torch, str(meta["dtype"]))
         if not isinstance(dtype, torch.dtype) or len(shape) != 6:
             raise ValueError("bad layout")
     except (ValueError, TypeError) as exc:
         raise KVWireError(f"malformed CUDA IPC description: {exc}") from None
+    own = _own(handle, offset)
+    if own is not None:  # shared by this process: CUDA would refuse to open it here
+        if list(own.shape) != shape or own.dtype != dtype:
+            raise KVWireError("the CUDA IPC description does not match the cache it names")
+        return own
     device = _local_device(str(meta["device_uuid"]))
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
@@ -86,6 +103,15 @@ def open_peer(description: str) -> torch.Tensor:
     if tensor.numel() * tensor.element_size() > storage.nbytes():
         raise KVWireError("the CUDA IPC allocation is smaller than its layout")
     return tensor
+
+
+def _own(handle: str, offset: int) -> torch.Tensor | None:
+    with _OWN_LOCK:
+        ref = _OWN.get((handle, offset))
+        tensor = ref() if ref is not None else None
+        if ref is not None and tensor is None:  # freed: its allocation may be another's now
+            del _OWN[(handle, offset)]
+        return tensor
 
 
 class PeerDeviceCaches:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+import torch
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.engine_request import EngineRequest
@@ -20,7 +21,7 @@ from pdmesh.engine.frontend.llm_engine import LLMEngine
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.grant_mac import new_key
-from pdmesh.kvstore.connector.source import KVSource, LoadResult
+from pdmesh.kvstore.connector.source import KVSource, LoadResult, encode_blocks
 from tests.core_pulls import decode_with as pulled
 from tests.core_pulls import granted, greedy, lend, run
 
@@ -172,3 +173,53 @@ def test_an_abort_while_pulling_returns_the_blocks_once_the_pull_stops(pair) -> 
     assert decode.num_free_blocks == free_before
     assert "d6" not in decode.core.admission.loading
     assert prefill.core.release_kv("p6")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_two_cores_on_a_gpu_pull_only_what_is_missing_and_equal_an_undisturbed_run(
+        tmp_path, backend: str) -> None:
+    """Both caches on the GPU (random weights: nothing to download), as a P/D pair runs them:
+    the prefill core's checksums on the device (lin64) read on its model stream, its block
+    server reading through a pinned host buffer on a stream of its own (tcp) or the decode
+    core copying device to device out of the IPC handle (shm; here one process, so the
+    handle opens as the prefill core's own tensor), the decode core writing on its receiving
+    stream while async scheduling keeps steps in flight. Greedy float32: every token equals
+    one undisturbed run's; a second pull of the same prompt moves only the last block."""
+    from tests.random_llama import write_random_llama
+
+    model = str(write_random_llama(tmp_path / "model"))
+
+    def gpu_engine() -> LLMEngine:
+        config = EngineConfig(model=model, device="cuda", dtype="float32",
+                              kv_cache_memory="256MiB", max_model_len=512, block_size=16,
+                              engine_core_process=False)
+        return LLMEngine(config, KVConnectorConfig(grant_secret=new_key()))
+
+    ids = list(range(7, 7 + 4 * 16 + 5))  # four whole blocks and five tokens
+    reference = gpu_engine()
+    reference.add(EngineRequest("ref", ids, greedy(MAX_TOKENS)))
+    want = run(reference)
+    reference.core.close()
+    prefill, decode = gpu_engine(), gpu_engine()
+    try:
+        for rid, pulled_blocks in (("g1", 5), ("g2", 1)):
+            lent = lend(prefill, rid, ids, greedy(MAX_TOKENS))
+            if backend == "tcp":
+                source = granted(prefill, lent.source, "tcp",
+                                 prefill.core.connector.block_server_address, rid)
+            else:
+                info = prefill.core.info()
+                assert info.kv_cache_ipc, "the GPU cache could not be shared over CUDA IPC"
+                source = msgspec.structs.replace(lent.source, params={
+                    "cuda_ipc": info.kv_cache_ipc, "blocks": encode_blocks(lent.block_ids)})
+            got, load = pulled(decode, f"d{rid}", ids, lent.first, source, greedy(MAX_TOKENS))
+            assert not load.error, load.error
+            assert (load.pulled_blocks, load.reused_blocks) == (pulled_blocks,
+                                                                5 - pulled_blocks)
+            assert got == want
+            assert prefill.core.release_kv(rid)
+        assert decode.num_free_blocks == decode.num_total_blocks
+    finally:
+        prefill.core.close()
+        decode.core.close()
