@@ -9,7 +9,9 @@ Wire protocol (version 1; integers little-endian):
 
     client -> server  "PDBQ" u8 version u32 n, then n <= 4 KiB of msgpack `PullRequest`:
                       request_id, transfer_id, grant, mac, first, count,
-                      layout (layers, block_size, kv_heads, head_dim), dtype
+                      layout (layers, block_size, kv_heads, head_dim), dtype; for torch_dist
+                      also via, device and the pair's kept group (`dist_blocks.py`; fields
+                      left at their defaults are not sent)
     server -> client  "PDBR" u8 status u16 m u64 payload_bytes, then m bytes of UTF-8 reason;
                       status 0 = ok, 1 = denied (signature, unknown export, range, replay),
                       2 = refused (malformed request, version, layout mismatch)
