@@ -81,8 +81,11 @@ assemble_namespace() {  # pyproject's package-dir, as ../shared/GPU.md builds it
         ln -sfn "$PWD/$d" "$PKG/pdmesh/$d"
     done
     ln -sfn "$PWD/protos/pdmesh/v1" "$PKG/pdmesh/v1"
-    # The repository root last, for `tests`; python -P keeps its pdmesh/ from shadowing $PKG's.
+    # The repository root last, for `tests`; python -P keeps its pdmesh/ from shadowing $PKG's,
+    # and PYTHONSAFEPATH does the same for every child (`python -m pdmesh...`: engine cores,
+    # tensor-parallel ranks, the KV self-check's receiver), which -P does not reach.
     export PYTHONPATH="$PKG:$SITE:$PWD"
+    export PYTHONSAFEPATH=1
     export PDMESH_TEST_TOKENIZER="$PWD/$TOKENIZER"
     $PY -P -c "from pdmesh import LLM; import msgspec, zmq, google.protobuf as pb
 print('imports ok; protobuf', pb.__version__)"

@@ -181,8 +181,9 @@ async def receive(transfers: list[dict[str, Any]], device: torch.device,
                    shm_dir: str) -> dict[str, dict[str, Any]]:
     """Run the receiving core and return its reply per transport (a missing reply: it died)."""
     request = json.dumps({"device": str(device), "shm_dir": shm_dir, "transfers": transfers})
+    safe_path = ("-P",) if sys.flags.safe_path else ()  # as this process was started
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "pdmesh.kvstore.connector.selfcheck",
+        sys.executable, *safe_path, "-m", "pdmesh.kvstore.connector.selfcheck",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=core_environment(os.environ))
     try:
