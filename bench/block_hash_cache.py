@@ -36,6 +36,9 @@ import torch
 from pdmesh.engine.worker.cpu_threads import core_environment
 from pdmesh.kernels import cpu_native
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transfer import last_level_cache_bytes  # bench/transfer.py, beside this
+
 LAYERS, CACHE_BLOCKS, BLOCK, HEADS, HEAD_DIM, N = 30, 512, 16, 3, 64, 64
 
 
@@ -58,19 +61,6 @@ def busy_wait(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-def last_level_cache_bytes() -> int:
-    sizes = []
-    for path in os.scandir("/sys/devices/system/cpu/cpu0/cache"):
-        try:
-            with open(os.path.join(path.path, "size")) as f:
-                text = f.read().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
 
 
 def main() -> None:
