@@ -160,3 +160,27 @@ def test_the_registry_is_bounded_and_closes_what_it_lets_go() -> None:
     assert sorted(closed) == ["a", "b", "b2", "c"] and len(groups) == 0
     groups.give_back("d", PairGroup("d", "gloo", Group("d"), None))  # type: ignore
     assert closed[-1] == "d"  # given back after close: closed at once
+
+
+def test_a_group_left_unused_is_closed_when_the_registry_is_next_used() -> None:
+    closed: list[str] = []
+    now = [0.0]
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def shutdown(self) -> None:
+            closed.append(self.name)
+
+    groups = PairGroups(idle_s=60.0, clock=lambda: now[0])
+    groups.give_back("a", PairGroup("a", "gloo", Group("a"), None))  # type: ignore[arg-type]
+    now[0] = 30.0
+    groups.give_back("b", PairGroup("b", "gloo", Group("b"), None))  # type: ignore[arg-type]
+    now[0] = 70.0  # a: 70 s unused, b: 40 s
+    assert groups.take("a") is None and closed == ["a"]  # its peer is gone, say: closed
+    taken = groups.take("b")
+    assert taken is not None and taken.group_id == "b" and closed == ["a"]
+    groups.give_back("b", taken)  # used again: its 60 s start over
+    now[0] = 125.0
+    assert groups.take("b") is not None and closed == ["a"]
