@@ -62,7 +62,13 @@ import msgspec
 import numpy as np
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_nbytes, dtype_name, layout_mismatch, runs
+from pdmesh.kvstore.connector.blocks import (
+    block_nbytes,
+    dtype_name,
+    layout_mismatch,
+    on_device_of,
+    runs,
+)
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.exports import ExportRegistry
 from pdmesh.kvstore.connector.grant_ledger import GrantLedger, GrantRefused, signed
@@ -143,34 +149,33 @@ class _EventLoop:
     _loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def get(cls, device: torch.device | None = None) -> asyncio.AbstractEventLoop:
-        """The loop; the first call starts its thread with `device` current there (a core
-        process runs on one device)."""
+    def get(cls, cache: torch.Tensor | None = None) -> asyncio.AbstractEventLoop:
+        """The loop; the first call starts its thread with `cache`'s device current there (a
+        core process runs on one device)."""
         with cls._lock:
             if cls._loop is None:
                 from pdmesh.kvstore.transfer.backends.ucx import ucxx_runtime
 
                 ucxx_runtime()  # initialise UCX before the loop's first endpoint
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=_run_loop, args=(loop, device), name="kv-ucx-loop",
+                threading.Thread(target=_run_loop, args=(loop, cache), name="kv-ucx-loop",
                                  daemon=True).start()
                 cls._loop = loop
             return cls._loop
 
     @classmethod
     def run(cls, coro: Coroutine[Any, Any, _T],
-            device: torch.device | None = None) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, cls.get(device))
+            cache: torch.Tensor | None = None) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, cls.get(cache))
 
 
-def _run_loop(loop: asyncio.AbstractEventLoop, device: torch.device | None) -> None:
+def _run_loop(loop: asyncio.AbstractEventLoop, cache: torch.Tensor | None) -> None:
     """The loop thread. UCX moves device buffers (cuda_copy, cuda_ipc) with the CUDA context
     current on the thread that progresses it, and a new thread has none: the cache's device
-    is made current here, as on every other thread of the core that touches the cache
-    (`blocks.on_device_of`), so no context is created on device 0 or missing altogether."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
-    loop.run_forever()
+    is made current here, as on every other thread of the core that touches the cache, so no
+    context is created on device 0 or missing altogether."""
+    with on_device_of(cache) if cache is not None else contextlib.nullcontext():
+        loop.run_forever()
 
 
 def run_lengths(ids: Sequence[int]) -> list[int]:
@@ -240,7 +245,7 @@ class UcxBlockServer:
         """Listen on a port UCX picks; the address peers dial. ucxx binds every interface (it
         takes no address): what keeps strangers out is the signed grant, checked before any
         byte of KV is sent, and UCX carries no TLS, so `--tls` rules ucxx out."""
-        port = _EventLoop.run(self._listen(), self._cache.device).result()
+        port = _EventLoop.run(self._listen(), self._cache).result()
         host = self._config.tcp_advertise_host or self._config.tcp_host
         return f"{format_host(host.strip('[]'))}:{port}"
 
@@ -394,7 +399,7 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
         torch.cuda.current_stream(dst.device).synchronize()
     try:
         return _EventLoop.run(_pull(host.strip("[]"), int(port), request, dst, dst_ids,
-                                    deadline), dst.device).result()
+                                    deadline), dst).result()
     except KVTransferError as exc:
         if not exc.transfer_id:
             raise type(exc)(str(exc), **ids) from exc

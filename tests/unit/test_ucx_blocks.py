@@ -321,7 +321,8 @@ def test_the_loop_thread_runs_with_the_caches_device_current() -> None:
     core on cuda:1 must not have its transfers run (or a context made) on device 0."""
     loop = asyncio.new_event_loop()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
-    thread = threading.Thread(target=ucx_blocks._run_loop, args=(loop, device), daemon=True)
+    cache = torch.zeros(1, device=device)
+    thread = threading.Thread(target=ucx_blocks._run_loop, args=(loop, cache), daemon=True)
     thread.start()
 
     async def current() -> int:
