@@ -37,7 +37,7 @@ import torch
 
 from pdmesh.engine.worker.cpu_threads import core_environment
 from pdmesh.engine.worker.selfcheck_result import CheckResult
-from pdmesh.kvstore.connector.cache_file import shared_zeros
+from pdmesh.kvstore.connector.cache_file import SharedCache, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
 from pdmesh.kvstore.connector.grant_mac import new_key
@@ -59,6 +59,15 @@ CHILD_TIMEOUT_S = 60.0  # starting, importing torch, a CUDA context, every trans
 
 def kv_shape() -> tuple[int, ...]:
     return (LAYERS, 2, CACHE_BLOCKS, BLOCK, HEADS, HEAD_DIM)
+
+
+def new_cache(device: torch.device, shm_dir: str) -> tuple[torch.Tensor, SharedCache | None]:
+    """A zero KV cache as a core allocates it for peers: a shared file on the host, else a
+    device tensor (shared over CUDA IPC by its connector)."""
+    if device.type == "cpu":
+        shared = shared_zeros(kv_shape(), torch.float32, shm_dir)
+        return shared.tensor, shared
+    return torch.zeros(kv_shape(), device=device), None
 
 
 def block_digests(cache: torch.Tensor, block_ids: Sequence[int]) -> list[str]:
@@ -127,10 +136,7 @@ class SendingCore:
     async def started(cls, device: torch.device, workdir: Path,
                       backends: tuple[str, ...]) -> AsyncIterator[SendingCore]:
         shm_dir = str(workdir)
-        cache_file = shared_zeros(kv_shape(), torch.float32, shm_dir) \
-            if device.type == "cpu" else None
-        cache = cache_file.tensor if cache_file is not None else torch.zeros(kv_shape(),
-                                                                             device=device)
+        cache, cache_file = new_cache(device, shm_dir)
         cache.copy_(torch.randn(kv_shape(), generator=torch.Generator().manual_seed(0)))
         key = new_key()
         connector = KVConnector(KVConnectorConfig(shm_dir=shm_dir, tcp=True, grant_secret=key,
@@ -225,14 +231,12 @@ def judge(backend: str, skipped: str, reply: dict[str, Any] | None, want: list[s
 
 # -- the receiving core (its own process) -----------------------------------------------------
 async def receive_all(request: dict[str, Any]) -> list[dict[str, Any]]:
+    from pdmesh.engine.core.startup import make_device_current
+
     device = torch.device(request["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # as an engine core's start-up makes its device current
+    make_device_current(device)  # as an engine core's start-up does
     shm_dir = str(request["shm_dir"])
-    cache_file = shared_zeros(kv_shape(), torch.float32, shm_dir) if device.type == "cpu" \
-        else None
-    cache = cache_file.tensor if cache_file is not None else torch.zeros(kv_shape(),
-                                                                         device=device)
+    cache, cache_file = new_cache(device, shm_dir)
     connector = KVConnector(KVConnectorConfig(shm_dir=shm_dir, tcp=False), cache, cache_file)
     results = []
     try:
