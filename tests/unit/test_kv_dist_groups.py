@@ -4,7 +4,7 @@ the next, replaced when either side lost it, closed on failure; gloo on loopback
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -140,8 +140,8 @@ def test_a_receiver_that_keeps_no_group_gets_one_for_its_pull_only(pair: Pair) -
     assert len(pair.sender_groups) == 0 and len(pair.receiver_groups) == 0
 
 
-def test_the_registry_is_bounded_and_closes_what_it_lets_go() -> None:
-    closed: list[str] = []
+def recording(closed: list[str]) -> Callable[[str], PairGroup]:
+    """Groups for the registry's bookkeeping alone: each records its shutdown in `closed`."""
 
     class Group:
         def __init__(self, name: str) -> None:
@@ -150,33 +150,32 @@ def test_the_registry_is_bounded_and_closes_what_it_lets_go() -> None:
         def shutdown(self) -> None:
             closed.append(self.name)
 
+    return lambda name: PairGroup(name, "gloo", Group(name), None)  # type: ignore[arg-type]
+
+
+def test_the_registry_is_bounded_and_closes_what_it_lets_go() -> None:
+    closed: list[str] = []
+    group = recording(closed)
     groups = PairGroups(limit=2)
     for name in ("a", "b", "c"):
-        groups.give_back(name, PairGroup(name, "gloo", Group(name), None))  # type: ignore
+        groups.give_back(name, group(name))
     assert closed == ["a"] and len(groups) == 2  # the least recently used went
-    groups.give_back("b", PairGroup("b2", "gloo", Group("b2"), None))  # type: ignore
+    groups.give_back("b", group("b2"))
     assert closed == ["a", "b"]  # a second group for one key replaces the first
     groups.close()
     assert sorted(closed) == ["a", "b", "b2", "c"] and len(groups) == 0
-    groups.give_back("d", PairGroup("d", "gloo", Group("d"), None))  # type: ignore
+    groups.give_back("d", group("d"))
     assert closed[-1] == "d"  # given back after close: closed at once
 
 
 def test_a_group_left_unused_is_closed_when_the_registry_is_next_used() -> None:
     closed: list[str] = []
+    group = recording(closed)
     now = [0.0]
-
-    class Group:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def shutdown(self) -> None:
-            closed.append(self.name)
-
     groups = PairGroups(idle_s=60.0, clock=lambda: now[0])
-    groups.give_back("a", PairGroup("a", "gloo", Group("a"), None))  # type: ignore[arg-type]
+    groups.give_back("a", group("a"))
     now[0] = 30.0
-    groups.give_back("b", PairGroup("b", "gloo", Group("b"), None))  # type: ignore[arg-type]
+    groups.give_back("b", group("b"))
     now[0] = 70.0  # a: 70 s unused, b: 40 s
     assert groups.take("a") is None and closed == ["a"]  # its peer is gone, say: closed
     taken = groups.take("b")
