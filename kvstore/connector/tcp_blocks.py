@@ -432,8 +432,8 @@ class _Pull:
                       into=True)
             return payload
         finally:
-            if held is not None:  # never used: still the pair's (a refusal, a timeout before)
-                self.groups.give_back(key, held)  # type: ignore[union-attr]
+            if held is not None and self.groups is not None:  # never used: still the pair's
+                self.groups.give_back(key, held)  # (a refusal, a timeout before the reply)
             with self._lock:
                 self._socks.discard(sock)
             sock.close()
