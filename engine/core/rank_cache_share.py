@@ -10,8 +10,10 @@ rank 0 must reach every rank's cache:
   after a dead service remove them; rank 0 unlinks them when it closes).
 * **CUDA**: each rank shares its cache's allocation by a CUDA IPC handle
   (`kvstore/connector/cuda_ipc.py`: plain JSON, never pickled) written to the group's private
-  rendezvous directory, and rank 0 opens them on their devices. Never exercised without two
-  GPUs (tests/engine/test_kv_pull_across_tp.py runs it where they are).
+  rendezvous directory, and rank 0 maps them into its own device's context (peer access:
+  no CUDA context of rank 0's on the ranks' GPUs; torch's opener where the GPUs have no peer
+  access). Never exercised without two GPUs (tests/engine/test_kv_pull_across_tp.py runs it
+  where they are).
 
 Both end in one collective, a barrier every rank joins once its cache is published, where the
 ranks agree whether all of them could share; if one could not, rank 0 runs without a
@@ -127,7 +129,7 @@ def collect(share_how: CacheShare, directory: str, setup: EngineSetup,
             descriptions.append(f.read())
     caches = [setup.kv_cache]
     for rank, description in enumerate(descriptions[1:], start=1):
-        cache = open_device_peer(description)
+        cache = open_device_peer(description, setup.kv_cache.device).tensor  # kept for life
         if tuple(cache.shape) != heads(rank) or cache.dtype != setup.dtype:
             raise ValueError(f"tensor parallelism: rank {rank}'s shared KV cache has another "
                              "layout")

@@ -5,9 +5,16 @@ The sender shares its cache's CUDA allocation once at start-up (`share`: the han
 reference-count slot torch's IPC protocol keeps, as plain strings: never pickled); the handle
 travels in `CoreInfo` and the `shm` plane's StartTransfer reply. A receiver opens it once
 (`PeerDeviceCaches`) and copies runs of blocks from the mapping into its own cache with
-`copy_` (peer-to-peer where the GPUs allow it, through the host otherwise). The device is
-named by its UUID: two processes with different `CUDA_VISIBLE_DEVICES` number GPUs
-differently.
+`copy_`. The device is named by its UUID: two processes with different `CUDA_VISIBLE_DEVICES`
+number GPUs differently.
+
+Where the handle is opened matters on a node of several GPUs. torch's opener makes the
+sender's GPU current, which creates a CUDA context there in the receiving process (hundreds of
+MiB of a GPU whose engine budgeted all of it). So a receiver maps the handle into its *own*
+device's context through the driver (`cuda_driver.py`) and reads the sender's memory over peer
+access (NVLink, PCIe P2P); the mapping is a tensor on the receiver's device, and every copy
+runs on the receiver's streams. Only where the two GPUs cannot reach each other, or the driver
+refuses, does torch's opener serve (its copies then go through the host).
 
 CUDA cannot open an IPC handle in the process that made it (torch's own sharing keeps a cache
 for that case), so a description this process shared opens as its own tensor: two engines in
@@ -15,20 +22,27 @@ one process (the tests' in-thread cores, an `LLM` beside another) pull from each
 
 Never exercised without a GPU: everything here is guarded by `torch.cuda.is_available()` and
 a failure to share or open falls back to TCP (the sender offers no `shm` without a handle; a
-receiver that cannot open one fails the pull, which recomputes).
+receiver that cannot open one fails the pull, which recomputes). `pdmesh selftest` checks on a
+node's first run that a pull across GPUs created no context on the sender's GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import math
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pdmesh.kvstore.connector import cuda_driver
 from pdmesh.kvstore.connector.cache_file import MAX_PEERS
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
@@ -40,6 +54,10 @@ _OWN_LOCK = threading.Lock()
 
 _FIELDS = ("device_uuid", "handle", "size", "offset", "ref_handle", "ref_offset", "event",
            "event_sync", "shape", "dtype")
+
+OWN = "own"          # a cache this process shared itself
+MAPPED = "mapped"    # mapped into the receiver's device context (peer access across GPUs)
+TORCH = "torch"      # torch's opener, on the sender's device (a context there)
 
 
 def share(cache: torch.Tensor) -> str:
@@ -65,6 +83,71 @@ def share(cache: torch.Tensor) -> str:
     })
 
 
+@dataclass(frozen=True)
+class Description:
+    """A shared cache's description, validated."""
+
+    device_uuid: str
+    handle: bytes
+    size: int      # bytes of the shared storage
+    offset: int    # its start within the allocation the handle names
+    ref_handle: bytes
+    ref_offset: int
+    event: bytes
+    event_sync: bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def parse(cls, text: str) -> Description:
+        try:
+            meta: dict[str, Any] = json.loads(text)
+            if not isinstance(meta, dict) or any(f not in meta for f in _FIELDS):
+                raise ValueError("fields missing")
+            shape = tuple(int(d) for d in meta["shape"])
+            dtype = getattr(torch, str(meta["dtype"]))
+            if not isinstance(dtype, torch.dtype) or len(shape) != 6 or min(shape) < 0:
+                raise ValueError("bad layout")
+            out = cls(str(meta["device_uuid"]), bytes.fromhex(meta["handle"]),
+                      int(meta["size"]), int(meta["offset"]), bytes.fromhex(meta["ref_handle"]),
+                      int(meta["ref_offset"]),
+                      bytes.fromhex(meta["event"]) if meta["event"] else b"",
+                      bool(meta["event_sync"]), shape, dtype)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise KVWireError(f"malformed CUDA IPC description: {exc}") from None
+        if out.size < 0 or out.offset < 0 or out.nbytes > out.size:
+            raise KVWireError("the CUDA IPC allocation is smaller than its layout")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def ipc_mem_handle(handle: bytes) -> bytes | None:
+    """The 64-byte cudaIpcMemHandle inside torch's shareable handle, or None for one this
+    module cannot map itself (an expandable segment's; an unknown version): torch's opener.
+    Since torch 2.3 a handle is [format version][b"c": a cudaMalloc block][the 64 bytes];
+    versions 2 and 3 differ only elsewhere. Before, it was the 64 bytes alone."""
+    size = cuda_driver.IPC_HANDLE_BYTES
+    if len(handle) == size:
+        return handle
+    if len(handle) == size + 2 and handle[0] in (1, 2, 3) and handle[1:2] == b"c":
+        return handle[2:]
+    return None
+
+
+@dataclass(frozen=True)
+class PeerMapping:
+    """A peer's cache as this process reaches it, how it was opened (`OWN`, `MAPPED`,
+    `TORCH`), and what unmaps it (only a `MAPPED` one needs it: torch unmaps its own when the
+    storage dies, and nothing may use `tensor` after `close`)."""
+
+    tensor: torch.Tensor
+    how: str
+    close: Callable[[], None] = lambda: None
+
+
 def _local_device(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) == uuid:
@@ -72,36 +155,59 @@ def _local_device(uuid: str) -> int:
     raise KVBackendUnavailable(f"the peer's GPU {uuid} is not visible to this process")
 
 
-def open_peer(description: str) -> torch.Tensor:
-    """Map a peer's shared cache into this process (read only by convention)."""
+def open_peer(description: str, into: torch.device | None = None) -> PeerMapping:
+    """Map a peer's shared cache into this process (read only by convention), in the context
+    of `into` (the receiving cache's device) wherever the GPUs allow it."""
     if not torch.cuda.is_available():
         raise KVBackendUnavailable("a CUDA IPC source needs CUDA in this process")
-    try:
-        meta: dict[str, Any] = json.loads(description)
-        if not isinstance(meta, dict) or any(f not in meta for f in _FIELDS):
-            raise ValueError("fields missing")
-        shape = [int(d) for d in meta["shape"]]
-        handle, offset = str(meta["handle"]), int(meta["offset"])
-        dtype = getattr(torch, str(meta["dtype"]))
-        if not isinstance(dtype, torch.dtype) or len(shape) != 6:
-            raise ValueError("bad layout")
-    except (ValueError, TypeError) as exc:
-        raise KVWireError(f"malformed CUDA IPC description: {exc}") from None
-    own = _own(handle, offset)
+    meta = Description.parse(description)
+    own = _own(meta.handle.hex(), meta.offset)
     if own is not None:  # shared by this process: CUDA would refuse to open it here
-        if list(own.shape) != shape or own.dtype != dtype:
+        if tuple(own.shape) != meta.shape or own.dtype != meta.dtype:
             raise KVWireError("the CUDA IPC description does not match the cache it names")
-        return own
-    device = _local_device(str(meta["device_uuid"]))
+        return PeerMapping(own, OWN)
+    device = _local_device(meta.device_uuid)
     torch.cuda._lazy_init()
+    if into is not None and into.type == "cuda":
+        index = into.index if into.index is not None else torch.cuda.current_device()
+        mapped = _map_into(meta, device, index)
+        if mapped is not None:
+            return mapped
+    return PeerMapping(_open_with_torch(meta, device), TORCH)
+
+
+def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
+    """The allocation mapped into device `dst`'s context (None: torch's opener instead)."""
+    driver = cuda_driver.driver()
+    handle = ipc_mem_handle(meta.handle)
+    if driver is None or handle is None:
+        return None
+    if src != dst and not torch.cuda.can_device_access_peer(dst, src):
+        return None  # no P2P between the two: only torch's opener reaches it (via the host)
+    try:
+        base = driver.open_ipc(handle, dst)
+    except cuda_driver.CudaDriverError as exc:
+        logger.warning("the peer's KV cache cannot be mapped on cuda:%d (%s); opening it on "
+                       "cuda:%d instead", dst, exc, src)
+        return None
+    close = functools.partial(driver.close_ipc, base, dst)
+    try:
+        device = torch.device("cuda", dst)
+        storage = torch._C._construct_storage_from_data_pointer(base + meta.offset, device,
+                                                                 meta.size)
+        tensor = torch.empty(0, dtype=meta.dtype, device=device).set_(storage, 0, meta.shape)
+    except Exception:
+        close()
+        raise
+    return PeerMapping(tensor, MAPPED, close)
+
+
+def _open_with_torch(meta: Description, device: int) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(
-        device, bytes.fromhex(meta["handle"]), int(meta["size"]), int(meta["offset"]),
-        bytes.fromhex(meta["ref_handle"]), int(meta["ref_offset"]),
-        bytes.fromhex(meta["event"]) if meta["event"] else b"", bool(meta["event_sync"]))
-    tensor = torch.empty(0, dtype=dtype, device=f"cuda:{device}")
-    tensor.set_(storage, 0, shape)
-    if tensor.numel() * tensor.element_size() > storage.nbytes():
-        raise KVWireError("the CUDA IPC allocation is smaller than its layout")
+        device, meta.handle, meta.size, meta.offset, meta.ref_handle, meta.ref_offset,
+        meta.event, meta.event_sync)
+    tensor = torch.empty(0, dtype=meta.dtype, device=f"cuda:{device}")
+    tensor.set_(storage, 0, meta.shape)
     return tensor
 
 
@@ -114,28 +220,66 @@ def _own(handle: str, offset: int) -> torch.Tensor | None:
         return tensor
 
 
+@dataclass
+class _Entry:
+    mapping: PeerMapping
+    users: int = 0  # pulls between `opened` and its end
+
+
 class PeerDeviceCaches:
     """Peer caches opened on first use and kept, up to `MAX_PEERS`, most recent first (each
     mapping keeps its peer's whole allocation alive on that GPU, even after the peer exited,
     so a restarted peer's old mapping goes once newer ones push it out). Opened under the lock:
-    two pulls from a new peer share one mapping (each open takes a slot of torch's IPC
-    reference count)."""
+    two pulls from a new peer share one mapping (CUDA maps a handle once per context). A
+    mapping pushed out while a pull copies from it is closed when that pull ends."""
 
     def __init__(self) -> None:
-        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._maps: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._retired: dict[tuple[str, str], _Entry] = {}  # pushed out, still in use
         self._lock = threading.Lock()
 
-    def get(self, description: str) -> torch.Tensor:
-        with self._lock:
-            tensor = self._maps.get(description)
-            if tensor is None:
-                tensor = open_peer(description)
-                self._maps[description] = tensor
-                while len(self._maps) > MAX_PEERS:
-                    self._maps.popitem(last=False)
-            self._maps.move_to_end(description)
-            return tensor
+    @contextlib.contextmanager
+    def opened(self, descriptions: Sequence[str],
+               into: torch.device) -> Iterator[list[torch.Tensor]]:
+        """The peers' caches, for the block only: at its end nothing queued on `into` still
+        reads them (the pull's own copies were waited for; a failed one's are waited here)."""
+        taken: list[_Entry] = []
+        try:
+            with self._lock:
+                for description in descriptions:
+                    taken.append(self._take(description, into))
+            yield [entry.mapping.tensor for entry in taken]
+        finally:
+            if taken and into.type == "cuda":
+                torch.cuda.current_stream(into).synchronize()
+            with self._lock:
+                for entry in taken:
+                    entry.users -= 1
+                self._close_unused()
+
+    def _take(self, description: str, into: torch.device) -> _Entry:
+        key = (description, str(into))
+        entry = self._maps.get(key) or self._retired.pop(key, None)
+        if entry is None:
+            entry = _Entry(open_peer(description, into))
+        self._maps[key] = entry
+        self._maps.move_to_end(key)
+        entry.users += 1
+        while len(self._maps) > MAX_PEERS:
+            old_key, old = self._maps.popitem(last=False)
+            self._retired[old_key] = old
+        self._close_unused()
+        return entry
+
+    def _close_unused(self) -> None:
+        for key in [k for k, e in self._retired.items() if e.users == 0]:
+            try:
+                self._retired.pop(key).mapping.close()
+            except cuda_driver.CudaDriverError as exc:
+                logger.warning("closing a peer's KV cache mapping: %s", exc)
 
     def clear(self) -> None:
         with self._lock:
+            self._retired.update(self._maps)
             self._maps.clear()
+            self._close_unused()

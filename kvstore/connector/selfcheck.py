@@ -37,6 +37,7 @@ import torch
 
 from pdmesh.engine.worker.cpu_threads import core_environment
 from pdmesh.engine.worker.selfcheck_result import CheckResult
+from pdmesh.kvstore.connector import cuda_driver
 from pdmesh.kvstore.connector.cache_file import SharedCache, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
@@ -179,8 +180,18 @@ class SendingCore:
 
     def rows(self, replies: dict[str, dict[str, Any]]) -> list[CheckResult]:
         want = block_digests(self.connector.cache, EXPORTED)
-        return [judge(b, self.skipped[b], replies.get(b), want, self.device, self.receiver)
-                for b in self.backends]
+        peers = peer_access(self.device, self.receiver)
+        return [judge(b, self.skipped[b], replies.get(b), want, self.device, self.receiver,
+                      peers) for b in self.backends]
+
+
+def peer_access(device: torch.device, to: torch.device) -> bool:
+    """Whether the receiving GPU reaches the sender's memory directly (NVLink, PCIe P2P)."""
+    if device.type != "cuda" or to.type != "cuda":
+        return False
+    src, dst = (d.index if d.index is not None else torch.cuda.current_device()
+                for d in (device, to))
+    return src != dst and bool(torch.cuda.can_device_access_peer(dst, src))
 
 
 async def receive(transfers: list[dict[str, Any]], device: torch.device,
@@ -209,7 +220,10 @@ async def receive(transfers: list[dict[str, Any]], device: torch.device,
 
 
 def judge(backend: str, skipped: str, reply: dict[str, Any] | None, want: list[str],
-         device: torch.device, to: torch.device) -> CheckResult:
+          device: torch.device, to: torch.device, peers: bool = False) -> CheckResult:
+    """A transport's row. A same-host pull across GPUs that reach each other must map the
+    sender's cache into the receiver's own context: a context of its own on the sender's GPU
+    would take memory that engine budgeted (`cuda_ipc.py`)."""
     name = f"kv transfer {backend}"
     where = str(device) if to == device else f"{device} -> {to}"
     if skipped:
@@ -225,8 +239,15 @@ def judge(backend: str, skipped: str, reply: dict[str, Any] | None, want: list[s
     if reply.get("others_written"):
         return CheckResult(name, where, "fail", "blocks outside the pull were written",
                            seconds)
-    return CheckResult(name, where, "pass", f"{len(want)} blocks, {reply.get('bytes', 0)} "
-                                            "bytes", seconds)
+    detail = f"{len(want)} blocks, {reply.get('bytes', 0)} bytes"
+    created = ", ".join(f"cuda:{i}" for i in reply.get("new_contexts") or ())
+    if created and backend == "shm" and peers:
+        return CheckResult(name, where, "fail", f"the pull created a CUDA context on {created} "
+                           "in the receiving process instead of mapping the sender's cache "
+                           "into its own", seconds)
+    if created and backend == "shm":
+        detail += f"; no peer access between the GPUs: opened on {created}, through the host"
+    return CheckResult(name, where, "pass", detail, seconds)
 
 
 # -- the receiving core (its own process) -----------------------------------------------------
@@ -254,6 +275,7 @@ async def _pull_one(pulls: CorePulls, connector: KVConnector,
                     transfer: dict[str, Any]) -> dict[str, Any]:
     backend = str(transfer["backend"])
     handle = KVHandle.from_dict(transfer["handle"])
+    contexts = devices_with_context()
     started = time.perf_counter()
     try:
         deadline = Deadline.after(DEADLINE_S)
@@ -278,7 +300,16 @@ async def _pull_one(pulls: CorePulls, connector: KVConnector,
     others = [b for b in range(CACHE_BLOCKS) if b not in LANDED]
     return {"backend": backend, "seconds": seconds, "bytes": nbytes,
             "digests": block_digests(cache, LANDED),
-            "others_written": bool(cache[:, :, others].count_nonzero().item())}
+            "others_written": bool(cache[:, :, others].count_nonzero().item()),
+            "new_contexts": sorted(set(devices_with_context()) - set(contexts))}
+
+
+def devices_with_context() -> list[int]:
+    """The GPUs this process holds a CUDA context on ([] on a CPU host)."""
+    driver = cuda_driver.driver() if torch.cuda.is_available() else None
+    if driver is None:
+        return []
+    return [i for i in range(torch.cuda.device_count()) if driver.has_context(i)]
 
 
 def main() -> int:

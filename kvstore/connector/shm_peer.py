@@ -47,51 +47,20 @@ class ShmPeerTransport:
         dtype = DTYPES_BY_NAME[source.kv_dtype]
         if "cuda_ipc" in source.params:
             check_params(source.params, ("cuda_ipc", "blocks"))
-            src = self._device_ranks(source.params["cuda_ipc"], dst,
-                                     (layers, block_size, heads, head_dim), dtype)
-            num_cache_blocks = int(src.first.shape[2])
-        else:
-            check_params(source.params, PARAMS)
-            try:
-                num_cache_blocks = int(source.params["num_blocks"])
-            except ValueError:
-                raise KVWireError("shm source: num_blocks is not an integer") from None
-            src = self._peer_ranks(source.params["cache"].split(","), dst,
-                                   (layers, 2, num_cache_blocks, block_size, heads, head_dim),
+            descriptions = ipc_descriptions(source.params["cuda_ipc"])
+            rank_heads = sender_heads(dst, len(descriptions), heads)  # before opening any
+            with self.device_peers.opened(descriptions, dst.first.device) as peers:
+                src = device_ranks(peers, dst, (layers, block_size, head_dim), rank_heads,
                                    dtype)
-        src_ids = decode_blocks(source.params["blocks"], num_cache_blocks)
-        wanted = src_ids[first_block:first_block + len(dst_ids)]
-        if len(wanted) != len(dst_ids):
-            raise KVWireError(f"shm source: the export has {len(src_ids)} blocks, "
-                              f"{first_block + len(dst_ids)} wanted")
-        sums = copy_across(algo, dst, dst_ids, src, wanted)
-        return sum(len(dst_ids) * block_nbytes(c) for c in dst.caches), sums
-
-    def _device_ranks(self, text: str, ours: RankCaches, layout: tuple[int, int, int, int],
-                      dtype: torch.dtype) -> RankCaches:
-        """The sender's device cache(s) opened: one IPC description, or a tensor-parallel
-        sender's JSON list of every rank's, each checked against its rank's layout."""
-        layers, block_size, heads, head_dim = layout
-        descriptions = [text]
-        if text.startswith("["):
-            try:
-                descriptions = json.loads(text)
-            except ValueError:
-                raise KVWireError("shm source: malformed list of CUDA IPC handles") from None
-            if (not isinstance(descriptions, list) or not 1 <= len(descriptions) <= MAX_RANKS
-                    or not all(isinstance(d, str) for d in descriptions)):
-                raise KVWireError("shm source: malformed list of CUDA IPC handles")
-        world = len(descriptions)
-        caches = []
-        for description, rank_heads in zip(descriptions, sender_heads(ours, world, heads),
-                                           strict=True):
-            peer = self.device_peers.get(description)
-            expected = (layers, 2, int(peer.shape[2]), block_size, rank_heads, head_dim)
-            if tuple(peer.shape) != expected or peer.dtype != dtype or (
-                    caches and peer.shape[2] != caches[0].shape[2]):
-                raise KVWireError("shm source: the peer's device cache has another layout")
-            caches.append(peer)
-        return RankCaches(tuple(caches), ours.shape if world > 1 else None)
+                return _copy(source, first_block, dst, dst_ids, src, algo)
+        check_params(source.params, PARAMS)
+        try:
+            num_cache_blocks = int(source.params["num_blocks"])
+        except ValueError:
+            raise KVWireError("shm source: num_blocks is not an integer") from None
+        src = self._peer_ranks(source.params["cache"].split(","), dst,
+                               (layers, 2, num_cache_blocks, block_size, heads, head_dim), dtype)
+        return _copy(source, first_block, dst, dst_ids, src, algo)
 
     def _peer_ranks(self, names: list[str], ours: RankCaches, whole: tuple[int, ...],
                     dtype: torch.dtype) -> RankCaches:
@@ -105,6 +74,45 @@ class ShmPeerTransport:
     def close(self) -> None:
         self.peers.clear()
         self.device_peers.clear()
+
+
+def _copy(source: KVSource, first_block: int, dst: RankCaches, dst_ids: list[int],
+          src: RankCaches, algo: ChecksumAlgo) -> tuple[int, list[int]]:
+    """Export blocks [first_block, first_block + len(dst_ids)) of `src` into `dst_ids`."""
+    src_ids = decode_blocks(source.params["blocks"], int(src.first.shape[2]))
+    wanted = src_ids[first_block:first_block + len(dst_ids)]
+    if len(wanted) != len(dst_ids):
+        raise KVWireError(f"shm source: the export has {len(src_ids)} blocks, "
+                          f"{first_block + len(dst_ids)} wanted")
+    sums = copy_across(algo, dst, dst_ids, src, wanted)
+    return sum(len(dst_ids) * block_nbytes(c) for c in dst.caches), sums
+
+
+def ipc_descriptions(text: str) -> list[str]:
+    """One IPC description, or a tensor-parallel sender's JSON list of every rank's."""
+    if not text.startswith("["):
+        return [text]
+    try:
+        descriptions = json.loads(text)
+    except ValueError:
+        raise KVWireError("shm source: malformed list of CUDA IPC handles") from None
+    if (not isinstance(descriptions, list) or not 1 <= len(descriptions) <= MAX_RANKS
+            or not all(isinstance(d, str) for d in descriptions)):
+        raise KVWireError("shm source: malformed list of CUDA IPC handles")
+    return descriptions
+
+
+def device_ranks(peers: list[torch.Tensor], ours: RankCaches, layout: tuple[int, int, int],
+                 rank_heads: list[int], dtype: torch.dtype) -> RankCaches:
+    """The sender's opened device cache(s), each checked against its rank's layout
+    (layers, block size, head dim; `rank_heads`: the KV heads each rank holds)."""
+    layers, block_size, head_dim = layout
+    for peer, heads in zip(peers, rank_heads, strict=True):
+        expected = (layers, 2, int(peer.shape[2]), block_size, heads, head_dim)
+        if (tuple(peer.shape) != expected or peer.dtype != dtype
+                or peer.shape[2] != peers[0].shape[2]):
+            raise KVWireError("shm source: the peer's device cache has another layout")
+    return RankCaches(tuple(peers), ours.shape if len(peers) > 1 else None)
 
 
 def sender_heads(ours: RankCaches, world: int, num_kv_heads: int) -> list[int]:

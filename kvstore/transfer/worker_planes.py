@@ -101,7 +101,8 @@ class CacheFilePlane(DataPlaneServer):
         if not os.path.isdir(directory):
             raise KVTransferError(f"shm directory {directory} does not exist")
         sweep_kv_segments(directory)  # cache files and segments of dead services
-        self.challenge = HostChallenge(directory)
+        # A device cache's IPC handle opens only in this PID namespace (hostid.py).
+        self.challenge = HostChallenge(directory, same_pid_namespace=bool(core.cache_ipc))
 
     def refusal(self, transfer_id: str, receiver_proof: str) -> str | None:
         return self.challenge.refusal(transfer_id, receiver_proof)

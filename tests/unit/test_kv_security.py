@@ -178,6 +178,27 @@ def test_shm_needs_proof_of_the_same_shm_directory(shm_dir: str, tmp_path: Path)
     run(go())
 
 
+def test_a_cuda_ipc_plane_is_the_same_host_only_within_its_pid_namespace(
+        shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU sender's `shm` is a CUDA IPC handle, which opens only in the PID namespace that
+    made it: a receiver in another one (a container sharing /dev/shm, not PIDs) gets tcp."""
+    from pdmesh.kvstore.transfer.backends import hostid
+
+    file_plane = hostid.HostChallenge(shm_dir)
+    ipc_plane = hostid.HostChallenge(shm_dir, same_pid_namespace=True)
+    transfer = "t" * 32
+    try:
+        for challenge in (file_plane, ipc_plane):
+            proof = hostid.host_proof(shm_dir, challenge.key, transfer)
+            assert proof is not None and challenge.verify(transfer, proof)
+        monkeypatch.setattr(hostid, "pid_namespace", lambda: "4026531999")
+        assert hostid.host_proof(shm_dir, file_plane.key, transfer) is not None
+        assert hostid.host_proof(shm_dir, ipc_plane.key, transfer) is None
+    finally:
+        file_plane.close()
+        ipc_plane.close()
+
+
 def test_tls_without_a_ca_still_encrypts(certs: CertSet, shm_dir: str) -> None:
     """cert+key only on the sender, CA only on the receiver: TLS, no client certificates."""
     server = TLSConfig(str(certs.cert), str(certs.key))

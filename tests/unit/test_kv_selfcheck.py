@@ -50,5 +50,12 @@ def test_the_verdict_reads_what_the_receiver_saw() -> None:
                  cpu).detail == "KVTransferDenied: no"
     skipped = judge("ucxx", "ucxx is not installed", None, want, cpu, cpu)
     assert (skipped.outcome, skipped.detail) == ("skip", "ucxx is not installed")
-    across = judge("shm", "", ok, want, torch.device("cuda", 0), torch.device("cuda", 1))
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    across = judge("shm", "", ok, want, gpu0, gpu1)
     assert across.device == "cuda:0 -> cuda:1"
+    # A pull across GPUs that reach each other must not open a context on the sender's.
+    opened_there = {**ok, "new_contexts": [0]}
+    assert judge("shm", "", opened_there, want, gpu0, gpu1, peers=True).outcome == "fail"
+    assert judge("shm", "", ok, want, gpu0, gpu1, peers=True).outcome == "pass"
+    no_p2p = judge("shm", "", opened_there, want, gpu0, gpu1, peers=False)
+    assert no_p2p.outcome == "pass" and "no peer access" in no_p2p.detail

@@ -10,6 +10,12 @@ key; a receiver proves that it reads the same directory by sending HMAC(nonce, t
 which only a process that can open that file can compute (`HostChallenge.verify`,
 `host_proof`). The file follows the shm segment naming, so the sweeps that remove segments of
 dead processes remove it too.
+
+A GPU engine's `shm` plane is a CUDA IPC handle, not a file, and CUDA opens such a handle only
+in the PID namespace that made it: two containers started with the host's IPC namespace
+(`docker run --ipc=host`, as vLLM's images are run) share /dev/shm but not their PIDs, and
+every pull between them would fail and recompute. So such a sender's key also names its PID
+namespace, and a receiver in another one does not claim the same host (it picks tcp).
 """
 
 from __future__ import annotations
@@ -50,10 +56,14 @@ def _proof(nonce: bytes, transfer_id: str) -> str:
     return hmac.new(nonce, transfer_id.encode(), hashlib.sha256).hexdigest()
 
 
-class HostChallenge:
-    """The sender's nonce file; `key` goes into every handle it publishes."""
+_PID_NS = "+pidns:"
 
-    def __init__(self, shm_dir: str) -> None:
+
+class HostChallenge:
+    """The sender's nonce file; `key` goes into every handle it publishes (with this
+    process's PID namespace where `same_pid_namespace`: a CUDA IPC plane)."""
+
+    def __init__(self, shm_dir: str, same_pid_namespace: bool = False) -> None:
         self._dir = os.path.realpath(shm_dir)
         name = f"pdmesh-kv-{pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex}"
         self._path = os.path.join(self._dir, name)
@@ -63,7 +73,10 @@ class HostChallenge:
             os.write(fd, self._nonce)
         finally:
             os.close(fd)
-        self.key = f"{host_key(self._dir)}/{name}"
+        base = host_key(self._dir)
+        if same_pid_namespace:
+            base += f"{_PID_NS}{pid_namespace()}"
+        self.key = f"{base}/{name}"
 
     def verify(self, transfer_id: str, proof: str) -> bool:
         """Constant-time check of a receiver's `host_proof` for `transfer_id`."""
@@ -85,9 +98,12 @@ class HostChallenge:
 def host_proof(shm_dir: str, sender_key: str, transfer_id: str) -> str | None:
     """The proof that we read the sender's shm directory, or None if we cannot."""
     base, _, name = sender_key.rpartition("/")
+    base, has_pid_ns, pid_ns = base.partition(_PID_NS)
     directory = os.path.realpath(shm_dir)
     if base != host_key(directory) or not _NONCE_NAME.fullmatch(name):
         return None  # another host or another shm mount: do not even look
+    if has_pid_ns and pid_ns != pid_namespace():
+        return None  # a CUDA IPC handle from another PID namespace cannot be opened here
     try:
         fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
