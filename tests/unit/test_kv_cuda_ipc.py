@@ -2,8 +2,9 @@
 driver calls that map it into the receiver's own context (cuda_driver.py).
 
 Without a GPU: the handle's format, the description's checks, the mappings' lifetimes (with a
-faked opener) and the driver binding's call discipline (with a faked libcuda). Where CUDA is,
-a spawned process maps a cache shared here, on the same GPU and across two."""
+faked opener) and the driver binding's call discipline (with a faked libcuda, and against a
+stand-in compiled from the driver's C prototypes). Where CUDA is, a spawned process maps a
+cache shared here, on the same GPU and across two."""
 
 from __future__ import annotations
 
@@ -257,3 +258,64 @@ def test_a_peer_process_maps_the_cache_into_its_own_context(into: str) -> None:
     assert reply["how"] == (cuda_ipc.MAPPED if peers else cuda_ipc.TORCH)
     if peers:
         assert reply["new_contexts"] == []
+
+
+_STAND_IN_LIBCUDA = r"""
+/* The driver entry points cuda_driver.py binds, with the driver's own C signatures: what
+   they receive is recorded, so the test reads what crossed the ABI. */
+#include <string.h>
+typedef struct { char reserved[64]; } CUipcMemHandle;
+static int current = -1, retained = 0;
+unsigned char seen_handle[64];
+unsigned int seen_flags = 0, opened_in = 99;
+unsigned long long closed = 0;
+int cuInit(unsigned int flags) { return flags == 0 ? 0 : 1; }
+int cuDeviceGet(int *device, int ordinal) { *device = 100 + ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int device) {
+    retained++; *ctx = (void *)(long)(device * 16); return 0; }
+int cuDevicePrimaryCtxRelease_v2(int device) { retained--; return device >= 100 ? 0 : 1; }
+int cuDevicePrimaryCtxGetState(int device, unsigned int *flags, int *active) {
+    *flags = 0; *active = device == 101; return 0; }
+int cuCtxPushCurrent_v2(void *ctx) { current = (int)((long)ctx / 16) - 100; return 0; }
+int cuCtxPopCurrent_v2(void **ctx) { *ctx = 0; current = -1; return 0; }
+int cuIpcOpenMemHandle_v2(unsigned long long *address, CUipcMemHandle handle, unsigned int flags) {
+    memcpy(seen_handle, handle.reserved, 64); seen_flags = flags; opened_in = current;
+    *address = 0x7f0000001000ULL; return current >= 0 ? 0 : 201; }
+int cuIpcCloseMemHandle(unsigned long long address) {
+    closed = address; return current >= 0 ? 0 : 201; }
+int cuGetErrorName(int code, const char **name) {
+    *name = code == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : "CUDA_ERROR_UNKNOWN"; return 0; }
+int stand_in_retained(void) { return retained; }
+"""
+
+
+@pytest.mark.processes
+def test_the_driver_binding_matches_the_drivers_c_signatures(tmp_path) -> None:
+    """A stand-in libcuda compiled here from the driver's C prototypes: the handle arrives by
+    value, byte for byte, with the lazy peer-access flag, in the receiver's context, and every
+    retained context is released."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source, library = tmp_path / "libcuda.c", tmp_path / "libcuda.so.1"
+    source.write_text(_STAND_IN_LIBCUDA)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source)],
+                   check=True)
+    lib = ctypes.CDLL(str(library))
+    driver = cuda_driver.Driver(cuda_driver._resolve(lib))
+    driver._call("init", 0)
+
+    handle = bytes(range(7, 71))
+    assert driver.open_ipc(handle, 1) == 0x7F00_0000_1000
+    assert bytes((ctypes.c_ubyte * 64).in_dll(lib, "seen_handle")) == handle
+    assert ctypes.c_uint.in_dll(lib, "seen_flags").value == cuda_driver.LAZY_ENABLE_PEER_ACCESS
+    assert ctypes.c_uint.in_dll(lib, "opened_in").value == 1  # device 1's context was current
+    driver.close_ipc(0x7F00_0000_1000, 1)
+    assert ctypes.c_ulonglong.in_dll(lib, "closed").value == 0x7F00_0000_1000
+    assert (driver.has_context(1), driver.has_context(0)) == (True, False)
+    assert lib.stand_in_retained() == 0
+    with pytest.raises(cuda_driver.CudaDriverError, match="CUDA_ERROR_INVALID_CONTEXT"):
+        driver._call("ipc_close", ctypes.c_uint64(1))  # no context current: the driver's error
