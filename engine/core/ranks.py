@@ -54,6 +54,7 @@ from pdmesh.engine.worker.cpu_threads import core_environment, rank_threads, usa
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel, join_group
 from pdmesh.engine.worker.parallel.step_channel import StepChannel
 from pdmesh.kvstore.connector.config import KVConnectorConfig
+from pdmesh.kvstore.connector.cuda_ipc import unshare
 from pdmesh.leftovers import CORE_DIR_PREFIX, pid_namespace
 
 logger = logging.getLogger(__name__)
@@ -260,6 +261,8 @@ class Ranks:
                     p.process.stdin.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         remove_files(self.share)
+        if self.shared is not None and self.shared.ipcs:
+            unshare(self.shared.ipcs[0])  # rank 0's own cache (the ranks' end with them)
 
 
 def exit_on_rank_failure(reason: str) -> None:

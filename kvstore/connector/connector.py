@@ -49,7 +49,7 @@ from pdmesh.kvstore.connector.blocks import (
 )
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.cuda_ipc import share
+from pdmesh.kvstore.connector.cuda_ipc import share, unshare
 from pdmesh.kvstore.connector.dist_groups import PairGroups
 from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
@@ -95,9 +95,10 @@ class KVConnector:
         self._ucx = None
         self.ucx_address = ""  # the core's ucxx listener (`ucx_blocks.py`); empty: none
         # CUDA IPC: one description, or a tensor-parallel core's every rank's as a JSON list
-        self.cache_ipc = (json.dumps(list(rank_ipcs)) if rank_ipcs
-                          else share(cache) if cache.device.type == "cuda"
-                          and self.ranks.world == 1 else "")
+        # (shared by the ranks themselves: engine/core/rank_cache_share.py)
+        self._shared = (share(cache) if cache.device.type == "cuda" and not rank_ipcs
+                        and self.ranks.world == 1 else "")
+        self.cache_ipc = json.dumps(list(rank_ipcs)) if rank_ipcs else self._shared
 
     def start(self) -> None:
         """Start the block server (when TCP is on) and the ucxx listener (when UCX is on and
@@ -245,5 +246,6 @@ class KVConnector:
         if self._ucx is not None:
             self._ucx.close()
         self._shm.close()
+        unshare(self._shared)  # the cache may go back to torch's pool once the engine drops it
         if self.cache_file is not None:
             self.cache_file.close()

@@ -83,6 +83,24 @@ def share(cache: torch.Tensor) -> str:
     })
 
 
+def unshare(description: str) -> None:
+    """Give back the reference torch's IPC protocol counts for a `share`, before the cache is
+    freed. torch keeps a shared allocation out of its pool until every holder has released
+    it, and receivers that map the handle through the driver never do: without this, an
+    engine torn down in its process (tests, an `LLM` beside another) would keep its whole KV
+    cache. A receiver that still maps it keeps the allocation alive on the device itself."""
+    if not description:
+        return
+    try:
+        meta = Description.parse(description)
+    except KVWireError:
+        return
+    with _OWN_LOCK:
+        _OWN.pop((meta.handle.hex(), meta.offset), None)
+    if meta.ref_handle and torch.cuda.is_available():
+        torch.UntypedStorage._release_ipc_counter_cuda(meta.ref_handle, meta.ref_offset)
+
+
 @dataclass(frozen=True)
 class Description:
     """A shared cache's description, validated."""

@@ -61,6 +61,20 @@ def test_a_description_is_checked_before_anything_is_opened() -> None:
             Description.parse(bad)
 
 
+@pytest.mark.fast
+def test_unsharing_forgets_the_cache_as_this_processs_own() -> None:
+    import weakref
+
+    cache = torch.zeros(1)
+    meta = Description.parse(_description())
+    key = (meta.handle.hex(), meta.offset)
+    cuda_ipc._OWN[key] = weakref.ref(cache)
+    cuda_ipc.unshare(_description(ref_handle=""))  # no counter named: nothing to release
+    assert key not in cuda_ipc._OWN
+    cuda_ipc.unshare("")  # a cache that was never shared
+    cuda_ipc.unshare("{")  # nor a malformed one: teardown never raises on it
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where no GPU is")
 @pytest.mark.fast
 def test_a_host_without_cuda_refuses_an_ipc_source() -> None:
@@ -207,6 +221,26 @@ def test_a_failed_driver_call_leaves_no_context_pushed_or_retained() -> None:
 
 
 # -- where CUDA is ----------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_unshared_cache_goes_back_to_torchs_pool_when_freed() -> None:
+    """torch holds a shared allocation until its IPC count is released, and a receiver that
+    maps it through the driver never releases it: the sender's `unshare` does, so a cache
+    freed in its process is memory again (not kept in torch's limbo)."""
+    import gc
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = torch.empty((*SHAPE[:2], 4096, *SHAPE[3:]), device="cuda:0")
+    description = cuda_ipc.share(cache)
+    assert description and torch.cuda.memory_allocated() > before
+    cuda_ipc.unshare(description)
+    del cache
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+
 def _map_in_child(description: str, blocks: str, into: str, out) -> None:  # spawned
     from pdmesh.kvstore.connector.rank_caches import RankCaches
     from pdmesh.kvstore.connector.selfcheck import devices_with_context
