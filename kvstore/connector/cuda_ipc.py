@@ -194,6 +194,19 @@ def open_peer(description: str, into: torch.device | None = None) -> PeerMapping
     return PeerMapping(_open_with_torch(meta, device), TORCH)
 
 
+@dataclass
+class _Mapped:
+    base: int   # the allocation's address in this process
+    users: int  # PeerMappings over it not yet closed
+
+
+_MAPPED: dict[tuple[bytes, int], _Mapped] = {}
+"""The driver mappings of this process, by (cudaIpcMemHandle, device): CUDA maps a handle once
+per context, and two engines of one process (a tensor-parallel core's rank 0 and a peer
+pulling from the same ranks) may both need it, as torch's own opener allows."""
+_MAPPED_LOCK = threading.Lock()
+
+
 def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
     """The allocation mapped into device `dst`'s context (None: torch's opener instead)."""
     driver = cuda_driver.driver()
@@ -203,12 +216,12 @@ def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
     if src != dst and not torch.cuda.can_device_access_peer(dst, src):
         return None  # no P2P between the two: only torch's opener reaches it (via the host)
     try:
-        base = driver.open_ipc(handle, dst)
+        base = _acquire(driver, handle, dst)
     except cuda_driver.CudaDriverError as exc:
         logger.warning("the peer's KV cache cannot be mapped on cuda:%d (%s); opening it on "
                        "cuda:%d instead", dst, exc, src)
         return None
-    close = functools.partial(driver.close_ipc, base, dst)
+    close = functools.partial(_unmap, driver, (handle, dst))
     try:
         device = torch.device("cuda", dst)
         storage = torch._C._construct_storage_from_data_pointer(base + meta.offset, device,
@@ -218,6 +231,26 @@ def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
         close()
         raise
     return PeerMapping(tensor, MAPPED, close)
+
+
+def _acquire(driver: cuda_driver.Driver, handle: bytes, device: int) -> int:
+    """The handle's allocation mapped on `device` (mapped now, or already): its address."""
+    with _MAPPED_LOCK:
+        mapped = _MAPPED.get((handle, device))
+        if mapped is None:
+            mapped = _MAPPED[(handle, device)] = _Mapped(driver.open_ipc(handle, device), 0)
+        mapped.users += 1
+        return mapped.base
+
+
+def _unmap(driver: cuda_driver.Driver, key: tuple[bytes, int]) -> None:
+    """One PeerMapping over a driver mapping closed: unmapped with the last of them."""
+    with _MAPPED_LOCK:  # closed under the lock: a new open of the handle waits for it
+        mapped = _MAPPED[key]
+        mapped.users -= 1
+        if mapped.users == 0:
+            del _MAPPED[key]
+            driver.close_ipc(mapped.base, key[1])
 
 
 def _open_with_torch(meta: Description, device: int) -> torch.Tensor:

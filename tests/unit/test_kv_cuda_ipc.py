@@ -353,3 +353,22 @@ def test_the_driver_binding_matches_the_drivers_c_signatures(tmp_path) -> None:
     assert lib.stand_in_retained() == 0
     with pytest.raises(cuda_driver.CudaDriverError, match="CUDA_ERROR_INVALID_CONTEXT"):
         driver._call("ipc_close", ctypes.c_uint64(1))  # no context current: the driver's error
+
+
+@pytest.mark.fast
+def test_a_handle_is_mapped_once_per_device_however_many_use_it() -> None:
+    """Two engines of one process (a tensor-parallel rank 0 and a peer pulling from the same
+    ranks) share the driver's mapping; the last to close it unmaps it."""
+    lib = _FakeLibcuda()
+    driver = cuda_driver.Driver(cuda_driver._resolve(lib))  # type: ignore[arg-type]
+    handle = bytes(range(1, 65))
+    first = cuda_ipc._acquire(driver, handle, 0)
+    assert cuda_ipc._acquire(driver, handle, 0) == first
+    assert lib.log.count("cuIpcOpenMemHandle") == 1
+    cuda_ipc._acquire(driver, handle, 1)  # another device's context: a mapping of its own
+    assert lib.log.count("cuIpcOpenMemHandle") == 2
+    cuda_ipc._unmap(driver, (handle, 0))
+    assert "cuIpcCloseMemHandle" not in lib.log
+    cuda_ipc._unmap(driver, (handle, 0))
+    cuda_ipc._unmap(driver, (handle, 1))
+    assert lib.log.count("cuIpcCloseMemHandle") == 2 and not cuda_ipc._MAPPED
