@@ -155,6 +155,16 @@ def ipc_mem_handle(handle: bytes) -> bytes | None:
     return None
 
 
+def mappable(description: str) -> bool:
+    """Whether this process maps the description's handle itself, through the driver (else
+    torch's opener serves it: an expandable segment's handle, no driver)."""
+    try:
+        handle = ipc_mem_handle(Description.parse(description).handle)
+    except KVWireError:
+        return False
+    return handle is not None and cuda_driver.driver() is not None
+
+
 @dataclass(frozen=True)
 class PeerMapping:
     """A peer's cache as this process reaches it, how it was opened (`OWN`, `MAPPED`,

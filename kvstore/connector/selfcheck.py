@@ -41,6 +41,7 @@ from pdmesh.kvstore.connector import cuda_driver
 from pdmesh.kvstore.connector.cache_file import SharedCache, shared_zeros
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.connector import KVConnector
+from pdmesh.kvstore.connector.cuda_ipc import mappable
 from pdmesh.kvstore.connector.grant_mac import new_key
 from pdmesh.kvstore.connector.source import WORKER_BACKENDS, KVSource
 from pdmesh.kvstore.transfer.core_pull import CorePulls
@@ -241,12 +242,14 @@ def judge(backend: str, skipped: str, reply: dict[str, Any] | None, want: list[s
                            seconds)
     detail = f"{len(want)} blocks, {reply.get('bytes', 0)} bytes"
     created = ", ".join(f"cuda:{i}" for i in reply.get("new_contexts") or ())
-    if created and backend == "shm" and peers:
+    if created and backend == "shm" and peers and reply.get("mappable"):
         return CheckResult(name, where, "fail", f"the pull created a CUDA context on {created} "
                            "in the receiving process instead of mapping the sender's cache "
                            "into its own", seconds)
     if created and backend == "shm":
-        detail += f"; no peer access between the GPUs: opened on {created}, through the host"
+        why = ("torch's opener (a handle the driver cannot map here, e.g. an expandable "
+               "segment's)" if peers else "no peer access between the GPUs")
+        detail += f"; {why}: a CUDA context on {created}"
     return CheckResult(name, where, "pass", detail, seconds)
 
 
@@ -301,7 +304,8 @@ async def _pull_one(pulls: CorePulls, connector: KVConnector,
     return {"backend": backend, "seconds": seconds, "bytes": nbytes,
             "digests": block_digests(cache, LANDED),
             "others_written": bool(cache[:, :, others].count_nonzero().item()),
-            "new_contexts": sorted(set(devices_with_context()) - set(contexts))}
+            "new_contexts": sorted(set(devices_with_context()) - set(contexts)),
+            "mappable": "cuda_ipc" in pull.params and mappable(pull.params["cuda_ipc"])}
 
 
 def devices_with_context() -> list[int]:

@@ -75,6 +75,17 @@ def test_unsharing_forgets_the_cache_as_this_processs_own() -> None:
     cuda_ipc.unshare("{")  # nor a malformed one: teardown never raises on it
 
 
+@pytest.mark.fast
+def test_a_plain_handle_is_mapped_here_only_where_a_driver_is(monkeypatch) -> None:
+    plain, segment = "03" + "63" + "ab" * 64, "03" + "65" + "ab" * 64  # b"c", b"e"
+    monkeypatch.setattr(cuda_driver, "driver", lambda: object())
+    assert cuda_ipc.mappable(_description(handle=plain))
+    assert not cuda_ipc.mappable(_description(handle=segment))  # torch's opener serves it
+    assert not cuda_ipc.mappable("{")
+    monkeypatch.setattr(cuda_driver, "driver", lambda: None)
+    assert not cuda_ipc.mappable(_description(handle=plain))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where no GPU is")
 @pytest.mark.fast
 def test_a_host_without_cuda_refuses_an_ipc_source() -> None:

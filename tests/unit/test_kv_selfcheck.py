@@ -54,8 +54,12 @@ def test_the_verdict_reads_what_the_receiver_saw() -> None:
     across = judge("shm", "", ok, want, gpu0, gpu1)
     assert across.device == "cuda:0 -> cuda:1"
     # A pull across GPUs that reach each other must not open a context on the sender's.
-    opened_there = {**ok, "new_contexts": [0]}
+    opened_there = {**ok, "new_contexts": [0], "mappable": True}
     assert judge("shm", "", opened_there, want, gpu0, gpu1, peers=True).outcome == "fail"
     assert judge("shm", "", ok, want, gpu0, gpu1, peers=True).outcome == "pass"
     no_p2p = judge("shm", "", opened_there, want, gpu0, gpu1, peers=False)
     assert no_p2p.outcome == "pass" and "no peer access" in no_p2p.detail
+    # A handle only torch's opener can open (expandable segments): said, not failed.
+    by_torch = judge("shm", "", {**opened_there, "mappable": False}, want, gpu0, gpu1,
+                     peers=True)
+    assert by_torch.outcome == "pass" and "torch's opener" in by_torch.detail
