@@ -126,6 +126,14 @@ def block_nbytes(cache: torch.Tensor) -> int:
     return int(layers * 2 * block_size * heads * head_dim * cache.element_size())
 
 
+def device_uuid(device: torch.device) -> str:
+    """A GPU's identity across processes (their `CUDA_VISIBLE_DEVICES` may number it
+    differently); "" for a CPU."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def on_device_of(cache: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     """Make the cache's device current on this thread (a connector or block-server thread
     starts on device 0, whatever `cuda:N` the engine runs on)."""

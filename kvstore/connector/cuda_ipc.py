@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pdmesh.kvstore.connector import cuda_driver
+from pdmesh.kvstore.connector.blocks import device_uuid
 from pdmesh.kvstore.connector.cache_file import MAX_PEERS
 from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
@@ -68,7 +69,7 @@ def share(cache: torch.Tensor) -> str:
         storage = cache.untyped_storage()
         (device, handle, size, offset, ref_handle, ref_offset, event,
          event_sync) = storage._share_cuda_()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        uuid = device_uuid(torch.device("cuda", device))
     except Exception as exc:  # MIG slices, drivers without IPC: TCP it is
         logger.warning("the KV cache cannot be shared over CUDA IPC (%s); peers use tcp", exc)
         return ""
@@ -178,7 +179,7 @@ class PeerMapping:
 
 def _local_device(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+        if device_uuid(torch.device("cuda", index)) == uuid:
             return index
     raise KVBackendUnavailable(f"the peer's GPU {uuid} is not visible to this process")
 

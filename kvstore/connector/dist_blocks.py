@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdmesh.kvstore.connector.blocks import block_nbytes, runs
+from pdmesh.kvstore.connector.blocks import block_nbytes, device_uuid, runs
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.dist_groups import PairGroup, PairGroups, new_group_id
 from pdmesh.kvstore.transfer.deadline import Deadline
@@ -53,10 +53,21 @@ def available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-def group_kind(sender: torch.device, receiver_device: str) -> str:
-    """NCCL when both caches are on GPUs (and NCCL is built in), else gloo over host memory."""
+def group_kind(sender: torch.device, receiver_device: str, receiver_gpu: str = "") -> str:
+    """NCCL when the caches are on two GPUs (and NCCL is built in), else gloo over host
+    memory."""
     nccl = torch.distributed.is_nccl_available() if torch.distributed.is_available() else False
-    return "nccl" if sender.type == "cuda" and receiver_device == "cuda" and nccl else "gloo"
+    apart = gpus_apart(sender.type, device_uuid(sender), receiver_device, receiver_gpu)
+    return "nccl" if nccl and apart else "gloo"
+
+
+def gpus_apart(sender_type: str, sender_gpu: str, receiver_type: str, receiver_gpu: str) -> bool:
+    """Both caches on GPUs, and not one GPU: NCCL refuses two ranks on one device (a prefill
+    and a decode engine sharing a GPU), where gloo through the host still moves the blocks.
+    A receiver that does not name its GPU (an older one) is taken to be on another."""
+    if sender_type != "cuda" or receiver_type != "cuda":
+        return False
+    return not receiver_gpu or receiver_gpu != sender_gpu
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -95,11 +106,11 @@ def open_store(config: KVConnectorConfig, seconds: float) -> torch.distributed.T
 
 def serve_pull(conn: socket.socket, answer: Callable[[str], None], groups: PairGroups,
                requested: str, keep: bool, cache: torch.Tensor, ids: tuple[int, ...],
-               receiver_device: str, config: KVConnectorConfig) -> None:
+               receiver_device: str, receiver_gpu: str, config: KVConnectorConfig) -> None:
     """Sender (a block-server thread, the pull admitted): `answer` with the group to use, the
     kept one the receiver named (`requested`) or a new rendezvous (kept after the pull when
     the receiver asks to `keep` it), then send the blocks over it."""
-    kind = group_kind(cache.device, receiver_device)
+    kind = group_kind(cache.device, receiver_device, receiver_gpu)
     per_message = blocks_per_message(block_nbytes(cache))
     pair = groups.take(requested) if requested else None
     if pair is not None and pair.kind != kind:

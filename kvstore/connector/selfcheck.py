@@ -102,8 +102,6 @@ def not_checked(backend: str, offered: Sequence[str],
 
             return ucx_blocks.unavailable_reason() or "no ucxx listener started"
         return "torch.distributed is not available" if backend == "torch_dist" else "off"
-    if backend == "torch_dist" and device.type == "cuda" and to == device:
-        return "NCCL needs a device per rank: one GPU visible"
     return ""
 
 

@@ -10,8 +10,8 @@ Wire protocol (version 1; integers little-endian):
     client -> server  "PDBQ" u8 version u32 n, then n <= 4 KiB of msgpack `PullRequest`:
                       request_id, transfer_id, grant, mac, first, count,
                       layout (layers, block_size, kv_heads, head_dim), dtype; for torch_dist
-                      also via, device and the pair's kept group (`dist_blocks.py`; fields
-                      left at their defaults are not sent)
+                      also via, device, the receiver's GPU and the pair's kept group
+                      (`dist_blocks.py`; fields left at their defaults are not sent)
     server -> client  "PDBR" u8 status u16 m u64 payload_bytes, then m bytes of UTF-8 reason;
                       status 0 = ok, 1 = denied (signature, unknown export, range, replay),
                       2 = refused (malformed request, version, layout mismatch)
@@ -49,6 +49,7 @@ from pdmesh.kvstore.connector import dist_blocks
 from pdmesh.kvstore.connector.blocks import (
     block_nbytes,
     byte_view,
+    device_uuid,
     dtype_name,
     layout_mismatch,
     on_device_of,
@@ -98,6 +99,7 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     dtype: _Text
     via: _Text = "tcp"      # "torch_dist": the bytes go over a process group (dist_blocks.py)
     device: _Text = "cpu"   # the receiver's cache device type (NCCL needs both on GPUs)
+    gpu: _Text = ""         # torch_dist: the receiver's GPU (UUID): NCCL needs two GPUs
     group: _Text = ""       # torch_dist: the pair's kept group, by the sender's id (dist_groups)
     keep: bool = False      # torch_dist: the receiver keeps the group for the next pull
 
@@ -217,7 +219,7 @@ class BlockServer:
                     conn.sendall(_REPLY.pack(b"PDBR", OK, len(text), payload) + text)
 
                 dist_blocks.serve_pull(conn, answer, self._groups, req.group, req.keep,
-                                       self._cache, ids, req.device, self._config)
+                                       self._cache, ids, req.device, req.gpu, self._config)
                 return
             conn.sendall(_REPLY.pack(b"PDBR", OK, 0, payload))
             if self._cache.device.type == "cpu" and not isinstance(conn, ssl.SSLSocket):
@@ -282,7 +284,8 @@ def pull_blocks(address: str, *, request_id: str, transfer_id: str, grant: str, 
         raise KVBackendUnavailable(f"a tensor-parallel engine pulls over tcp, not {via}")
     layout = ranks.layout if ranks is not None else (dst.shape[0], *dst.shape[3:])
     request = PullRequest(request_id, transfer_id, grant, mac, first_block, len(dst_ids),
-                          tuple(layout), dtype_name(dst.dtype), via, dst.device.type)
+                          tuple(layout), dtype_name(dst.dtype), via, dst.device.type,
+                          gpu=device_uuid(dst.device) if via == "torch_dist" else "")
     pull = _Pull((host.strip("[]"), int(port)), request, dst, dst_ids, config, deadline, ranks,
                  groups)
     per_block = ranks.block_nbytes if ranks is not None else block_nbytes(dst)

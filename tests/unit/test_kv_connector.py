@@ -210,14 +210,26 @@ def test_a_torch_dist_pull_moves_in_bounded_messages(tmp_path, monkeypatch) -> N
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("devices", [("cuda:0", "cpu"), ("cuda:0", "cuda:1")],
-                         ids=["gloo-from-gpu", "nccl"])
+@pytest.mark.parametrize("devices", [("cuda:0", "cpu"), ("cuda:0", "cuda:0"),
+                                     ("cuda:0", "cuda:1")],
+                         ids=["gloo-from-gpu", "gloo-on-one-gpu", "nccl"])
 def test_a_torch_dist_pull_from_a_gpu_cache(tmp_path, devices: tuple[str, str]) -> None:
-    """GPU to host over gloo, and GPU to GPU over NCCL, whose wait returns before the bytes
-    land (dist_blocks.settle): the blocks must be in the cache when the pull returns."""
+    """GPU to host over gloo; between two caches on one GPU over gloo too (NCCL refuses two
+    ranks on one device); GPU to GPU over NCCL, whose wait returns before the bytes land
+    (dist_blocks.settle): the blocks must be in the cache when the pull returns."""
     if devices[1] == "cuda:1" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a device per rank: two GPUs")
     pull_from_a_block_server(tmp_path, "torch_dist", *devices)
+
+
+def test_nccl_is_chosen_only_between_two_gpus() -> None:
+    from pdmesh.kvstore.connector.dist_blocks import gpus_apart
+
+    assert gpus_apart("cuda", "GPU-a", "cuda", "GPU-b")
+    assert not gpus_apart("cuda", "GPU-a", "cuda", "GPU-a")  # a prefill and a decode on one
+    assert gpus_apart("cuda", "GPU-a", "cuda", "")  # a receiver that does not say: as before
+    assert not gpus_apart("cuda", "GPU-a", "cpu", "")
+    assert not gpus_apart("cpu", "", "cuda", "GPU-b")
 
 
 def pull_from_a_block_server(tmp_path, via: str, sender_device: str,
