@@ -49,7 +49,7 @@ from pdmesh.kvstore.connector.blocks import (
 )
 from pdmesh.kvstore.connector.cache_file import SharedCache
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.cuda_ipc import share, unshare
+from pdmesh.kvstore.connector.cuda_ipc import share_with_peers, unshare
 from pdmesh.kvstore.connector.dist_groups import PairGroups
 from pdmesh.kvstore.connector.export_info import ExportInfo
 from pdmesh.kvstore.connector.exports import Export, ExportRegistry
@@ -96,8 +96,8 @@ class KVConnector:
         self.ucx_address = ""  # the core's ucxx listener (`ucx_blocks.py`); empty: none
         # CUDA IPC: one description, or a tensor-parallel core's every rank's as a JSON list
         # (shared by the ranks themselves: engine/core/rank_cache_share.py)
-        self._shared = (share(cache) if cache.device.type == "cuda" and not rank_ipcs
-                        and self.ranks.world == 1 else "")
+        self._shared = (share_with_peers(cache) if cache.device.type == "cuda"
+                        and not rank_ipcs and self.ranks.world == 1 else "")
         self.cache_ipc = json.dumps(list(rank_ipcs)) if rank_ipcs else self._shared
 
     def start(self) -> None:

@@ -84,6 +84,23 @@ def share(cache: torch.Tensor) -> str:
     })
 
 
+def share_with_peers(cache: torch.Tensor) -> str:
+    """`share` for the other engines on the node: a cudaMalloc allocation's handle, which each
+    receiver maps itself. torch shares an expandable segment's memory
+    (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) as file descriptors a receiver takes
+    with `pidfd_getfd`, which needs ptrace rights over the sender that sibling engines seldom
+    have (yama's ptrace_scope 1 allows descendants only): every pull would fail and recompute.
+    Such a cache is not offered; peers on the node pull it over tcp. (A tensor-parallel
+    core's ranks are rank 0's children, and use `share`.)"""
+    description = share(cache)
+    if description and ipc_mem_handle(Description.parse(description).handle) is None:
+        logger.warning("the KV cache is in an expandable segment (PYTORCH_CUDA_ALLOC_CONF), "
+                       "which peer engines cannot map: they pull it over tcp")
+        unshare(description)
+        return ""
+    return description
+
+
 def unshare(description: str) -> None:
     """Give back the reference torch's IPC protocol counts for a `share`, before the cache is
     freed. torch keeps a shared allocation out of its pool until every holder has released

@@ -95,8 +95,8 @@ def not_checked(backend: str, offered: Sequence[str],
     """Why a transport is not checked on this node ("" when it is)."""
     if backend not in offered:
         if backend == "shm" and device.type == "cuda":
-            return "the KV cache cannot be shared over CUDA IPC here (MIG, or a driver " \
-                   "without IPC): peers use tcp"
+            return "the KV cache cannot be shared over CUDA IPC here (MIG, a driver " \
+                   "without IPC, or expandable segments): peers use tcp"
         if backend == "ucxx":
             from pdmesh.kvstore.connector import ucx_blocks
 

@@ -252,6 +252,24 @@ def test_an_unshared_cache_goes_back_to_torchs_pool_when_freed() -> None:
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cache_in_an_expandable_segment_is_not_offered_to_peers() -> None:
+    """Its handle would need ptrace rights over the sender to import: peers pull over tcp."""
+    plain = torch.empty(SHAPE, device="cuda:0")
+    description = cuda_ipc.share_with_peers(plain)
+    assert description and ipc_mem_handle(Description.parse(description).handle) is not None
+    cuda_ipc.unshare(description)
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:  # 64 MiB, a size no cached block of the tests before has
+        segment = torch.empty((16, 2, 64, 16, 2, 256), device="cuda:0")
+        assert cuda_ipc.share_with_peers(segment) == ""
+        del segment
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
 def _map_in_child(description: str, blocks: str, into: str, out) -> None:  # spawned
     from pdmesh.kvstore.connector.rank_caches import RankCaches
     from pdmesh.kvstore.connector.selfcheck import devices_with_context
