@@ -14,7 +14,8 @@ MiB of a GPU whose engine budgeted all of it). So a receiver maps the handle int
 device's context through the driver (`cuda_driver.py`) and reads the sender's memory over peer
 access (NVLink, PCIe P2P); the mapping is a tensor on the receiver's device, and every copy
 runs on the receiver's streams. Only where the two GPUs cannot reach each other, or the driver
-refuses, does torch's opener serve (its copies then go through the host).
+refuses, does torch's opener serve (its copies then go through the host), and for an expandable
+segment's handle, which only a tensor-parallel core's own ranks share (`share_with_peers`).
 
 CUDA cannot open an IPC handle in the process that made it (torch's own sharing keeps a cache
 for that case), so a description this process shared opens as its own tensor: two engines in
