@@ -256,9 +256,11 @@ def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
         storage = torch._C._construct_storage_from_data_pointer(base + meta.offset, device,
                                                                  meta.size)
         tensor = torch.empty(0, dtype=meta.dtype, device=device).set_(storage, 0, meta.shape)
-    except Exception:
+    except Exception as exc:  # a torch without storages over foreign memory: its own opener
         close()
-        raise
+        logger.warning("the peer's KV cache cannot be wrapped on cuda:%d (%s); opening it on "
+                       "cuda:%d instead", dst, exc, src)
+        return None
     return PeerMapping(tensor, MAPPED, close)
 
 
