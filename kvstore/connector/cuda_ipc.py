@@ -50,7 +50,7 @@ from pdmesh.kvstore.transfer.errors import KVBackendUnavailable, KVWireError
 
 logger = logging.getLogger(__name__)
 
-_OWN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+_OWN: dict[tuple[bytes, int], weakref.ref[torch.Tensor]] = {}
 """The caches this process shared, by (handle, offset): opening one of them is a no-op."""
 _OWN_LOCK = threading.Lock()
 
@@ -75,7 +75,7 @@ def share(cache: torch.Tensor) -> str:
         logger.warning("the KV cache cannot be shared over CUDA IPC (%s); peers use tcp", exc)
         return ""
     with _OWN_LOCK:
-        _OWN[(bytes(handle).hex(), int(offset))] = weakref.ref(cache)
+        _OWN[(bytes(handle), int(offset))] = weakref.ref(cache)
     return json.dumps({
         "device_uuid": uuid, "handle": bytes(handle).hex(), "size": int(size),
         "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
@@ -94,7 +94,7 @@ def share_with_peers(cache: torch.Tensor) -> str:
     Such a cache is not offered; peers on the node pull it over tcp. (A tensor-parallel
     core's ranks are rank 0's children, and use `share`.)"""
     description = share(cache)
-    if description and ipc_mem_handle(Description.parse(description).handle) is None:
+    if description and Description.parse(description).ipc_handle is None:
         logger.warning("the KV cache is in an expandable segment (PYTORCH_CUDA_ALLOC_CONF), "
                        "which peer engines cannot map: they pull it over tcp")
         unshare(description)
@@ -115,7 +115,7 @@ def unshare(description: str) -> None:
     except KVWireError:
         return
     with _OWN_LOCK:
-        _OWN.pop((meta.handle.hex(), meta.offset), None)
+        _OWN.pop((meta.handle, meta.offset), None)
     if meta.ref_handle and torch.cuda.is_available():
         torch.UntypedStorage._release_ipc_counter_cuda(meta.ref_handle, meta.ref_offset)
 
@@ -160,6 +160,11 @@ class Description:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def ipc_handle(self) -> bytes | None:
+        """The cudaIpcMemHandle the driver maps (`ipc_mem_handle`), or None."""
+        return ipc_mem_handle(self.handle)
+
 
 def ipc_mem_handle(handle: bytes) -> bytes | None:
     """The 64-byte cudaIpcMemHandle inside torch's shareable handle, or None for one this
@@ -178,7 +183,7 @@ def mappable(description: str) -> bool:
     """Whether this process maps the description's handle itself, through the driver (else
     torch's opener serves it: an expandable segment's handle, no driver)."""
     try:
-        handle = ipc_mem_handle(Description.parse(description).handle)
+        handle = Description.parse(description).ipc_handle
     except KVWireError:
         return False
     return handle is not None and cuda_driver.driver() is not None
@@ -208,7 +213,7 @@ def open_peer(description: str, into: torch.device | None = None) -> PeerMapping
     if not torch.cuda.is_available():
         raise KVBackendUnavailable("a CUDA IPC source needs CUDA in this process")
     meta = Description.parse(description)
-    own = _own(meta.handle.hex(), meta.offset)
+    own = _own(meta.handle, meta.offset)
     if own is not None:  # shared by this process: CUDA would refuse to open it here
         if tuple(own.shape) != meta.shape or own.dtype != meta.dtype:
             raise KVWireError("the CUDA IPC description does not match the cache it names")
@@ -239,7 +244,7 @@ _MAPPED_LOCK = threading.Lock()
 def _map_into(meta: Description, src: int, dst: int) -> PeerMapping | None:
     """The allocation mapped into device `dst`'s context (None: torch's opener instead)."""
     driver = cuda_driver.driver()
-    handle = ipc_mem_handle(meta.handle)
+    handle = meta.ipc_handle
     if driver is None or handle is None:
         return None
     if src != dst and not torch.cuda.can_device_access_peer(dst, src):
@@ -293,7 +298,7 @@ def _open_with_torch(meta: Description, device: int) -> torch.Tensor:
     return tensor
 
 
-def _own(handle: str, offset: int) -> torch.Tensor | None:
+def _own(handle: bytes, offset: int) -> torch.Tensor | None:
     with _OWN_LOCK:
         ref = _OWN.get((handle, offset))
         tensor = ref() if ref is not None else None

@@ -67,7 +67,7 @@ def test_unsharing_forgets_the_cache_as_this_processs_own() -> None:
 
     cache = torch.zeros(1)
     meta = Description.parse(_description())
-    key = (meta.handle.hex(), meta.offset)
+    key = (meta.handle, meta.offset)
     cuda_ipc._OWN[key] = weakref.ref(cache)
     cuda_ipc.unshare(_description(ref_handle=""))  # no counter named: nothing to release
     assert key not in cuda_ipc._OWN
@@ -257,14 +257,14 @@ def test_a_cache_in_an_expandable_segment_is_not_offered_to_peers() -> None:
     """Its handle would need ptrace rights over the sender to import: peers pull over tcp."""
     plain = torch.empty(SHAPE, device="cuda:0")
     description = cuda_ipc.share_with_peers(plain)
-    assert description and ipc_mem_handle(Description.parse(description).handle) is not None
+    assert description and Description.parse(description).ipc_handle is not None
     cuda_ipc.unshare(description)
     torch.cuda.empty_cache()
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     try:  # 64 MiB, a size no cached block of the tests before has
         segment = torch.empty((16, 2, 64, 16, 2, 256), device="cuda:0")
         probe = cuda_ipc.share(segment)
-        expandable = not probe or ipc_mem_handle(Description.parse(probe).handle) is None
+        expandable = not probe or Description.parse(probe).ipc_handle is None
         cuda_ipc.unshare(probe)
         if not expandable:
             pytest.skip("this torch did not put the tensor in an expandable segment")
