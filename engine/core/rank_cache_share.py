@@ -35,7 +35,7 @@ from pdmesh.engine.worker.parallel.sharding import ModelShard
 from pdmesh.kvstore.connector.cache_file import cache_file_name, open_peer
 from pdmesh.kvstore.connector.config import KVConnectorConfig
 from pdmesh.kvstore.connector.cuda_ipc import open_peer as open_device_peer
-from pdmesh.kvstore.connector.cuda_ipc import share
+from pdmesh.kvstore.connector.cuda_ipc import share, unshare
 from pdmesh.kvstore.connector.rank_caches import RankCaches
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,12 @@ def collect(share_how: CacheShare, directory: str, setup: EngineSetup,
     return SharedRanks(RankCaches(tuple(caches), mc), ipcs=tuple(descriptions))
 
 
-def remove_files(share_how: CacheShare) -> None:
-    """Unlink the ranks' cache files (the mappings live on until dropped)."""
+def release(share_how: CacheShare, shared: SharedRanks | None) -> None:
+    """Undo the sharing once the ranks are gone: unlink their cache files (the mappings live
+    on until dropped) and give back rank 0's own IPC share (`collect`), so torch may free its
+    cache (the ranks' shares ended with their processes)."""
+    if shared is not None and shared.ipcs:
+        unshare(shared.ipcs[0])
     for name in share_how.files:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(os.path.realpath(share_how.shm_dir), name))

@@ -47,14 +47,13 @@ from pdmesh.engine.core.rank_cache_share import (
     SharedRanks,
     collect,
     plan_share,
-    remove_files,
+    release,
 )
 from pdmesh.engine.core.startup import EngineSetup, resolve_engine_device, set_up_engine
 from pdmesh.engine.worker.cpu_threads import core_environment, rank_threads, usable_cpus
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel, join_group
 from pdmesh.engine.worker.parallel.step_channel import StepChannel
 from pdmesh.kvstore.connector.config import KVConnectorConfig
-from pdmesh.kvstore.connector.cuda_ipc import unshare
 from pdmesh.leftovers import CORE_DIR_PREFIX, pid_namespace
 
 logger = logging.getLogger(__name__)
@@ -253,16 +252,14 @@ class Ranks:
         self._release()
 
     def _release(self) -> None:
-        """The ranks are gone: close their stdin pipes, remove the rendezvous directory and
-        their cache files (the mappings rank 0 holds live on until it drops them)."""
+        """The ranks are gone: close their stdin pipes, remove the rendezvous directory, and
+        undo the caches' sharing (`rank_cache_share.release`)."""
         for p in self.procs:
             if p.process.stdin is not None:
                 with contextlib.suppress(OSError):
                     p.process.stdin.close()
         shutil.rmtree(self.directory, ignore_errors=True)
-        remove_files(self.share)
-        if self.shared is not None and self.shared.ipcs:
-            unshare(self.shared.ipcs[0])  # rank 0's own cache (the ranks' end with them)
+        release(self.share, self.shared)
 
 
 def exit_on_rank_failure(reason: str) -> None:
