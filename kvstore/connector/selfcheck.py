@@ -239,12 +239,12 @@ def judge(backend: str, skipped: str, reply: dict[str, Any] | None, want: list[s
         return CheckResult(name, where, "fail", "blocks outside the pull were written",
                            seconds)
     detail = f"{len(want)} blocks, {reply.get('bytes', 0)} bytes"
-    created = ", ".join(f"cuda:{i}" for i in reply.get("new_contexts") or ())
-    if created and backend == "shm" and peers and reply.get("mappable"):
+    created = ", ".join(f"cuda:{i}" for i in reply.get("new_contexts") or ())  # shm only
+    if created and peers and reply.get("mappable"):
         return CheckResult(name, where, "fail", f"the pull created a CUDA context on {created} "
                            "in the receiving process instead of mapping the sender's cache "
                            "into its own", seconds)
-    if created and backend == "shm":
+    if created:
         why = ("torch's opener (a handle the driver cannot map here, e.g. an expandable "
                "segment's)" if peers else "no peer access between the GPUs")
         detail += f"; {why}: a CUDA context on {created}"
@@ -276,7 +276,7 @@ async def _pull_one(pulls: CorePulls, connector: KVConnector,
                     transfer: dict[str, Any]) -> dict[str, Any]:
     backend = str(transfer["backend"])
     handle = KVHandle.from_dict(transfer["handle"])
-    contexts = devices_with_context()
+    contexts = devices_with_context() if backend == "shm" else []  # what CUDA IPC may add
     started = time.perf_counter()
     try:
         deadline = Deadline.after(DEADLINE_S)
@@ -302,8 +302,9 @@ async def _pull_one(pulls: CorePulls, connector: KVConnector,
     return {"backend": backend, "seconds": seconds, "bytes": nbytes,
             "digests": block_digests(cache, LANDED),
             "others_written": bool(cache[:, :, others].count_nonzero().item()),
-            "new_contexts": sorted(set(devices_with_context()) - set(contexts)),
-            "mappable": "cuda_ipc" in pull.params and mappable(pull.params["cuda_ipc"])}
+            **({"new_contexts": sorted(set(devices_with_context()) - set(contexts)),
+                "mappable": mappable(pull.params.get("cuda_ipc", ""))}
+               if backend == "shm" else {})}
 
 
 def devices_with_context() -> list[int]:
