@@ -442,6 +442,7 @@ class RouterMetrics:
     tpot: Histogram
     e2e: Histogram
     queue_time: Histogram
+    tokenize_wait: Histogram
     requests: Counter
     prompt_tokens: Counter
     cached_prompt_tokens: Counter
@@ -479,6 +480,10 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
         queue_time=Histogram(metric_name("router_request_queue_time_seconds"),
                              "Time a request waited for admission",
                              buckets=LATENCY_BUCKETS_S, registry=r),
+        tokenize_wait=Histogram(metric_name("router_tokenize_wait_seconds"),
+                                "Time a prompt waited for a tokenizer thread, by lane (short; "
+                                "large: prompts over 32 KiB, which leave one thread free)",
+                                ["lane"], buckets=LATENCY_BUCKETS_S, registry=r),
         requests=Counter(metric_name("router_requests"),
                          "Generate calls answered, by gRPC status code", ["code"], registry=r),
         prompt_tokens=Counter(metric_name("router_prompt_tokens"),

@@ -130,7 +130,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         resolve_tokenizer, config.model_source, download_dir=config.download_dir,
         revision=None if config.tokenizer else config.revision)
     tokenizer = await asyncio.to_thread(
-        PromptTokenizer, str(source), config.tokenizer_pool_size, config.chat_template
+        PromptTokenizer, str(source), config.tokenizer_pool_size, config.chat_template,
+        metrics.tokenize_wait,
     )
     defaults = load_generation_defaults(config.generation_config, source)
     conn = RedisConnection.from_url(

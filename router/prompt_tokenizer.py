@@ -19,10 +19,13 @@ import asyncio
 import json
 import logging
 import queue
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import Histogram
 
 from pdmesh.chat_templates import CHAT_TEMPLATES, named_chat_template
 from pdmesh.engine.bad_words import tokenize_bad_words
@@ -46,7 +49,10 @@ LARGE_PROMPT_BYTES = 32 * 1024
 class PromptTokenizer:
     """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
 
-    def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None) -> None:
+    def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None,
+                 wait: Histogram | None = None) -> None:
+        """`wait`, labelled by lane, observes how long each piece of work waited for a
+        thread: the one sign that the pool is too small (or that big prompts crowd it)."""
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         model_dir = resolve_tokenizer(model)
@@ -66,6 +72,7 @@ class PromptTokenizer:
             self._idle.put(copy)
         self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="tokenizer")
         self._large_lanes = asyncio.Semaphore(max(1, pool_size - 1))
+        self._wait = wait
 
     async def encode(self, request: Any, max_model_len: int | None = None, *,
                      context_len: int | None = None) -> list[int]:
@@ -128,12 +135,17 @@ class PromptTokenizer:
 
     async def _run(self, size: int, work: Any, *args: Any) -> list[int]:
         loop = asyncio.get_running_loop()
+        submitted = time.monotonic()
         if size <= LARGE_PROMPT_BYTES:
-            return await loop.run_in_executor(self._executor, self._with_tokenizer, work, *args)
+            return await loop.run_in_executor(
+                self._executor, self._with_tokenizer, "short", submitted, work, *args)
         async with self._large_lanes:
-            return await loop.run_in_executor(self._executor, self._with_tokenizer, work, *args)
+            return await loop.run_in_executor(
+                self._executor, self._with_tokenizer, "large", submitted, work, *args)
 
-    def _with_tokenizer(self, work: Any, *args: Any) -> list[int]:
+    def _with_tokenizer(self, lane: str, submitted: float, work: Any, *args: Any) -> list[int]:
+        if self._wait is not None:
+            self._wait.labels(lane).observe(time.monotonic() - submitted)
         tokenizer = self._idle.get_nowait()  # never empty: one copy per worker thread
         try:
             return work(tokenizer, *args)

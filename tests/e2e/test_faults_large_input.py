@@ -26,6 +26,7 @@ import grpc
 import httpx
 import pytest
 
+from pdmesh.metrics import LATENCY_BUCKETS_S
 from pdmesh.serve import LocalMesh, MeshConfig
 from pdmesh.v1 import router_pb2, router_pb2_grpc
 from tests.metrics_text import counter
@@ -71,9 +72,12 @@ class Mesh:
         assert self.local.gateway is not None
         return self.local.gateway.pid
 
+    def metrics(self) -> str:
+        """The mesh's one scrape (every process's metrics, through the gateway)."""
+        return httpx.get(f"{self.base_url}/metrics", timeout=10).text
+
     def in_flight(self, endpoint: str = "/v1/completions") -> float:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        return counter(text, "pdmesh:gateway_requests_in_flight", endpoint=endpoint)
+        return counter(self.metrics(), "pdmesh:gateway_requests_in_flight", endpoint=endpoint)
 
     def tokenize_s(self, text: str) -> float:
         """Seconds the router takes to tokenize `text` (its Tokenize RPC, no limits)."""
@@ -251,13 +255,19 @@ def test_small_request_is_not_held_up_by_big_prompts(
     mesh: Mesh, big_prompt: str, big_tokenize_s: float
 ) -> None:
     """Three in-bound big prompts (each refused only after tokenizing: too many tokens) are
-    sent, then a small request: it finishes before the first big one is answered."""
+    sent, then a small request while they are still being tokenized: the router's tokenizer
+    pool takes the small prompt at once (its short-lane wait), without waiting for a big one.
+
+    The router's own measure is judged, not end-to-end times: on a loaded 2-core runner the
+    small request's latency is mostly the engine sharing a core with the tokenizing, and a big
+    prompt may have been tokenizing for a while before the small one was sent."""
     answers: dict[int, tuple[float, httpx.Response]] = {}
 
     def big(i: int) -> None:
         resp = complete(mesh, big_prompt)
         answers[i] = (time.monotonic(), resp)
 
+    before = mesh.metrics()
     threads = [threading.Thread(target=big, args=(i,), daemon=True) for i in range(NUM_BIG)]
     for t in threads:
         t.start()
@@ -267,17 +277,31 @@ def test_small_request_is_not_held_up_by_big_prompts(
     small_done = time.monotonic()
     for t in threads:
         t.join(timeout=180)
+    after = mesh.metrics()
     assert small.status_code == 200, small.text
     assert len(answers) == NUM_BIG
     for _, resp in answers.values():
         assert resp.status_code == 400, resp.text
         assert "leave no room" in resp.json()["error"]["message"]  # it was tokenized
-    first_big = min(done for done, _ in answers.values())
-    latency = small_done - started
-    print(f"big prompt tokenize={big_tokenize_s:.2f}s small latency={latency:.2f}s "
-          f"first big answered {first_big - started:.2f}s after the small was sent")
-    assert small_done < first_big, (latency, first_big - started)
-    assert latency < big_tokenize_s, (latency, big_tokenize_s)
+    # The bigs hold one lane between them (one after another), so the last is answered about
+    # NUM_BIG tokenizations after the first began: the small request overlapped them.
+    last_big = max(done for done, _ in answers.values())
+    assert small_done < last_big, (small_done - started, last_big - started)
+
+    def waits(lane: str, le: str | None = None) -> float:
+        name = "pdmesh:router_tokenize_wait_seconds_" + ("count" if le is None else "bucket")
+        labels = {"lane": lane} if le is None else {"lane": lane, "le": le}
+        return counter(after, name, **labels) - counter(before, name, **labels)
+
+    # A bucket bound well under one big tokenization: waiting behind a big prompt would take
+    # the rest of it (the small prompt would queue behind the third big in the pool).
+    bound = max(b for b in LATENCY_BUCKETS_S if b <= big_tokenize_s / 3)
+    short, large = waits("short"), waits("large")
+    print(f"big prompt tokenize={big_tokenize_s:.2f}s small latency={small_done - started:.2f}s "
+          f"short-lane waits={short:.0f} (<= {bound}s: {waits('short', str(bound)):.0f}) "
+          f"large-lane waits={large:.0f}")
+    assert short >= 1 and large == NUM_BIG, (short, large)
+    assert waits("short", str(bound)) == short, "a short prompt waited behind the big ones"
 
 
 # -- the fast reject ---------------------------------------------------------------------------
@@ -286,16 +310,17 @@ def test_prompt_provably_too_long_is_refused_without_tokenizing(
 ) -> None:
     size = OVER_BOUND_BYTES_PER_TOKEN * mesh.max_model_len
     prompt = random_text(size, seed=3)  # ~3x the in-bound prompt: ~3x its tokenize time
-    started = time.monotonic()
+    tokenized = "pdmesh:router_tokenize_wait_seconds_count"
+    before = counter(mesh.metrics(), tokenized)
     resp = complete(mesh, prompt)
-    elapsed = time.monotonic() - started
+    assert counter(mesh.metrics(), tokenized) == before, "the prompt went to the tokenizer"
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["type"] == "BadRequestError" and error["param"] == "prompt", error
     assert f"max_model_len={mesh.max_model_len}" in error["message"], error
     assert "bytes" in error["message"], error  # refused on its size, not its token count
-    assert elapsed < 0.5 * big_tokenize_s, (elapsed, big_tokenize_s)
 
+    # A chat is rendered by its template in the tokenizer pool first, then refused on its size.
     chat = {"model": "smollm2", "max_tokens": 4,
             "messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": prompt}]}
