@@ -15,8 +15,10 @@ import unicodedata
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
+from pdmesh.metrics import router_metrics
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.prompt_bound import _SHRINK, NoBound, PromptBound
@@ -215,7 +217,9 @@ def _text(text: str) -> router_pb2.GenerateRequest:
 
 @pytest.mark.weights
 def test_pool_refuses_provably_long_prompts_and_serves_small_ones_beside_big() -> None:
-    tokenizer = PromptTokenizer("smollm2", pool_size=2)
+    registry = CollectorRegistry()
+    tokenizer = PromptTokenizer("smollm2", pool_size=2,
+                                wait=router_metrics(registry).tokenize_wait)
     rng = random.Random(1)
     big = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz ,.\n", k=400_000))
     assert tokenizer.bound is not None
@@ -242,6 +246,16 @@ def test_pool_refuses_provably_long_prompts_and_serves_small_ones_beside_big() -
     try:
         alone, small_s, bigs_s = asyncio.run(scenario())
         assert small_s < alone / 2 and small_s < min(bigs_s), (small_s, alone, bigs_s)
+
+        def waited(lane: str, what: str) -> float:
+            value = registry.get_sample_value(
+                f"pdmesh:router_tokenize_wait_seconds_{what}", {"lane": lane})
+            return value or 0.0
+
+        # Three bigs (the first alone), one small; the second big waited for the first's lane.
+        assert waited("large", "count") == 3 and waited("short", "count") == 1
+        assert waited("short", "sum") < alone / 2 < waited("large", "sum"), (
+            waited("short", "sum"), waited("large", "sum"), alone)
 
         huge = _text("word " * 2**20)
         started = time.monotonic()
