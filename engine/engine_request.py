@@ -87,7 +87,7 @@ class EngineRequest:
 
 def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int,
                  max_model_len: int) -> None:
-    """ValueError for a prompt (and logit bias) this model cannot take."""
+    """ValueError for a prompt (and token ids in its parameters) this model cannot take."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt: the prompt is empty")
@@ -97,10 +97,7 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_
     if n >= max_model_len:
         raise ValueError(f"prompt: {n} tokens leave no room to generate within "
                          f"max_model_len={max_model_len}")
-    if params.logit_bias:
-        bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside [0, {vocab_size})")
+    params.verify_vocab(vocab_size)  # the router's check too (router/admission.py)
 
 
 def check_request(request: EngineRequest, vocab_size: int, max_model_len: int) -> None:

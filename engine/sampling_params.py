@@ -86,6 +86,8 @@ class SamplingParams:
     reads."""
     bad_words_token_ids: list[list[int]] | None = None
     """Token sequences never to generate (the tokenized `bad_words`)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (vLLM's): every other logit is masked."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -95,6 +97,7 @@ class SamplingParams:
         self._normalize_stops()
         self._validate_logprobs()
         self._validate_bad_words()
+        self._validate_allowed_token_ids()
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -218,6 +221,19 @@ class SamplingParams:
                                  f"token ids >= 0, got {seq!r}")
         self.bad_words_token_ids = [list(seq) for seq in sequences] or None
 
+    def _validate_allowed_token_ids(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if not isinstance(allowed, list | tuple) or not all(
+                _is_int(t) and t >= 0 for t in allowed):
+            raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got "
+                             f"{allowed!r}"[:200])
+        if not allowed:
+            raise ValueError("allowed_token_ids must not be empty (leave it unset to allow "
+                             "every token)")
+        self.allowed_token_ids = sorted(set(allowed))
+
     # ------------------------------------------------------------------ derived views
 
     @property
@@ -256,7 +272,7 @@ class SamplingParams:
     @property
     def needs_logit_processing(self) -> bool:
         """Whether logits must be altered before the pick, ignoring step-dependent min_tokens."""
-        return self.needs_penalties or bool(self.logit_bias)
+        return self.needs_penalties or bool(self.logit_bias) or bool(self.allowed_token_ids)
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check token ids against the model's vocabulary; call once at admission."""
@@ -270,6 +286,9 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids entry {token_id} is out of range for vocab size {vocab_size}"
                 )
+        if self.allowed_token_ids and self.allowed_token_ids[-1] >= vocab_size:
+            raise ValueError(f"allowed_token_ids entry {self.allowed_token_ids[-1]} is out of "
+                             f"range for vocab size {vocab_size}")
         for seq in self.bad_words_token_ids or ():
             if max(seq) >= vocab_size:
                 raise ValueError(

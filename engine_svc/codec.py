@@ -65,6 +65,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             stream_interval=opt("stream_interval", None),  # type: ignore[arg-type]
             bad_words=list(msg.bad_words) or None,
             bad_words_token_ids=[list(s.token_ids) for s in msg.bad_words_token_ids] or None,
+            allowed_token_ids=list(msg.allowed_token_ids) or None,
         )
     except ValueError as exc:
         raise SamplingError(str(exc)) from None

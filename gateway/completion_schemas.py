@@ -39,6 +39,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, wire_int(_SP, "logprobs", ge=0)] | None = None
     # The prompt's text before each choice's output.
     echo: bool = False
+    # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); false for prompts that
+    # carry their own.
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -89,6 +92,7 @@ class CompletionRequest(SamplingFields):
         ))
         if isinstance(prompt, str):
             request.text = prompt
+            request.add_special_tokens = self.add_special_tokens
         else:
             request.token_ids.ids.extend(prompt)
         return request

@@ -193,6 +193,9 @@ class SamplingFields(RequestModel):
         None = None
     # vLLM's: words the output never contains (the router tokenizes them, the engines mask).
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # vLLM's: only these tokens may be sampled.
+    allowed_token_ids: list[Annotated[int, wire_int(_SP, "allowed_token_ids", ge=0)]] | None \
+        = None
     # OpenAI's: requests with the same key go to the same instances (routing affinity).
     prompt_cache_key: str | None = None
     # vLLM's: logprobs name tokens `token_id:<id>` (gateway/token_id_logprobs.py).
@@ -214,6 +217,13 @@ class SamplingFields(RequestModel):
             if not word.strip():
                 raise ValueError(f"entries must tokenize to at least one token, got {word!r}")
         return words
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_not_empty(cls, allowed: list[int] | None) -> list[int] | None:
+        if allowed is not None and not allowed:
+            raise ValueError("must not be empty (leave it unset to allow every token)")
+        return allowed
 
     @field_validator("request_id")
     @classmethod
@@ -310,6 +320,7 @@ class SamplingFields(RequestModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             bad_words=self.bad_words or [],
+            allowed_token_ids=self.allowed_token_ids or [],
         )
         for name in ("temperature", "top_p", "repetition_penalty", "seed",
                      "skip_special_tokens", "stream_interval"):

@@ -138,6 +138,8 @@ async def count_prompt_tokens(
         tokenize = router_pb2.TokenizeRequest(model=r.model, truncate_prompt_tokens=keep)
         if kind == "text":
             tokenize.text = r.text
+            if r.HasField("add_special_tokens"):
+                tokenize.add_special_tokens = r.add_special_tokens
         else:
             tokenize.chat.CopyFrom(r.chat)
         total += len((await client.tokenize(tokenize)).token_ids)

@@ -5,9 +5,9 @@ Order of operations for one step (one row per sequence):
 1. Logprobs, when any row asks for them, come from the *raw* model logits (log_softmax before
    any bias, penalty or temperature). This is vLLM v1's default: the numbers describe the model,
    not the sampling recipe, so they are comparable across requests and across P/D placement.
-2. Logit processing: logit_bias, the min_tokens ban on EOS/stop tokens, the repetition penalty
-   (HF semantics over prompt + output tokens), presence and frequency penalties (OpenAI
-   semantics over output tokens).
+2. Logit processing: allowed_token_ids, logit_bias, the min_tokens ban on EOS/stop tokens, the
+   repetition penalty (HF semantics over prompt + output tokens), presence and frequency
+   penalties (OpenAI semantics over output tokens).
 3. Greedy rows take the argmax of the processed logits. Other rows divide by their temperature,
    apply top-k, top-p and min-p masks (one sort shared by the batch), and sample.
 
@@ -269,6 +269,10 @@ def _apply_logit_processing(logits: torch.Tensor, meta: SamplingMetadata) -> Non
     """In place, row by row: only rows that need it pay, and the ids touched are sparse."""
     device = logits.device
     for row, params in enumerate(meta.params):
+        if params.allowed_token_ids:  # first: what follows only moves the kept logits
+            keep = row_index(params.allowed_token_ids, device)
+            kept = logits[row].index_select(0, keep)
+            logits[row].fill_(-torch.inf).index_copy_(0, keep, kept)
         if params.logit_bias:
             ids = row_index(list(params.logit_bias.keys()), device)
             bias = device_tensor(list(params.logit_bias.values()), logits.dtype, device)

@@ -27,6 +27,7 @@ def all_blocks_free(llm: LLM) -> bool:
         ("word " * 1100, SamplingParams(), "max_model_len"),
         ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "prompt_token_ids"),
         ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+        ("hi", SamplingParams(allowed_token_ids=[1, 10**9]), "allowed_token_ids"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(llm, prompt, params, field):
@@ -159,6 +160,28 @@ def test_logprobs_match_transformers(llm, hf_model):
         )
         < 1e-5
     )
+
+
+def test_allowed_token_ids_match_transformers_masked(llm, hf_model, hf_tokenizer):
+    """Greedy within allowed_token_ids is the transformers argmax over those tokens alone."""
+    allowed = sorted({t for word in (" Paris", " London", " Berlin", " the", " and", ",", ".")
+                      for t in hf_tokenizer(word, add_special_tokens=False)["input_ids"]})
+    prompt = "The capital of France is"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6,
+                                              allowed_token_ids=allowed))[0]
+    ids = list(out.prompt_token_ids)
+    expected = []
+    mask = torch.full((hf_model.config.vocab_size,), -torch.inf)
+    mask[allowed] = 0.0
+    with torch.no_grad():
+        for _ in range(6):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+            expected.append(int((logits + mask).argmax()))
+            ids.append(expected[-1])
+    assert out.outputs[0].token_ids == expected
+    assert set(expected) <= set(allowed)
+    unconstrained = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6))[0]
+    assert unconstrained.outputs[0].token_ids != expected  # the mask changed the output
 
 
 def test_priority_policy_serves_everything():

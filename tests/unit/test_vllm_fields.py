@@ -29,7 +29,7 @@ from pdmesh.engine.request_rules import RuleViolation, truncate_prompt
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduling.sequence import Sequence
 from pdmesh.engine.worker.in_flight import may_overlap
-from pdmesh.engine.worker.sampler import Sampler
+from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from pdmesh.engine.worker.step_sampling import StepSampler, mask_bad_words
 from pdmesh.engine_svc import codec
 from pdmesh.gateway.app import create_app
@@ -294,3 +294,85 @@ def test_invalid_fields_are_400s_naming_them(http: TestClient, path: str, body: 
     answer = http.post(path, json={**prompt, **body})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+# -- allowed_token_ids ---------------------------------------------------------------------------
+def test_allowed_token_ids_travel_in_sampling_params_and_are_checked() -> None:
+    body = CompletionRequest(prompt="x", allowed_token_ids=[5, 3, 5])
+    assert ignored_fields(body) == []
+    proto = body.to_generate("x", "r").sampling
+    assert list(proto.allowed_token_ids) == [5, 3, 5]
+    params = codec.sampling_from_proto(proto)
+    assert params.allowed_token_ids == [3, 5] and params.needs_logit_processing
+    params.verify_vocab(6)
+    with pytest.raises(ValueError, match="allowed_token_ids entry 5 is out of range"):
+        params.verify_vocab(5)
+    assert codec.sampling_from_proto(common_pb2.SamplingParams()).allowed_token_ids is None
+    for bad in ([], [-1], [2**31]):
+        with pytest.raises(ValidationError) as refused:
+            CompletionRequest(prompt="x", allowed_token_ids=bad)
+        assert refused.value.errors()[0]["loc"][0] == "allowed_token_ids"
+    for bad in ([], [-1], ["3"]):  # the offline API's own check
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)  # type: ignore[arg-type]
+
+
+def test_the_sampler_keeps_to_allowed_token_ids() -> None:
+    logits = torch.tensor([[9.0, 1.0, 3.0, 2.0, 8.0, 0.5]])
+    allowed = [1, 2, 3]
+    sampler = Sampler(seed=0)
+
+    def meta(params: list[SamplingParams]) -> Any:
+        rows = len(params)
+        return SamplingMetadata(params=params, generators=[None] * rows,
+                                prompt_token_ids=[[]] * rows, output_token_ids=[[]] * rows,
+                                eos_token_ids=set())
+
+    greedy = SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=1,
+                            logit_bias={0: 50.0, 1: 2.5})  # a bias moves only what is allowed
+    token = sampler(logits.clone(), meta([greedy]))[0]
+    assert token.token_id == 1  # 1 + 2.5 beats 3.0; 0 and 4 are out, whatever their bias
+    raw = torch.log_softmax(logits[0], dim=0)
+    assert token.logprob == pytest.approx(raw[1].item())  # logprobs stay the model's
+    rows = 400
+    draws = SamplingParams(temperature=1.0, allowed_token_ids=allowed)
+    picked = sampler.sample_ids(logits.repeat(rows, 1), meta([draws] * rows)).tolist()
+    assert set(picked) == set(allowed)  # all three drawn, nothing else ever
+    seeded = SamplingParams(temperature=1.0, seed=7, top_k=2, allowed_token_ids=allowed)
+    gens = [make_generator(7 + i) for i in range(rows)]
+    picked = sampler.sample_ids(logits.repeat(rows, 1), SamplingMetadata(
+        params=[seeded] * rows, generators=gens, prompt_token_ids=[[]] * rows,
+        output_token_ids=[[]] * rows, eos_token_ids=set())).tolist()
+    assert set(picked) == {2, 3}  # top-k over the allowed tokens only
+    plain = sampler.sample_ids(logits.clone(), meta([SamplingParams(temperature=0)]))
+    assert plain.tolist() == [0]
+
+
+# -- add_special_tokens --------------------------------------------------------------------------
+def test_add_special_tokens_reaches_the_router_and_usage(tokenizer: Any, tmp_path: Any) -> None:
+    from tokenizers.processors import TemplateProcessing
+
+    from pdmesh.router.prompt_tokenizer import PromptTokenizer
+
+    body = CompletionRequest(prompt="hello world", add_special_tokens=False)
+    assert ignored_fields(body) == []
+    request = body.to_generate("hello world", "r")
+    assert request.HasField("add_special_tokens") and not request.add_special_tokens
+    default = CompletionRequest(prompt="hello world").to_generate("hello world", "r")
+    assert default.add_special_tokens
+    ids_request = CompletionRequest(prompt=[1, 2]).to_generate([1, 2], "r")
+    assert not ids_request.HasField("add_special_tokens")  # token ids are taken as given
+    router = CountingRouter(max_model_len=8)
+    asyncio.run(count_prompt_tokens(router, [request]))  # type: ignore[arg-type]
+    assert not router.asked[0].add_special_tokens  # usage counts the same tokens
+
+    # The router's tokenizer honours it: a tokenizer that puts "ok" first as its BOS.
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="ok $A", special_tokens=[("ok", WORDS.index("ok"))])
+    tokenizer.save_pretrained(tmp_path)
+    pool = PromptTokenizer(str(tmp_path), pool_size=1)
+    try:
+        assert asyncio.run(pool.encode(default)) == ids("ok", "hello", "world")
+        assert asyncio.run(pool.encode(request)) == ids("hello", "world")
+    finally:
+        pool.close()

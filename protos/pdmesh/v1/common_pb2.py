@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/common.proto\x12\tpdmesh.v1\"\xd8\x06\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmax_tokens\x18\x0f \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x07\x88\x01\x01\x12\x36\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1b.pdmesh.v1.StructuredOutput\x12\x1c\n\x0fstream_interval\x18\x15 \x01(\rH\x08\x88\x01\x01\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x35\n\x13\x62\x61\x64_words_token_ids\x18\x17 \x03(\x0b\x32\x18.pdmesh.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xbd\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\".pdmesh.v1.StructuredOutput.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xbb\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\x03top\x18\x05 \x03(\x0b\x32!.pdmesh.v1.TokenLogprob.Candidate\x1a<\n\tCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\":\n\x0ePromptLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"~\n\x06\x46inish\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x0f\n\x07message\x18\x04 \x01(\tB\r\n\x0bstop_reason\"\x8d\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x11.pdmesh.v1.Finish\"\x8f\x01\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/common.proto\x12\tpdmesh.v1\"\xf3\x06\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x17\n\nmax_tokens\x18\x0f \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x07\x88\x01\x01\x12\x36\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1b.pdmesh.v1.StructuredOutput\x12\x1c\n\x0fstream_interval\x18\x15 \x01(\rH\x08\x88\x01\x01\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x35\n\x13\x62\x61\x64_words_token_ids\x18\x17 \x03(\x0b\x32\x18.pdmesh.v1.TokenSequence\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xbd\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\".pdmesh.v1.StructuredOutput.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xbb\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\x03top\x18\x05 \x03(\x0b\x32!.pdmesh.v1.TokenLogprob.Candidate\x1a<\n\tCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\":\n\x0ePromptLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"~\n\x06\x46inish\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.pdmesh.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x0f\n\x07message\x18\x04 \x01(\tB\r\n\x0bstop_reason\"\x8d\x01\n\rSequenceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x11.pdmesh.v1.Finish\"\x8f\x01\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x07 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1882
-  _globals['_FINISHREASON']._serialized_end=2027
+  _globals['_FINISHREASON']._serialized_start=1909
+  _globals['_FINISHREASON']._serialized_end=2054
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=894
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=696
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=744
-  _globals['_TOKENSEQUENCE']._serialized_start=896
-  _globals['_TOKENSEQUENCE']._serialized_end=930
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=933
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1122
-  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_start=1089
-  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_end=1114
-  _globals['_TOKENLOGPROB']._serialized_start=1125
-  _globals['_TOKENLOGPROB']._serialized_end=1312
-  _globals['_TOKENLOGPROB_CANDIDATE']._serialized_start=1252
-  _globals['_TOKENLOGPROB_CANDIDATE']._serialized_end=1312
-  _globals['_PROMPTLOGPROBS']._serialized_start=1314
-  _globals['_PROMPTLOGPROBS']._serialized_end=1372
-  _globals['_USAGE']._serialized_start=1374
-  _globals['_USAGE']._serialized_end=1461
-  _globals['_FINISH']._serialized_start=1463
-  _globals['_FINISH']._serialized_end=1589
-  _globals['_SEQUENCEDELTA']._serialized_start=1592
-  _globals['_SEQUENCEDELTA']._serialized_end=1733
-  _globals['_TIMING']._serialized_start=1736
-  _globals['_TIMING']._serialized_end=1879
+  _globals['_SAMPLINGPARAMS']._serialized_end=921
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=723
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=771
+  _globals['_TOKENSEQUENCE']._serialized_start=923
+  _globals['_TOKENSEQUENCE']._serialized_end=957
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=960
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1149
+  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_start=1116
+  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_end=1141
+  _globals['_TOKENLOGPROB']._serialized_start=1152
+  _globals['_TOKENLOGPROB']._serialized_end=1339
+  _globals['_TOKENLOGPROB_CANDIDATE']._serialized_start=1279
+  _globals['_TOKENLOGPROB_CANDIDATE']._serialized_end=1339
+  _globals['_PROMPTLOGPROBS']._serialized_start=1341
+  _globals['_PROMPTLOGPROBS']._serialized_end=1399
+  _globals['_USAGE']._serialized_start=1401
+  _globals['_USAGE']._serialized_end=1488
+  _globals['_FINISH']._serialized_start=1490
+  _globals['_FINISH']._serialized_end=1616
+  _globals['_SEQUENCEDELTA']._serialized_start=1619
+  _globals['_SEQUENCEDELTA']._serialized_end=1760
+  _globals['_TIMING']._serialized_start=1763
+  _globals['_TIMING']._serialized_end=1906
 # @@protoc_insertion_point(module_scope)
