@@ -76,6 +76,19 @@ def check_token_ids(token_ids: list[int] | tuple[int, ...], vocab_size: int,
         raise RuleViolation(field, f"token id {bad} is outside [0, {vocab_size})")
 
 
+def check_allowed_token_ids(value: object) -> list[int]:
+    """vLLM's `allowed_token_ids`: a non-empty list of token ids >= 0 (empty is not "any
+    token": that is unset), deduplicated and sorted. Checked against the vocabulary where the
+    model is known (`SamplingParams.verify_vocab`)."""
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise RuleViolation("allowed_token_ids", "must be a list of token ids >= 0")
+    if not value:
+        raise RuleViolation("allowed_token_ids",
+                            "must not be empty (leave it unset to allow every token)")
+    return sorted(set(value))
+
+
 def check_stream_interval(value: object) -> int:
     """`stream_interval` (a server flag or a request's own): an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

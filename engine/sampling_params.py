@@ -12,7 +12,11 @@ import math
 from dataclasses import dataclass
 
 from pdmesh.engine.bad_words import MAX_BAD_WORDS
-from pdmesh.engine.request_rules import check_stream_interval
+from pdmesh.engine.request_rules import (
+    RuleViolation,
+    check_allowed_token_ids,
+    check_stream_interval,
+)
 from pdmesh.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
@@ -222,17 +226,12 @@ class SamplingParams:
         self.bad_words_token_ids = [list(seq) for seq in sequences] or None
 
     def _validate_allowed_token_ids(self) -> None:
-        allowed = self.allowed_token_ids
-        if allowed is None:
+        if self.allowed_token_ids is None:
             return
-        if not isinstance(allowed, list | tuple) or not all(
-                _is_int(t) and t >= 0 for t in allowed):
-            raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got "
-                             f"{allowed!r}"[:200])
-        if not allowed:
-            raise ValueError("allowed_token_ids must not be empty (leave it unset to allow "
-                             "every token)")
-        self.allowed_token_ids = sorted(set(allowed))
+        try:
+            self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
+        except RuleViolation as exc:
+            raise ValueError(f"{exc.field} {exc}") from None
 
     # ------------------------------------------------------------------ derived views
 

@@ -39,7 +39,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from pdmesh.engine.bad_words import MAX_BAD_WORDS
-from pdmesh.engine.request_rules import check_prompt_cache_key
+from pdmesh.engine.request_rules import check_allowed_token_ids, check_prompt_cache_key
 from pdmesh.engine_svc import codec
 from pdmesh.gateway.request_id import check_request_id
 from pdmesh.v1 import common_pb2, router_pb2
@@ -220,9 +220,9 @@ class SamplingFields(RequestModel):
 
     @field_validator("allowed_token_ids")
     @classmethod
-    def _allowed_not_empty(cls, allowed: list[int] | None) -> list[int] | None:
-        if allowed is not None and not allowed:
-            raise ValueError("must not be empty (leave it unset to allow every token)")
+    def _allowed_token_ids(cls, allowed: list[int] | None) -> list[int] | None:
+        if allowed is not None:
+            check_allowed_token_ids(allowed)  # sent as written; the engines normalize it
         return allowed
 
     @field_validator("request_id")

@@ -482,7 +482,7 @@ def _build_router(r: CollectorRegistry) -> RouterMetrics:
                              buckets=LATENCY_BUCKETS_S, registry=r),
         tokenize_wait=Histogram(metric_name("router_tokenize_wait_seconds"),
                                 "Time a prompt waited for a tokenizer thread, by lane (short; "
-                                "large: prompts over 32 KiB, which leave one thread free)",
+                                "large: big prompts, which leave one thread free)",
                                 ["lane"], buckets=LATENCY_BUCKETS_S, registry=r),
         requests=Counter(metric_name("router_requests"),
                          "Generate calls answered, by gRPC status code", ["code"], registry=r),
