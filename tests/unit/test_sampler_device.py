@@ -74,6 +74,8 @@ COMMON_MODES = {
     "min_p": [SamplingParams(temperature=1.0, min_p=0.05)],
     "temperature": [SamplingParams(temperature=1.0)],
     "seeded_top_p": [SamplingParams(temperature=0.6, top_p=0.9, seed=3)],
+    # vLLM's allowed_token_ids: the mask is built on the device, no sync either.
+    "allowed_token_ids": [SamplingParams(temperature=0.8, allowed_token_ids=[3, 17, 400])],
     "mixed": ROWS,
 }
 
