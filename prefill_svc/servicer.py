@@ -296,7 +296,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
             finish = first_token_finish(
                 completion.token_ids[0], len(prompt), params, self.engine.eos_token_ids,
                 self.engine.max_model_len,
-            ) if completion.token_ids else ("length", None)
+            ) if completion.token_ids else ("stop", None)  # no token left by its masks
             running = replace(completion, finish_reason=None, stop_reason=None)
             if finish is not None:
                 running = replace(completion, finish_reason=finish[0], stop_reason=finish[1])

@@ -108,7 +108,20 @@ class OutputCommit:
             elif len(samples) > 1:
                 self._fan_out(state, seq, samples)
             else:
-                self.append_token(seq, samples[0].token_id, samples[0].logprob)
+                self._take(seq, samples[0])
+
+    def _take(self, seq: Sequence, sample: Sample) -> None:
+        """`sample`'s token into `seq`, or, at a dead end (its masks left no token), the end of
+        `seq` with what it has: finish reason "stop", no token appended. vLLM samples from an
+        all -inf row here (token 0, or NaN probabilities); a client would see a token its own
+        constraints forbid."""
+        if not sample.dead_end:
+            self.append_token(seq, sample.token_id, sample.logprob)
+            return
+        logger.warning("request_id=%s: sample %d has no token its masks allow "
+                       "(allowed_token_ids, grammar, bad_words, min_tokens); stopped",
+                       seq.request_id, seq.index)
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _fan_out(self, state: CoreRequest, parent: Sequence, samples: list[Sample]) -> None:
         """The prompt of an n > 1 request is done: one first token per sample, then fork."""
@@ -119,19 +132,21 @@ class OutputCommit:
             child.generator = samples[i].generator
             state.seqs.append(child)
         for seq, sample in zip(list(state.seqs), samples, strict=True):
-            self.append_token(seq, sample.token_id, sample.logprob)
+            self._take(seq, sample)
 
     def _export(self, state: CoreRequest, seq: Sequence, samples: list[Sample]) -> None:
-        """Prefill role: record the first token(s), keep the prompt's blocks pinned."""
+        """Prefill role: record the first token(s), keep the prompt's blocks pinned. A
+        sample at a dead end records none: the prefill service reports it finished
+        (prefill_svc/servicer.py `response`) and no decode instance continues it."""
         for i, sample in enumerate(samples):
-            if i == 0:
-                self.append_token(seq, sample.token_id, sample.logprob, export=True)
-            else:
-                extra = self.samples.sibling(seq, i)
-                extra.token_ids = list(seq.prompt_token_ids)  # not sample 0's first token
-                extra.status = SequenceStatus.FINISHED_EXPORTED
-                self.append_token(extra, sample.token_id, sample.logprob, export=True)
-                state.seqs.append(extra)
+            target = seq
+            if i > 0:
+                target = self.samples.sibling(seq, i)
+                target.token_ids = list(seq.prompt_token_ids)  # not sample 0's first token
+                target.status = SequenceStatus.FINISHED_EXPORTED
+                state.seqs.append(target)
+            if not sample.dead_end:
+                self.append_token(target, sample.token_id, sample.logprob, export=True)
         state.kv_export = KVExportInfo(self.kv_manager.block_ids(seq.seq_id),
                                        seq.num_prompt_tokens)
         self.scheduler.finish(seq, SequenceStatus.FINISHED_EXPORTED, free_blocks=False)

@@ -96,6 +96,10 @@ class SampledToken:
     """1-based rank of token_id under the raw logprobs; None unless params.logprobs is set."""
     top_logprobs: dict[int, float] | None = None
     """The params.logprobs most likely tokens and their raw logprobs, nothing else."""
+    dead_end: bool = False
+    """No token was left to pick: the row's masks (allowed_token_ids, grammar, bad words, the
+    min_tokens ban) together forbade every one. `token_id` is then meaningless; the sample
+    ends with what it has (engine/core/output_commit.py)."""
 
 
 def child_seed(seed: int | None, index: int) -> int | None:
@@ -130,10 +134,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
         """One token per row on the host, with logprobs for the rows that asked."""
-        token_ids = self.sample_ids(logits, meta)
-        sampled = [SampledToken(token_id=t) for t in token_ids.tolist()]
+        processed = self._processed(logits, meta)
+        token_ids = self._pick(processed, meta)
+        # A row whose every logit is -inf picks a token of logit -inf (argmax: the first;
+        # a draw: from NaN probabilities); any other row picks a finite one. One gather tells
+        # them apart, read back in the same copy as the ids.
+        dead = processed.gather(1, token_ids.unsqueeze(1)).squeeze(1).isneginf()
+        ids, dead_ends = torch.stack((token_ids, dead.to(token_ids.dtype))).tolist()
+        sampled = [SampledToken(token_id=t, dead_end=bool(d))
+                   for t, d in zip(ids, dead_ends, strict=True)]
         logprob_rows = [i for i, p in enumerate(meta.params) if p.logprobs is not None]
-        if logprob_rows:  # from the raw logits: sample_ids processed a copy of them
+        if logprob_rows:  # from the raw logits: the pick read a processed copy of them
             picked = logits.index_select(0, row_index(logprob_rows, logits.device))
             raw_logprobs = torch.log_softmax(picked.float(), dim=-1)
             _attach_logprobs(sampled, raw_logprobs, logprob_rows, token_ids, meta)
@@ -141,16 +152,25 @@ class Sampler:
 
     def sample_ids(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sampled ids `[B]` on the logits' device. Nothing here waits for a GPU, so async
-        scheduling can launch the next step before these ids reach the host."""
+        scheduling can launch the next step before these ids reach the host. No row here can
+        be a dead end (`SampledToken.dead_end`): a step left in flight has no grammar, bad
+        words or min_tokens ban (engine/worker/in_flight.py `may_overlap`), and
+        allowed_token_ids alone always leaves a token."""
+        return self._pick(self._processed(logits, meta), meta)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The logits the pick reads: `logits` itself for a plain greedy batch, else a float32
+        copy with every row's logit processing applied."""
         if logits.dim() != 2 or logits.shape[0] != len(meta.params):
             raise ValueError(
                 f"logits must be [B, V] with B={len(meta.params)} rows, got {tuple(logits.shape)}"
             )
         if _is_plain_greedy_batch(meta):
-            return logits.argmax(dim=-1)
+            return logits
         processed = logits.to(torch.float32, copy=True)
         _apply_logit_processing(processed, meta)
-        return self._pick(processed, meta)
+        return processed
 
     def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; the rest sample from their masked distribution."""

@@ -45,6 +45,8 @@ class Sample:
     token_id: int
     logprob: RawLogprob | None
     generator: torch.Generator | None
+    dead_end: bool = False
+    """Its masks left no token (`SampledToken.dead_end`): the sample ends without one."""
 
 
 class StepSampler:
@@ -75,7 +77,7 @@ class StepSampler:
         by_seq: dict[str, list[Sample]] = {}
         for seq, tok, gen in zip(owners, sampled, gens, strict=True):
             by_seq.setdefault(seq.seq_id, []).append(
-                Sample(tok.token_id, sample_logprob(seq, tok), gen))
+                Sample(tok.token_id, sample_logprob(seq, tok), gen, tok.dead_end))
         return [(seq, by_seq[seq.seq_id]) for seq in seqs]
 
     def launch(self, logits: torch.Tensor, seqs: list[Sequence], sample_index: dict[str, int],

@@ -482,6 +482,24 @@ async def test_abort_and_release_are_idempotent(
     await wait_until(lambda: all_free(stubs), "released")
 
 
+async def test_a_first_token_no_mask_allows_ends_the_request_at_the_prefill(
+    stubs: Stubs, reference: dict[str, tuple[list[int], list[int], str]]
+) -> None:
+    """allowed_token_ids that min_tokens bans leave no first token: the prefill answers
+    finished ("stop", no token), holds nothing and lends nothing, on both of its calls."""
+    boxed = greedy(8, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=1)
+    prompt_ids = reference[PROMPTS[0]][0]
+    pre = await stubs.prefill.Prefill(engine_pb2.PrefillRequest(
+        request_id="dead-0", prompt_token_ids=prompt_ids, sampling=boxed))
+    streamed = [m async for m in stubs.prefill.PrefillStream(engine_pb2.PrefillRequest(
+        request_id="dead-1", prompt_token_ids=prompt_ids, sampling=boxed))]
+    for response in (pre, streamed[-1].done):
+        assert not response.HasField("kv")
+        assert [(list(d.token_ids), d.finish.reason) for d in response.first] == [
+            ([], common_pb2.FINISH_REASON_STOP)]
+    await wait_until(lambda: all_free(stubs), "nothing held after a dead end")
+
+
 async def test_invalid_requests_are_refused(stubs: Stubs) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stubs.prefill.Prefill(engine_pb2.PrefillRequest(

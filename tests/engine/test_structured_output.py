@@ -100,6 +100,27 @@ def test_resumed_tokens_that_break_the_grammar_are_refused(llm: LLM) -> None:
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+def test_a_grammar_and_allowed_token_ids_with_no_token_in_common_end_the_sample(
+        llm: LLM) -> None:
+    """Where the grammar and allowed_token_ids leave no token, the sample stops with what it
+    has ("stop"), never with a token either forbids: at its first token (every sample of n),
+    and midway, once the allowed tokens no longer continue the grammar."""
+    engine = llm.engine
+    choice = ("Berlin Wall",)
+    first, *rest = engine.tokenizer(choice[0], add_special_tokens=False)["input_ids"]
+    assert rest and first not in rest  # the choice takes more tokens than the first
+    never = engine.tokenizer(" zebra", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, allowed_token_ids=never,
+                            structured_output=StructuredOutput(choice=choice))
+    out = generate(llm, "Pick a city.", params)
+    assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [([], "stop")] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[first],
+                            structured_output=StructuredOutput(choice=choice))
+    completion = generate(llm, "Pick a city.", params).outputs[0]
+    assert (completion.token_ids, completion.finish_reason) == ([first], "stop")
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
 def test_spec_that_does_not_compile_is_refused_and_frees_nothing(llm: LLM) -> None:
     """Whether a spec compiles is the engine's verdict (its sandbox), at add time."""
     for spec, match in ((StructuredOutput(json_schema='{"type": "nonsense"}'),

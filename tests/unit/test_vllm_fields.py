@@ -29,7 +29,7 @@ from pdmesh.engine.request_rules import RuleViolation, truncate_prompt
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.scheduling.sequence import Sequence
 from pdmesh.engine.worker.in_flight import may_overlap
-from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
+from pdmesh.engine.worker.sampler import SampledToken, Sampler, SamplingMetadata, make_generator
 from pdmesh.engine.worker.step_sampling import StepSampler, mask_bad_words
 from pdmesh.engine_svc import codec
 from pdmesh.gateway.app import create_app
@@ -346,6 +346,28 @@ def test_the_sampler_keeps_to_allowed_token_ids() -> None:
     assert set(picked) == {2, 3}  # top-k over the allowed tokens only
     plain = sampler.sample_ids(logits.clone(), meta([SamplingParams(temperature=0)]))
     assert plain.tolist() == [0]
+
+
+def test_a_row_whose_masks_leave_no_token_is_a_dead_end_not_a_pick() -> None:
+    """allowed_token_ids that min_tokens bans (both stop tokens): no token is left. The row
+    says so, whichever way it would have picked; the other rows of the batch pick as ever."""
+    logits = torch.tensor([[9.0, 1.0, 3.0, 2.0, 8.0, 0.5]]).repeat(5, 1)
+    boxed = dict(allowed_token_ids=[2, 3], stop_token_ids=[2, 3], min_tokens=1)
+    params = [SamplingParams(temperature=0, **boxed),
+              SamplingParams(temperature=1.0, **boxed),
+              SamplingParams(temperature=1.0, top_p=0.5, **boxed),
+              SamplingParams(temperature=1.0, seed=3, logprobs=2, **boxed),
+              SamplingParams(temperature=1.0, allowed_token_ids=[2, 3])]
+    meta = SamplingMetadata(params=params, generators=[None, None, None, make_generator(3), None],
+                            prompt_token_ids=[[]] * 5, output_token_ids=[[]] * 5,
+                            eos_token_ids=set())
+    picked = Sampler(seed=0)(logits, meta)
+    assert [t.dead_end for t in picked] == [True, True, True, True, False]
+    assert picked[4].token_id in (2, 3)
+    once_past = SamplingMetadata(params=params[:1], generators=[None], prompt_token_ids=[[]],
+                                 output_token_ids=[[]], eos_token_ids=set(),
+                                 num_output_tokens=[1])  # min_tokens met: 2 is the argmax
+    assert Sampler(seed=0)(logits[:1], once_past)[0] == SampledToken(token_id=2)
 
 
 # -- add_special_tokens --------------------------------------------------------------------------
