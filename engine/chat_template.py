@@ -46,11 +46,14 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
 def apply_chat_template(
     tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a conversation; `tools` (OpenAI function tools) reach the template as HF's
     `tools=`, `template_kwargs` (vLLM's chat_template_kwargs, `check_template_kwargs`) as
-    variables. Refuses a model without a template and roles outside OpenAI's."""
+    variables. Refuses a model without a template and roles outside OpenAI's.
+
+    `add_special_tokens` (vLLM's chat field, off by default: the template places BOS and the
+    like itself) tokenizes the rendered text with the tokenizer's special tokens on top."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template")
     for i, m in enumerate(messages):
@@ -61,10 +64,11 @@ def apply_chat_template(
                 f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
                 + ", ".join(CHAT_ROLES)
             )
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
-        **check_template_kwargs(template_kwargs or {}),
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        tokenize=not add_special_tokens, **check_template_kwargs(template_kwargs or {}),
     )
+    ids = tokenizer(rendered, add_special_tokens=True) if add_special_tokens else rendered
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

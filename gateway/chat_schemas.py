@@ -106,6 +106,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) on top of what the template places; off, as
+    # there, since most templates place their own.
+    add_special_tokens: bool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -143,6 +146,7 @@ class ChatCompletionRequest(SamplingFields):
             cache_salt=self.cache_salt,
             priority=self.priority,
             stream=self.stream,
+            add_special_tokens=self.add_special_tokens,
         ))
 
 

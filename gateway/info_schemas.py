@@ -21,7 +21,8 @@ class TokenizeRequest(RequestModel):
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True  # prompt only; a chat template places its own
+    # vLLM's defaults: on for a prompt, off for messages (a chat template places its own).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # messages only
     tools: list[ChatTool] | None = None  # messages only: rendered by the chat template
     return_token_strs: bool = False
@@ -44,7 +45,8 @@ class TokenizeRequest(RequestModel):
             add_generation_prompt=self.add_generation_prompt,
             tools_json=tools if self.tools else "",
         )
-        return router_pb2.TokenizeRequest(model=self.model, chat=chat)
+        return router_pb2.TokenizeRequest(model=self.model, chat=chat,
+                                          add_special_tokens=self.add_special_tokens)
 
 
 class TokenizeResponse(BaseModel):

@@ -136,10 +136,10 @@ async def count_prompt_tokens(
             total += len(truncate_prompt(list(r.token_ids.ids), keep, model_len))
             continue
         tokenize = router_pb2.TokenizeRequest(model=r.model, truncate_prompt_tokens=keep)
+        if r.HasField("add_special_tokens"):
+            tokenize.add_special_tokens = r.add_special_tokens
         if kind == "text":
             tokenize.text = r.text
-            if r.HasField("add_special_tokens"):
-                tokenize.add_special_tokens = r.add_special_tokens
         else:
             tokenize.chat.CopyFrom(r.chat)
         total += len((await client.tokenize(tokenize)).token_ids)

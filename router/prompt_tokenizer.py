@@ -98,10 +98,7 @@ class PromptTokenizer:
             text = request.text
             if max_model_len is not None and self.bound is not None:
                 self.bound.check(text, max_model_len)
-            special = True  # Generate always adds them; Tokenize may say otherwise
-            if ("add_special_tokens" in request.DESCRIPTOR.fields_by_name
-                    and request.HasField("add_special_tokens")):
-                special = request.add_special_tokens
+            special = _add_special_tokens(request, default=True)
             return await self._run(len(text), self._encode_text, text, special)
         if kind == "chat":
             messages = chat_messages(request.chat)
@@ -116,7 +113,7 @@ class PromptTokenizer:
             )
             size = request.chat.ByteSize()
             return await self._run(size, self._encode_chat, messages, add, max_model_len, tools,
-                                   kwargs)
+                                   kwargs, _add_special_tokens(request, default=False))
         raise InvalidRequest("prompt", "one of text, token_ids or chat is required")
 
     async def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
@@ -172,7 +169,7 @@ class PromptTokenizer:
     def _encode_chat(
         self, tokenizer: Any, messages: list[dict[str, Any]], add: bool,
         max_model_len: int | None, tools: list[dict[str, Any]] | None = None,
-        kwargs: dict[str, Any] | None = None,
+        kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
     ) -> list[int]:
         if max_model_len is not None and self.bound is not None:
             # The bound applies to the rendered text (a template may leave content out).
@@ -187,12 +184,19 @@ class PromptTokenizer:
             if isinstance(rendered, str):
                 self.bound.check(rendered, max_model_len, field="messages")
         try:
-            return apply_chat_template(tokenizer, messages, add, tools, kwargs)
+            return apply_chat_template(tokenizer, messages, add, tools, kwargs,
+                                       add_special_tokens)
         except ValueError as exc:
             raise InvalidRequest("messages", str(exc)) from None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _add_special_tokens(request: Any, default: bool) -> bool:
+    """The request's `add_special_tokens` where it says (Generate and Tokenize both carry
+    it), else vLLM's default: on for a text prompt, off for a chat (its template places them)."""
+    return request.add_special_tokens if request.HasField("add_special_tokens") else default
 
 
 def chat_messages(chat: Any) -> list[dict[str, Any]]:

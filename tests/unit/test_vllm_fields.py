@@ -39,6 +39,7 @@ from pdmesh.gateway.completion_formatter import CompletionFormatter
 from pdmesh.gateway.completion_schemas import CompletionRequest
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.gateway.formatter import Outputs, ResponseHead
+from pdmesh.gateway.info_schemas import TokenizeRequest
 from pdmesh.gateway.openai_format import SequenceState
 from pdmesh.gateway.schemas import UsageInfo, ignored_fields
 from pdmesh.gateway.token_id_logprobs import TokenIdLogprobs
@@ -396,5 +397,23 @@ def test_add_special_tokens_reaches_the_router_and_usage(tokenizer: Any, tmp_pat
     try:
         assert asyncio.run(pool.encode(default)) == ids("ok", "hello", "world")
         assert asyncio.run(pool.encode(request)) == ids("hello", "world")
+        # A chat is the other way round, as in vLLM: off unless asked for.
+        messages = [{"role": "user", "content": "hello"}]
+        chat = ChatCompletionRequest(messages=messages)
+        assert ignored_fields(chat) == []
+        plain = chat.to_generate("r")
+        assert asyncio.run(pool.encode(plain)) == ids("hello", "think", "on")
+        with_bos = ChatCompletionRequest(messages=messages, add_special_tokens=True)
+        assert (asyncio.run(pool.encode(with_bos.to_generate("r")))
+                == ids("ok", "hello", "think", "on"))
+        # /tokenize follows the same defaults, and usage counts what Generate tokenized.
+        assert asyncio.run(pool.encode(TokenizeRequest(prompt="hello").to_proto())) == ids(
+            "ok", "hello")
+        asked = TokenizeRequest(messages=messages).to_proto()
+        assert not asked.HasField("add_special_tokens")
+        assert asyncio.run(pool.encode(asked)) == ids("hello", "think", "on")
+        router = CountingRouter(max_model_len=8)
+        asyncio.run(count_prompt_tokens(router, [with_bos.to_generate("r")]))  # type: ignore[arg-type]
+        assert router.asked[0].add_special_tokens
     finally:
         pool.close()
