@@ -21,7 +21,8 @@ cancels the Decode stream and releases the prefill side's KV, so every block com
 
 Streamed by chunk (`--kv-stream-chunks`, the default), the run delegates its prefill to
 router/streamed_prefill.py (`PrefillStream`, with Decode started while the prompt computes);
-an instance that cannot stream is asked `Prefill` as above.
+an instance that cannot stream is asked `Prefill` as above. Each Decode call is a
+router/decode_call.py `DecodeCall`, which turns how it ended into what the loops here do next.
 """
 
 from __future__ import annotations
@@ -30,18 +31,15 @@ import asyncio
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 
 from pdmesh.auth import ClusterToken
-from pdmesh.grpc_common import KV_LOAD_FAILED, refused_reason
-from pdmesh.kvstore.transfer.capability import TransferCapability
 from pdmesh.metrics import RouterMetrics
 from pdmesh.router.cleanup import CleanupCalls
+from pdmesh.router.decode_call import DecodeCall
 from pdmesh.router.failures import (
     Broken,
     RouteError,
     Unreached,
-    broken_reason,
     cancelled_from_outside,
     cancelled_under_us,
     fault_reason,
@@ -83,18 +81,6 @@ class RunContext:
     token: ClusterToken | None  # binds each KV handle to the decode instance it is sent to
     stream_kv: bool = True  # PrefillStream: the KV moves while the prompt is computed
     peers: PeerPrefixes | None = None  # cluster-wide prefix caching (peer_prefix.py)
-
-
-def granted(remote: Remote, token: ClusterToken | None, instance: Instance) -> Remote:
-    """`remote` with a capability for `instance` alone (with a cluster token): the sender
-    serves the KV only to its holder (kvstore/transfer/capability.py)."""
-    if remote is None or token is None:
-        return remote
-    grant = engine_pb2.RemotePrefill()
-    grant.CopyFrom(remote)
-    grant.capability.CopyFrom(TransferCapability.mint(
-        token, remote.kv.transfer_id, instance.instance_id).to_proto())
-    return grant
 
 
 class RequestRun:
@@ -180,7 +166,8 @@ class RequestRun:
             self.ctx.cleanup.release_prefix(loan.lender, loan.loan_id,
                                             loan.peer.kv.transfer_id, reason)
 
-    async def _fail_after_output(self, message: str) -> None:
+    async def fail_after_output(self, message: str) -> None:
+        """Output went to the client: its unfinished sequences end with an error finish."""
         await self.responses.fail_unfinished(message)
         await self.finish()
 
@@ -235,7 +222,7 @@ class RequestRun:
                 if self.recovery.migrate(instance, broken, out.completion_tokens) is None:
                     if not self.responses.sent:
                         raise broken.error from None
-                    await self._fail_after_output(str(broken.error))
+                    await self.fail_after_output(str(broken.error))
                     return
                 remote = None  # its KV was released; the next instance prefills itself
                 resume = resume_state(out) if out.started else []
@@ -248,7 +235,7 @@ class RequestRun:
                                                 remote.kv.transfer_id, "no decode instance left")
                 if not self.responses.sent:
                     raise
-                await self._fail_after_output(str(final))
+                await self.fail_after_output(str(final))
                 return
 
     # -- prefill -----------------------------------------------------------------------------
@@ -313,99 +300,9 @@ class RequestRun:
     async def decode(
         self, instance: Instance, remote: Remote, resume: list[engine_pb2.ResumedSequence],
     ) -> None:
-        """One Decode call, streamed through. Raises Unreached (re-route it) or Broken
+        """One Decode call (router/decode_call.py). Raises Unreached (re-route it) or Broken
         (migrate it) for an instance's failure; fails the request for any other."""
-        req = self.req
-        # Prefilled there: its leading blocks perhaps lent by a peer.
-        loan, timeout = await self.lend_prefix(instance, offer=remote is None and not resume)
-        message = engine_pb2.DecodeRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            cache_salt=req.cache_salt,
-            priority=req.priority,
-            remote_prefill=granted(remote, self.ctx.token, instance),
-            resume=resume,
-            peer_prefix=loan.peer if loan is not None else None,
-        )
-        result: engine_pb2.DecodeResult | None = None
-        answered = False  # the instance sent something: the call can no longer be re-routed
-        call = instance.decode_stub().Decode(message, timeout=timeout,
-                                             metadata=inject_metadata())
-        watch = CallWatch(self.ctx.pool, instance, call.cancel, "decode")
-        try:
-            try:
-                async with watch:
-                    async for resp in call:
-                        answered = True
-                        watch.progressed()
-                        if resp.HasField("delta"):
-                            await self.responses.emit(resp.delta)
-                        elif resp.HasField("result"):
-                            result = resp.result
-                        elif resp.HasField("prompt_logprobs"):
-                            await self.responses.send_prompt_logprobs(
-                                resp.prompt_logprobs.entries)
-            except BaseException:
-                self.prefix_unused(loan, "decode call failed")
-                raise
-        except asyncio.CancelledError:
-            call.cancel()
-            if cancelled_from_outside():
-                self._cleanup_after_decode(instance, remote, "client cancelled")
-                raise
-            if watch.fired:  # hung: migrate, as after a crash
-                self._cleanup_after_decode(instance, remote, "no progress")
-                raise Broken(self.stalled(instance, "decode", watch), "stalled") from None
-            # Not this request's task: the call itself was cancelled under it (its channel
-            # closed). The stream broke on this side; the instance may be fine.
-            self._cleanup_after_decode(instance, remote, "decode call cancelled")
-            raise Broken(cancelled_under_us(instance, "decode"), "channel_closed") from None
-        except grpc.aio.AioRpcError as exc:
-            await self._decode_failed(instance, remote, exc, answered)
-            return
-        except BaseException:
-            call.cancel()
-            self._cleanup_after_decode(instance, remote, "router error")
-            raise
-        if result is None:
-            self._cleanup_after_decode(instance, remote, "decode stream ended without a result")
-            message_text = f"decode instance {instance.address} ended without a result"
-            raise Broken(RouteError(grpc.StatusCode.UNAVAILABLE, message_text), "no_result")
-        self.responses.timings.append(result.timing)
-        self.prefix_pulled(loan, result.peer_prefix if result.HasField("peer_prefix") else None)
-        if result.kv_load_fallback:  # recomputed on decode: still the prefill's fault
-            self._charge_kv_load_failure(result.kv_load_fallback)
-            if remote is not None and self.plan.prefill is not None:  # never pulled: free it
-                self.ctx.cleanup.release_kv(self.plan.prefill, req.request_id,
-                                            remote.kv.transfer_id,
-                                            "KV load failed; recomputed on decode")
-        await self.finish(result)
-
-    async def _decode_failed(self, instance: Instance, remote: Remote,
-                             exc: grpc.aio.AioRpcError, answered: bool) -> None:
-        """A Decode call ended with a status: re-route it (Unreached) when it never reached
-        a working instance, migrate it (Broken) after an instance fault, else fail the
-        request (a status before output, error finishes after)."""
-        if refused_reason(exc) == KV_LOAD_FAILED:  # the prefill instance's fault
-            error = self._kv_load_failed(exc)
-            self._cleanup_after_decode(instance, remote, "KV load failed")
-            if not self.responses.sent:
-                raise error from None
-            await self._fail_after_output(str(error))
-            return
-        error = self.failed(instance, "decode", exc)
-        reason = unreached_reason(exc)
-        if not answered and reason is not None:
-            # The KV stays leased for the next decode instance; only this one forgets it.
-            self.abort(instance, "decode", "re-routed")
-            raise Unreached(error, reason) from None
-        self._cleanup_after_decode(instance, remote, f"decode failed: {exc.code().name}")
-        if is_instance_fault(exc):
-            raise Broken(error, broken_reason(exc)) from None
-        if not self.responses.sent:
-            raise error from None
-        await self._fail_after_output(str(error))
+        await DecodeCall(self, instance, remote, resume).execute()
 
     # -- failures and cleanup ----------------------------------------------------------------
     def failed(self, instance: Instance, what: str, exc: grpc.aio.AioRpcError) -> RouteError:
@@ -422,35 +319,5 @@ class RequestRun:
         self.ctx.pool.mark_failed(instance, f"{what} call made no progress for {quiet:.1f}s")
         return stalled_error(instance, what, quiet)
 
-    def _kv_load_failed(self, exc: grpc.aio.AioRpcError) -> RouteError:
-        """A decode instance refused the request because it could not pull its KV
-        (`--kv-load-failure-policy fail`): the prefill instance is charged, the decode
-        instance stays routable."""
-        self._charge_kv_load_failure(exc.details() or "KV load failed")
-        return RouteError(grpc.StatusCode.UNAVAILABLE,
-                          f"decode instance could not load the KV cache: {exc.details()}")
-
-    def _charge_kv_load_failure(self, reason: str) -> None:
-        """The KV the prefill instance published could not be pulled: its fault, so it leaves
-        routing until a poll succeeds (a dead or stopped one stays out)."""
-        prefill = self.plan.prefill
-        if prefill is None:
-            return
-        self.ctx.pool.mark_failed(prefill, f"KV pull from it failed: {reason}")
-        trace.get_current_span().add_event("pdmesh.kv_load_failed", {
-            "pdmesh.prefill.address": prefill.address, "pdmesh.kv.failure_reason": reason,
-        })
-
     def abort(self, instance: Instance, role: str, reason: str) -> None:
         self.ctx.cleanup.abort(instance, role, self.req.request_id, reason)
-
-    def _cleanup_after_decode(self, decode: Instance, remote: Remote, reason: str) -> None:
-        if self.superseded:
-            # A streamed Decode call stopped by the streamed path (router/streamed_prefill.py):
-            # its stopper awaits the abort, and the transfer is not this call's to release:
-            # either the prefill's own end releases it, or a fresh Decode call takes it over.
-            return
-        self.abort(decode, "decode", reason)
-        if remote is not None and self.plan.prefill is not None:
-            self.ctx.cleanup.release_kv(self.plan.prefill, self.req.request_id,
-                                        remote.kv.transfer_id, reason)
