@@ -42,6 +42,16 @@ class CompletionRequest(SamplingFields):
     # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); false for prompts that
     # carry their own.
     add_special_tokens: bool = True
+    # OpenAI's fill-in-the-middle text. Refused, as vLLM refuses it: a client that offers FIM
+    # learns from the 400 to fall back, where ignoring it would answer a plain continuation.
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix is not None:
+            raise ValueError("suffix is not currently supported")
+        return suffix
 
     @field_validator("prompt")
     @classmethod

@@ -287,6 +287,7 @@ def http_fixture() -> Iterator[TestClient]:
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"bad_words": "one"}, "bad_words"),
     ("/v1/chat/completions", {"prompt_cache_key": "k" * 1025}, "prompt_cache_key"),
+    ("/v1/completions", {"suffix": ""}, "suffix"),  # refused as vLLM does: no FIM
 ])
 def test_invalid_fields_are_400s_naming_them(http: TestClient, path: str, body: dict,
                                              param: str) -> None:
@@ -295,6 +296,10 @@ def test_invalid_fields_are_400s_naming_them(http: TestClient, path: str, body: 
     answer = http.post(path, json={**prompt, **body})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_null_suffix_is_no_suffix() -> None:
+    assert CompletionRequest(prompt="x", suffix=None).ignored == []
 
 
 # -- allowed_token_ids ---------------------------------------------------------------------------
