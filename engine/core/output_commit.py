@@ -167,7 +167,9 @@ class OutputCommit:
         status = self._check_stop(seq, token_id)
         if status is None and seq.grammar is not None and (
                 not grammar_ok or seq.grammar.is_terminated):
-            if not grammar_ok:  # e.g. min_tokens banned the only token the grammar allowed
+            if not grammar_ok:  # not expected: the pick obeys the bitmask (a row it left
+                # no token is a dead end, `_take`); a matcher disagreeing with its own
+                # bitmask still ends the sample rather than its request
                 logger.warning("request_id=%s: sample %d left its grammar; stopped",
                                seq.request_id, seq.index)
             status = SequenceStatus.FINISHED_STOPPED
