@@ -115,7 +115,8 @@ class EngineConfig:
         "CUDA: the fraction of the GPU's memory this engine may use, weights, activations, "
         "CUDA graphs and KV cache together (vLLM's flag); the KV cache gets what a profiling "
         "run at start-up leaves. Unset = 0.9; unused when --kv-cache-memory is given. Engines "
-        "sharing a GPU each take their own fraction"))
+        "sharing a GPU each take their own fraction",
+        aliases=("--device-memory-utilization",)))
     # Engines behind a router never read it: the router resolves sampling defaults.
     generation_config: str = field(default="auto", metadata=about(
         "offline LLM only: where default sampling comes from (auto | vllm | a directory, "

@@ -71,7 +71,10 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
             if client is None:
                 await router.close()
 
-    app = FastAPI(title="pdmesh OpenAI-compatible gateway", lifespan=lifespan)
+    docs = not config.disable_fastapi_docs
+    app = FastAPI(title="pdmesh OpenAI-compatible gateway", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.metrics = metrics
     # The last added runs first: CORS answers preflights before the API key is asked for, and
     # every answer, refusals included, carries its X-Request-Id (and X-Ignored-Fields after
@@ -99,9 +102,13 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     async def health() -> Response:
         return await info_routes.health(context().client)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         return await info_routes.health(context().client)
+
+    # One route per method: one route for both publishes one operation id twice.
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", ping, methods=[method],
+                          operation_id=f"ping_{method.lower()}")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

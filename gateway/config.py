@@ -83,6 +83,11 @@ class GatewayConfig:
     exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=about(
         'tool_choice "none": leave the tools out of the prompt (default: the template gets '
         "them, as in vLLM)"))
+    disable_fastapi_docs: bool = field(default=False, metadata=about(
+        "serve no /docs, /redoc or /openapi.json (vLLM's flag)"))
+    root_path: str = field(default="", metadata=about(
+        "the path prefix a proxy serves this API under, for the links it makes (vLLM's flag; "
+        "uvicorn's root_path)"))
     model_root: str | None = field(default=None, metadata=about(
         "the model behind the served name, reported as /v1/models' `root` (as vLLM reports "
         "its model path); unset = the served name"))

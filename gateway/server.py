@@ -56,6 +56,7 @@ async def serve(config: GatewayConfig) -> None:
             timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
             http=header_timeout_protocol(config.header_timeout_s),
             lifespan="on",
+            root_path=config.root_path,
             # HTTPS when configured (vLLM's flags); plaintext clients then fail the handshake.
             ssl_certfile=config.ssl_certfile,
             ssl_keyfile=config.ssl_keyfile,

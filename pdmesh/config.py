@@ -18,7 +18,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -257,36 +257,25 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{command}: error: {message}\n")
 
 
-def unsupported_flag(argv: Sequence[str], unsupported: Mapping[str, str]) -> str | None:
-    """The error for the first flag of `argv` named in `unsupported` (flag → why, or ""), or
-    None: another server's flag (vLLM's) that pdmesh knows of and does not support yet."""
-    for arg in argv:
-        if arg == "--":
-            break
-        flag = arg.partition("=")[0]
-        if flag in unsupported:
-            why = unsupported[flag]
-            return f"{flag} is not supported yet" + (f": {why}" if why else "")
-    return None
+ForeignFlags = Callable[[Sequence[str], Collection[str]], list[str]]
+"""Another server's flags on a command line (serve/vllm_flags.py `take_vllm_flags`): given the
+argv and the command's own option strings, the argv without the foreign flags it took;
+ValueError for one it refuses."""
 
 
 def parse_config(
     cls: type[C], argv: Sequence[str] | None, *, prog: str, description: str = "",
-    env: Mapping[str, str] | None = None, unsupported: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, foreign: ForeignFlags | None = None,
 ) -> C:
     """Build `cls` (a dataclass) from defaults, then PDMESH_<FIELD> env vars, then CLI flags.
 
     Field `kv_backend` becomes flag `--kv-backend` and env var `PDMESH_KV_BACKEND`, an
     embedded config's fields likewise; the field's `metadata["help"]` is its help text.
     Booleans take `--flag/--no-flag`. Validation is the dataclasses' `__post_init__`; its
-    ValueError becomes a one-line error (exit code 2), as does a flag of `unsupported`
-    (flag → why), named as not supported yet rather than unknown.
+    ValueError becomes a one-line error (exit code 2), as does one from `foreign`.
     """
     env = os.environ if env is None else env
     parser = _OneLineErrors(prog=prog, description=description)
-    refused = unsupported_flag(sys.argv[1:] if argv is None else argv, unsupported or {})
-    if refused is not None:
-        parser.error(refused)
     specs = settings(cls)
     for s in specs.values():
         names = (s.flag, *s.field.metadata.get("aliases", ()))
@@ -295,6 +284,12 @@ def parse_config(
                                 default=None, help=_help_text(s))
         else:
             parser.add_argument(*names, dest=s.name, default=None, help=_help_text(s))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if foreign is not None:
+        try:
+            argv = foreign(argv, set(parser._option_string_actions))
+        except ValueError as exc:
+            parser.error(str(exc))
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     try:

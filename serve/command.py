@@ -25,7 +25,17 @@ from pdmesh.serve.child import Child, ChildFailed
 from pdmesh.serve.config import MeshConfig
 from pdmesh.serve.mesh import LocalMesh
 from pdmesh.serve.supervisor import Supervisor
-from pdmesh.serve.vllm_flags import UNSUPPORTED_VLLM_FLAGS
+from pdmesh.serve.vllm_flags import take_vllm_flags
+
+
+def children_env(config: MeshConfig, env: dict[str, str]) -> dict[str, str]:
+    """`env` with what `config`'s vLLM flags set in the environment (`--otlp-traces-endpoint`,
+    `--hf-token`) and a cluster token (`with_cluster_token`)."""
+    if config.otlp_traces_endpoint:
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = config.otlp_traces_endpoint
+    if config.hf_token:
+        env["HF_TOKEN"] = config.hf_token
+    return with_cluster_token(env)
 
 
 def with_cluster_token(env: dict[str, str]) -> dict[str, str]:
@@ -70,13 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "them that dies. MODEL (or --model) is an alias, an HF-format directory or "
                     "a Hub id; --port is the HTTP port, as in `vllm serve`, and --grpc-port the "
                     "router's.",
-        unsupported=UNSUPPORTED_VLLM_FLAGS,
+        foreign=take_vllm_flags,
     )
     configure_logging(config.log_level)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    mesh = LocalMesh(config, env=with_cluster_token(dict(os.environ)))
+    mesh = LocalMesh(config, env=children_env(config, dict(os.environ)))
     try:
         check_ports(config)
         address = mesh.start()

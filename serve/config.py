@@ -34,7 +34,8 @@ class MeshConfig:
     kv_cache_memory: int | float | str = field(default="auto", metadata=about(
         "KV budget per engine: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.5; "
         "auto = 512MiB on CPU, on CUDA a profiled share of the GPU per engine: "
-        "--gpu-memory-utilization each when given, else 0.9 divided among the engines"))
+        "--gpu-memory-utilization each when given, else 0.9 divided among the engines",
+        aliases=("--kv-cache-memory-bytes",)))
     served_model_name: str = field(default="", metadata=about(
         "the name clients ask for (/v1/models id); empty = the model argument"))
     num_prefill: int = field(default=1, metadata=about("prefill processes"))
@@ -84,6 +85,10 @@ class MeshConfig:
     # The gateway's.
     enable_auto_tool_choice: bool = field_like(GatewayConfig, "enable_auto_tool_choice")
     tool_call_parser: str | None = field_like(GatewayConfig, "tool_call_parser")
+    exclude_tools_when_tool_choice_none: bool = field_like(
+        GatewayConfig, "exclude_tools_when_tool_choice_none")
+    disable_fastapi_docs: bool = field_like(GatewayConfig, "disable_fastapi_docs")
+    root_path: str = field_like(GatewayConfig, "root_path")
     allowed_origins: tuple[str, ...] = field_like(GatewayConfig, "allowed_origins")
     allowed_methods: tuple[str, ...] = field_like(GatewayConfig, "allowed_methods")
     allowed_headers: tuple[str, ...] = field_like(GatewayConfig, "allowed_headers")
@@ -99,6 +104,13 @@ class MeshConfig:
     # vLLM's, accepted only where pdmesh behaves so (serve/vllm_flags.py: those refused).
     trust_remote_code: bool = field(default=False, metadata=about(
         "vLLM's flag; pdmesh runs its own model code, so only false is accepted"))
+    # vLLM's, carried to every child in its environment (never on a command line).
+    otlp_traces_endpoint: str | None = field(default=None, metadata=about(
+        "where every process sends its OpenTelemetry traces (vLLM's flag; sets "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT for the children)"))
+    hf_token: str | None = field(default=None, metadata=about(
+        "the Hugging Face token for gated models (vLLM's flag; sets HF_TOKEN for the children; "
+        "better: set HF_TOKEN, a flag shows in ps)"))
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

@@ -75,7 +75,10 @@ def mesh(request: pytest.FixtureRequest, generation_config_dir: Path,
     else:
         argv = [str(model_dir), *common, "--num-prefill", "1", "--num-decode", "1",
                 "--local-prefill-threshold", "0", "--served-model-name", SERVED_NAME,
-                "--max-model-len", str(MAX_MODEL_LEN)]
+                "--max-model-len", str(MAX_MODEL_LEN),
+                # vLLM flags that ask for what pdmesh does anyway, and one it maps
+                "--disable-log-stats", "--kv-cache-dtype", "auto", "--tokenizer-mode", "auto",
+                "--disable-fastapi-docs"]
         model = SERVED_NAME
     serve = Child("serve", pdmesh_command("serve", *argv))
     try:
@@ -100,6 +103,8 @@ def test_serve_takes_vllm_flags(mesh: Mesh, client: openai.OpenAI) -> None:
         assert models[0]["max_model_len"] == MAX_MODEL_LEN
     version = httpx.get(f"{mesh.base_url}/version", timeout=10)
     assert version.status_code == 200 and version.json()["version"]
+    docs = httpx.get(f"{mesh.base_url}/docs", timeout=10)
+    assert docs.status_code == (404 if mesh.kind == "1p1d" else 200)  # --disable-fastapi-docs
 
 
 def test_generation_config_defaults_and_request_override(mesh: Mesh,

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.config import parse_config
+from pdmesh.auth import TOKEN_ENV
+from pdmesh.config import config_argv, parse_config, values_of
 from pdmesh.gateway.config import GatewayConfig
 from pdmesh.serve import MeshConfig
 from pdmesh.serve.child_config import child_config, gateway_placement
+from pdmesh.serve.command import children_env
 from pdmesh.serve.command import main as serve_main
-from pdmesh.serve.vllm_flags import UNSUPPORTED_VLLM_FLAGS
+from pdmesh.serve.vllm_flags import UNSUPPORTED_VLLM_FLAGS, take_vllm_flags, vllm_serve_flags
 
 pytestmark = pytest.mark.fast
 
@@ -29,7 +31,7 @@ def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 @pytest.mark.parametrize("argv", [
     ["--enable-lora"], ["--quantization", "awq"], ["-q", "gptq"], ["--code-revision", "main"],
-    ["--tokenizer-revision=v1"], ["--tokenizer-mode", "slow"], ["--lora-modules", "a=b"],
+    ["--tokenizer-revision=v1"], ["--lora-modules", "a=b"], ["--reasoning-parser", "qwen3"],
 ])
 def test_an_unsupported_vllm_flag_is_named_in_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -38,6 +40,78 @@ def test_an_unsupported_vllm_flag_is_named_in_one_line(
     flag = argv[0].partition("=")[0]
     assert line.startswith(f"pdmesh serve: error: {flag} is not supported yet"), line
     assert flag in UNSUPPORTED_VLLM_FLAGS
+
+
+def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
+    """A vLLM command line's flags that change nothing here leave the config as without them."""
+    plain = parse_config(MeshConfig, ["--model", "smollm2", "--port", "0"], prog="serve",
+                         env={}, foreign=take_vllm_flags)
+    vllm_style = parse_config(MeshConfig, [
+        "--model", "smollm2", "--port", "0", "--disable-log-stats", "--disable-log-requests",
+        "--kv-cache-dtype", "auto", "--pipeline-parallel-size", "1", "-dp", "1",
+        "--tokenizer-mode=auto", "--max-log-len", "100", "--distributed-executor-backend", "mp",
+        "--disable-uvicorn-access-log", "--enable-prompt-tokens-details", "--runner", "generate",
+        "--chat-template-content-format", "string", "--response-role", "assistant",
+    ], prog="serve", env={}, foreign=take_vllm_flags)
+    assert values_of(vllm_style) == values_of(plain)
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported yet: the KV cache is "
+                                  "kept in the model's --dtype (--kv-cache-dtype auto)"),
+    (["--pipeline-parallel-size=2"], "--pipeline-parallel-size 2 is not supported yet"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode slow is not supported yet"),
+    (["--disable-log-stats=1"], "--disable-log-stats takes no value"),
+    (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
+    (["--speculative-config", "{}"], "--speculative-config is not supported yet"),
+    (["--override-generation-config", "{}"],
+     "--override-generation-config is a vLLM flag pdmesh does not support yet"),
+    (["-ep"], "-ep is a vLLM flag pdmesh does not support yet"),
+])
+def test_what_pdmesh_does_otherwise_is_one_line(capsys: pytest.CaptureFixture[str],
+                                               argv: list[str], line: str) -> None:
+    refused = refusal(capsys, "smollm2", "--port", "0", *argv)
+    assert refused.startswith(f"pdmesh serve: error: {line}"), refused
+
+
+def test_vllm_flags_are_known_by_name_and_ours_pass() -> None:
+    names = vllm_serve_flags()
+    assert {"--enable-lora", "--max-model-len", "-tp", "--no-enable-prefix-caching"} <= names
+    ours = ["--max-model-len", "512", "-tp", "1", "--no-enable-prefix-caching"]
+    assert take_vllm_flags(ours, {"--max-model-len", "-tp", "--no-enable-prefix-caching"}) == ours
+    # After "--" nothing is read; a flag nobody knows is left for argparse to name.
+    assert take_vllm_flags(["--bogus", "--", "--enable-lora"], set()) == [
+        "--bogus", "--", "--enable-lora"]
+
+
+def test_vllm_aliases_and_the_environment_flags(tmp_path: Path) -> None:
+    config = parse_config(MeshConfig, [
+        "--model", "smollm2", "--device-memory-utilization", "0.5",
+        "--kv-cache-memory-bytes", str(2**30), "--otlp-traces-endpoint", "http://127.0.0.1:4317",
+        "--hf-token", "hf_secret", "--disable-fastapi-docs", "--root-path", "/llm",
+        "--exclude-tools-when-tool-choice-none",
+    ], prog="serve", env={}, foreign=take_vllm_flags)
+    assert config.engine.gpu_memory_utilization == 0.5
+    assert config.engine.kv_cache_memory == 2**30
+    env = children_env(config, {})
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4317"
+    assert env["HF_TOKEN"] == "hf_secret" and env[TOKEN_ENV]
+    gateway = gateway_of(config)
+    assert (gateway.disable_fastapi_docs, gateway.root_path) == (True, "/llm")
+    assert gateway.exclude_tools_when_tool_choice_none
+    assert not any("hf_secret" in arg for arg in config_argv(gateway))  # never on a command line
+
+
+def test_fastapi_docs_are_served_unless_disabled() -> None:
+    from fastapi.testclient import TestClient
+
+    from pdmesh.gateway.app import create_app
+
+    for disabled, status in ((False, 200), (True, 404)):
+        config = GatewayConfig(disable_fastapi_docs=disabled)
+        with TestClient(create_app(config, client=object())) as http:  # type: ignore[arg-type]
+            assert [http.get(path).status_code for path in ("/docs", "/openapi.json")] == [
+                status, status]
 
 
 def test_trust_remote_code_is_refused_only_when_true(capsys: pytest.CaptureFixture[str]) -> None:
