@@ -21,12 +21,12 @@ class GatewayContext:
 
     async def model_name(self, requested: str) -> str:
         """The name echoed in responses: the request's, or the served model's (asked for
-        once; none when the router serves several)."""
+        once: a router serves one model, listed under its name first, then its aliases)."""
         if requested:
             return requested
         if self._default_model is None:
             models = await self.client.list_models()
-            if len(models) != 1:
+            if not models:
                 return ""
             self._default_model = models[0].id
         return self._default_model

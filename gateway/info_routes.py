@@ -47,10 +47,11 @@ async def prometheus(context: GatewayContext) -> Response:
 
 
 async def models(context: GatewayContext) -> ModelList:
-    """The served models, as vLLM lists them; `root` is the model behind the served name
-    (`--model-root`, which `pdmesh serve` sets to its model), else the name itself."""
+    """The served models, as vLLM lists them (one card per served name); `root` is the model
+    behind the names (`--model-root`, which `pdmesh serve` sets to its model: a router serves
+    one), else the name itself."""
     served = await context.client.list_models()
-    root = context.config.model_root if len(served) == 1 else None
+    root = context.config.model_root
     return ModelList(data=[
         ModelCard(id=m.id, created=context.started, root=root or m.id,
                   max_model_len=m.max_model_len,

@@ -37,6 +37,9 @@ class RouterConfig:
         default="", metadata=about("the name clients ask for and the registry namespace (the "
                                    "engines' --served-model-name); empty = --model")
     )
+    served_model_aliases: tuple[str, ...] = field(default=(), metadata=about(
+        "more names clients may ask for the model by, comma-separated (vLLM's "
+        "--served-model-name takes several: pdmesh serve makes the rest of them these)"))
     tokenizer: str | None = field(
         default=None, metadata=about("model dir/alias to load the tokenizer from; default: model")
     )
@@ -228,6 +231,12 @@ class RouterConfig:
     def model_name(self) -> str:
         """The served model name: what clients ask for, and the registry namespace."""
         return self.served_model_name or self.model
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name clients may ask for the model by, its own first."""
+        return (self.model_name, *(a for a in self.served_model_aliases
+                                   if a != self.model_name))
 
     @property
     def model_source(self) -> str:

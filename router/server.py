@@ -308,10 +308,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 for i in self.pool.instances()]
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.config.model_name:
+        names = self.config.model_names
+        if model and model not in names:
             raise RouteError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; served: {self.config.model_name!r}",
+                f"model {model!r} is not served here; served: "
+                + ", ".join(repr(name) for name in names),
             )
 
     # -- the small RPCs ----------------------------------------------------------------------
@@ -347,12 +349,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         live = [i for i in self.pool.instances() if i.healthy]
         if not live:
             return router_pb2.ListModelsResponse()
-        model = router_pb2.ModelInfo(
-            id=self.config.model_name,
-            max_model_len=self.pool.max_model_len() or 0,
-            num_instances=len(live),
-        )
-        return router_pb2.ListModelsResponse(models=[model])
+        return router_pb2.ListModelsResponse(models=[
+            router_pb2.ModelInfo(id=name, max_model_len=self.pool.max_model_len() or 0,
+                                 num_instances=len(live))
+            for name in self.config.model_names])
 
     async def GetStatus(
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -37,7 +37,10 @@ class MeshConfig:
         "--gpu-memory-utilization each when given, else 0.9 divided among the engines",
         aliases=("--kv-cache-memory-bytes",)))
     served_model_name: str = field(default="", metadata=about(
-        "the name clients ask for (/v1/models id); empty = the model argument"))
+        "the name clients ask for (/v1/models id); empty = the model argument. Several, as "
+        "vLLM takes them (--served-model-name a b): the first is the name, the rest "
+        "--served-model-aliases"))
+    served_model_aliases: tuple[str, ...] = field_like(RouterConfig, "served_model_aliases")
     num_prefill: int = field(default=1, metadata=about("prefill processes"))
     num_decode: int = field(default=1, metadata=about("decode processes"))
     prefill_tensor_parallel_size: int = field(default=0, metadata=about(

@@ -4,7 +4,8 @@ Every flag of vLLM's is one of four kinds here, decided before argparse sees the
 (`take_vllm_flags`):
 
 - **pdmesh's own**: the same name and meaning (`MeshConfig`'s flags and its engines',
-  serve/config.py; a few under a vLLM alias such as `--device-memory-utilization`).
+  serve/config.py; a few under a vLLM alias such as `--device-memory-utilization`), where
+  vLLM takes several values the rest going to a flag of pdmesh's (`SEVERAL_VALUES`).
 - **what pdmesh does anyway** (`SAME_AS_PDMESH`): at the listed values the flag asks for what
   pdmesh does without it (`--kv-cache-dtype auto`, `--pipeline-parallel-size 1`,
   `--disable-log-stats`), so it is taken and dropped; any other value is refused naming the
@@ -112,6 +113,11 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
 }
 
 
+SEVERAL_VALUES: dict[str, str] = {"--served-model-name": "--served-model-aliases"}
+"""vLLM flags that take several values where pdmesh's takes one: the values past the first go
+to this flag of pdmesh's (`--served-model-name a b c`: the name a, the aliases b and c)."""
+
+
 @cache
 def vllm_serve_flags() -> frozenset[str]:
     """Every option string of vLLM 0.32.0's `vllm serve` (vllm_serve_flags.txt)."""
@@ -134,6 +140,15 @@ def take_vllm_flags(argv: Sequence[str], own: Collection[str]) -> list[str]:
             kept += args[i - 1:]
             break
         flag, eq, inline = arg.partition("=")
+        if flag in SEVERAL_VALUES and not eq and SEVERAL_VALUES[flag] in own:
+            values = []
+            while i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+            kept += [flag, *values[:1]]
+            if len(values) > 1:
+                kept += [SEVERAL_VALUES[flag], ",".join(values[1:])]
+            continue
         if flag in own or not flag.startswith("-"):
             kept.append(arg)
             continue

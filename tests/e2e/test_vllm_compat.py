@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
 KV_MEMORY = "96MiB"
 ORIGIN = "http://app.example"
 SERVED_NAME = "my-smol"
+ALIAS = "gpt-3.5-turbo"  # a second served name (vLLM's --served-model-name takes several)
 MAX_MODEL_LEN = 1024
 DEFAULT_NEW_TOKENS = 5  # the generation config's max_new_tokens
 PROMPT = "Count from one to twenty: one, two, three,"
@@ -74,7 +75,7 @@ def mesh(request: pytest.FixtureRequest, generation_config_dir: Path,
         argv, model = ["smollm2", *common, "--colocated"], "smollm2"
     else:
         argv = [str(model_dir), *common, "--num-prefill", "1", "--num-decode", "1",
-                "--local-prefill-threshold", "0", "--served-model-name", SERVED_NAME,
+                "--local-prefill-threshold", "0", "--served-model-name", SERVED_NAME, ALIAS,
                 "--max-model-len", str(MAX_MODEL_LEN),
                 # vLLM flags that ask for what pdmesh does anyway, and one it maps
                 "--disable-log-stats", "--kv-cache-dtype", "auto", "--tokenizer-mode", "auto",
@@ -98,9 +99,13 @@ def test_serve_takes_vllm_flags(mesh: Mesh, client: openai.OpenAI) -> None:
     """`pdmesh serve MODEL --port P [--served-model-name X --max-model-len N]`: the OpenAI API
     is on P and lists the model under its served name, with its context limit."""
     models = httpx.get(f"{mesh.base_url}/v1/models", timeout=10).json()["data"]
-    assert [m["id"] for m in models] == [mesh.model]
-    if mesh.kind == "1p1d":
-        assert models[0]["max_model_len"] == MAX_MODEL_LEN
+    if mesh.kind == "1p1d":  # vLLM's several served names: each one listed and answered
+        assert [m["id"] for m in models] == [mesh.model, ALIAS]
+        assert [m["max_model_len"] for m in models] == [MAX_MODEL_LEN] * 2
+        by_alias = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=2)
+        assert by_alias.model == ALIAS and by_alias.choices[0].text
+    else:
+        assert [m["id"] for m in models] == [mesh.model]
     version = httpx.get(f"{mesh.base_url}/version", timeout=10)
     assert version.status_code == 200 and version.json()["version"]
     docs = httpx.get(f"{mesh.base_url}/docs", timeout=10)

@@ -10,8 +10,15 @@ import pytest
 from pdmesh.auth import TOKEN_ENV
 from pdmesh.config import config_argv, parse_config, values_of
 from pdmesh.gateway.config import GatewayConfig
+from pdmesh.router.config import RouterConfig
 from pdmesh.serve import MeshConfig
-from pdmesh.serve.child_config import child_config, gateway_placement
+from pdmesh.serve.child_config import (
+    ENGINE_CONFIGS,
+    child_config,
+    engine_placement,
+    gateway_placement,
+    router_placement,
+)
 from pdmesh.serve.command import children_env
 from pdmesh.serve.command import main as serve_main
 from pdmesh.serve.vllm_flags import UNSUPPORTED_VLLM_FLAGS, take_vllm_flags, vllm_serve_flags
@@ -100,6 +107,23 @@ def test_vllm_aliases_and_the_environment_flags(tmp_path: Path) -> None:
     assert (gateway.disable_fastapi_docs, gateway.root_path) == (True, "/llm")
     assert gateway.exclude_tools_when_tool_choice_none
     assert not any("hf_secret" in arg for arg in config_argv(gateway))  # never on a command line
+
+
+def test_several_served_model_names_as_vllm_takes_them() -> None:
+    """`--served-model-name a b c`: the name a everywhere, b and c also answered by the router."""
+    mesh = parse_config(MeshConfig, ["--model", "smollm2", "--served-model-name", "chat",
+                                     "gpt-4o", "gpt-3.5-turbo", "--port", "0"],
+                        prog="serve", env={}, foreign=take_vllm_flags)
+    redis = "redis://127.0.0.1:1/0"
+    router = child_config(RouterConfig, mesh, router_placement(
+        mesh, redis_url=redis, port=0, metrics_port=0, prefill=[], decode=["127.0.0.1:1"]))
+    assert router.model_names == ("chat", "gpt-4o", "gpt-3.5-turbo")
+    engine = child_config(ENGINE_CONFIGS["decode"], mesh,
+                          engine_placement("decode", mesh, redis_url=redis))
+    assert engine.model_name == "chat"  # the registry's namespace: one name
+    one = parse_config(MeshConfig, ["--model", "smollm2", "--served-model-name=chat"],
+                       prog="serve", env={}, foreign=take_vllm_flags)
+    assert (one.served_model_name, one.served_model_aliases) == ("chat", ())
 
 
 def test_fastapi_docs_are_served_unless_disabled() -> None:
