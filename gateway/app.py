@@ -134,13 +134,15 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     async def completions(body: CompletionBody, request: Request) -> Response:
         check_max_logprobs(body, config.max_logprobs)
         plan = await completion_plan(context().client, body,
-                                     request_id_of(request, body.request_id))
+                                     request_id_of(request, body.request_id),
+                                     config.answer_settings)
         return await serve(context(), plan, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request) -> Response:
         check_max_logprobs(body, config.max_logprobs)
-        plan = chat_plan(body, request_id_of(request, body.request_id), config.tool_settings)
+        plan = chat_plan(body, request_id_of(request, body.request_id), config.tool_settings,
+                         config.answer_settings)
         return await serve(context(), plan, request)
 
     @app.post("/v1/responses")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pdmesh.config import about, parse_config, split_address
 from pdmesh.engine.sampling_params import MAX_LOGPROBS
+from pdmesh.gateway.answer_settings import AnswerSettings
 from pdmesh.gateway.metrics_federation import MetricsTarget, parse_targets
 from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.gateway.tools import ToolSettings
@@ -83,6 +84,11 @@ class GatewayConfig:
     exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=about(
         'tool_choice "none": leave the tools out of the prompt (default: the template gets '
         "them, as in vLLM)"))
+    return_tokens_as_token_ids: bool = field(default=False, metadata=about(
+        "logprob tokens read token_id:<id> in every answer, whatever the request says "
+        "(vLLM's flag)"))
+    enable_force_include_usage: bool = field(default=False, metadata=about(
+        "every stream ends with a usage chunk, stream_options or not (vLLM's flag)"))
     disable_fastapi_docs: bool = field(default=False, metadata=about(
         "serve no /docs, /redoc or /openapi.json (vLLM's flag)"))
     root_path: str = field(default="", metadata=about(
@@ -159,6 +165,10 @@ class GatewayConfig:
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path and not Path(path).is_file():
                 raise ValueError(f"{flag}: no such file {path!r}")
+
+    @property
+    def answer_settings(self) -> AnswerSettings:
+        return AnswerSettings(self.return_tokens_as_token_ids, self.enable_force_include_usage)
 
     @property
     def tool_settings(self) -> ToolSettings:

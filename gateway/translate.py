@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pdmesh.engine.request_rules import truncate_prompt
 from pdmesh.engine.sampling_params import MAX_LOGPROBS
+from pdmesh.gateway.answer_settings import AS_ASKED, AnswerSettings
 from pdmesh.gateway.chat_formatter import ChatFormatter
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.completion_formatter import CompletionFormatter
@@ -46,7 +47,8 @@ class GenerationPlan:
 
 
 async def completion_plan(
-    client: RouterClient, body: CompletionRequest, request_id: str
+    client: RouterClient, body: CompletionRequest, request_id: str,
+    answers: AnswerSettings = AS_ASKED,
 ) -> GenerationPlan:
     prompts = body.prompts()
     requests = [body.to_generate(p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
@@ -60,30 +62,33 @@ async def completion_plan(
     )
     return GenerationPlan(
         id=f"cmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
-        include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
-        requests=requests, formatter=_by_token_id(body.return_tokens_as_token_ids, formatter),
+        include_usage=answers.include_usage(body.include_usage_in_stream),
+        continuous_usage=body.continuous_usage, requests=requests,
+        formatter=_by_token_id(answers.tokens_as_ids(body.return_tokens_as_token_ids),
+                               formatter),
     )
 
 
 def chat_plan(
-    body: ChatCompletionRequest, request_id: str, tool_settings: ToolSettings
+    body: ChatCompletionRequest, request_id: str, tool_settings: ToolSettings,
+    answers: AnswerSettings = AS_ASKED,
 ) -> GenerationPlan:
     tools = plan_tools(body, tool_settings)
     request = (body.to_generate(request_id) if tools is None else
                body.to_generate(request_id, tools.tools_json, tools.structured_output))
     return GenerationPlan(
         id=f"chatcmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
-        include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage,
-        requests=[request],
-        formatter=_by_token_id(body.return_tokens_as_token_ids, ChatFormatter(
+        include_usage=answers.include_usage(body.include_usage_in_stream),
+        continuous_usage=body.continuous_usage, requests=[request],
+        formatter=_by_token_id(answers.tokens_as_ids(body.return_tokens_as_token_ids),
+                               ChatFormatter(
             n=body.n, want_logprobs=body.logprobs, prompt_logprobs=body.returned_prompt_logprobs,
             tools=tools)),
     )
 
 
-def _by_token_id(asked: bool | None, formatter: Formatter) -> Formatter:
-    """`formatter`, naming logprob tokens by id when the request asks
-    (`return_tokens_as_token_ids`)."""
+def _by_token_id(asked: bool, formatter: Formatter) -> Formatter:
+    """`formatter`, naming logprob tokens by id when asked (`return_tokens_as_token_ids`)."""
     return TokenIdLogprobs(formatter) if asked else formatter
 
 

@@ -91,6 +91,8 @@ class MeshConfig:
     exclude_tools_when_tool_choice_none: bool = field_like(
         GatewayConfig, "exclude_tools_when_tool_choice_none")
     disable_fastapi_docs: bool = field_like(GatewayConfig, "disable_fastapi_docs")
+    return_tokens_as_token_ids: bool = field_like(GatewayConfig, "return_tokens_as_token_ids")
+    enable_force_include_usage: bool = field_like(GatewayConfig, "enable_force_include_usage")
     root_path: str = field_like(GatewayConfig, "root_path")
     allowed_origins: tuple[str, ...] = field_like(GatewayConfig, "allowed_origins")
     allowed_methods: tuple[str, ...] = field_like(GatewayConfig, "allowed_methods")

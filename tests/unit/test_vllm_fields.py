@@ -272,6 +272,29 @@ def test_logprob_tokens_named_by_id() -> None:
     assert CompletionRequest(prompt="x", return_tokens_as_token_ids=True).ignored == []
 
 
+def test_the_server_may_turn_token_ids_and_stream_usage_on_for_everyone() -> None:
+    """vLLM's --return-tokens-as-token-ids and --enable-force-include-usage: the request's own
+    fields still turn them on; the flags turn them on where it does not."""
+    from pdmesh.gateway.answer_settings import AnswerSettings
+    from pdmesh.gateway.tools import ToolSettings
+    from pdmesh.gateway.translate import chat_plan, completion_plan
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
+    text = CompletionRequest(prompt="x", stream=True)
+    tools = ToolSettings(False, None, False)
+    for answers, by_id, usage in ((AnswerSettings(), False, False),
+                                  (AnswerSettings(True, True), True, True)):
+        plans = [chat_plan(chat, "r", tools, answers),
+                 asyncio.run(completion_plan(None, text, "r", answers))]  # type: ignore[arg-type]
+        for plan in plans:
+            assert isinstance(plan.formatter, TokenIdLogprobs) is by_id
+            assert plan.include_usage is usage
+    asked = CompletionRequest(prompt="x", stream=True, return_tokens_as_token_ids=True,
+                              stream_options={"include_usage": True})
+    plan = asyncio.run(completion_plan(None, asked, "r"))  # type: ignore[arg-type]
+    assert isinstance(plan.formatter, TokenIdLogprobs) and plan.include_usage
+
+
 # -- through the app: a 400 naming each field ------------------------------------------------------
 @pytest.fixture(name="http")
 def http_fixture() -> Iterator[TestClient]:
