@@ -76,6 +76,8 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--disable-uvicorn-access-log": SameAsPdmesh("the API server keeps no access log"),
     "--enable-prompt-tokens-details": SameAsPdmesh(
         "usage always carries prompt_tokens_details.cached_tokens"),
+    "--enable-request-id-headers": SameAsPdmesh(
+        "every answer carries its X-Request-Id (the client's, or one made for it)"),
     "--disable-custom-all-reduce": SameAsPdmesh(
         "tensor-parallel ranks all-reduce through torch.distributed"),
     "--kv-cache-dtype": SameAsPdmesh("the KV cache is kept in the model's --dtype", ("auto",)),
