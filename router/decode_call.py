@@ -82,11 +82,7 @@ class DecodeCall:
         loan, timeout = await run.lend_prefix(instance,
                                               offer=remote is None and not self.resume)
         message = engine_pb2.DecodeRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            cache_salt=req.cache_salt,
-            priority=req.priority,
+            **req.engine_fields(),
             remote_prefill=granted(remote, run.ctx.token, instance),
             resume=self.resume,
             peer_prefix=loan.peer if loan is not None else None,

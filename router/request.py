@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -38,6 +38,12 @@ class PreparedRequest:
     deadline: float  # monotonic
     tokenize_ms: float = 0.0
     prompt_cache_key: str = ""  # routing affinity (router/routing/base.py); "" = none
+
+    def engine_fields(self) -> dict[str, Any]:
+        """What every engine call (Prefill, PrefillStream, Decode) says of the request."""
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "sampling": self.sampling, "cache_salt": self.cache_salt,
+                "priority": self.priority}
 
     def remaining_s(self) -> float:
         remaining = self.deadline - time.monotonic()

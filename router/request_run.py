@@ -245,13 +245,7 @@ class RequestRun:
         req = self.req
         loan, timeout = await self.lend_prefix(instance)
         message = engine_pb2.PrefillRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            cache_salt=req.cache_salt,
-            priority=req.priority,
-            peer_prefix=loan.peer if loan is not None else None,
-        )
+            **req.engine_fields(), peer_prefix=loan.peer if loan is not None else None)
         call = instance.prefill_stub().Prefill(message, timeout=timeout,
                                                metadata=inject_metadata())
         watch = CallWatch(self.ctx.pool, instance, call.cancel, "prefill")

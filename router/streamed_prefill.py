@@ -57,9 +57,7 @@ class StreamedPrefill:
         assert prefill is not None
         loan, timeout = await self.run.lend_prefix(prefill)
         message = engine_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling, cache_salt=req.cache_salt, priority=req.priority,
-            peer_prefix=loan.peer if loan is not None else None)
+            **req.engine_fields(), peer_prefix=loan.peer if loan is not None else None)
         call = prefill.prefill_stub().PrefillStream(
             message, timeout=timeout, metadata=inject_metadata())
         decode: asyncio.Future[None] | None = None
