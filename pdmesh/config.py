@@ -277,17 +277,19 @@ def parse_config(
     env = os.environ if env is None else env
     parser = _OneLineErrors(prog=prog, description=description)
     specs = settings(cls)
+    own = {"-h", "--help"}
     for s in specs.values():
         names = (s.flag, *s.field.metadata.get("aliases", ()))
         if _members(s.hint)[0] == [bool]:
-            parser.add_argument(*names, dest=s.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=_help_text(s))
+            action = parser.add_argument(*names, dest=s.name, default=None, help=_help_text(s),
+                                         action=argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(*names, dest=s.name, default=None, help=_help_text(s))
+            action = parser.add_argument(*names, dest=s.name, default=None, help=_help_text(s))
+        own.update(action.option_strings)  # --no-<flag> among them
     argv = list(sys.argv[1:] if argv is None else argv)
     if foreign is not None:
         try:
-            argv = foreign(argv, set(parser._option_string_actions))
+            argv = foreign(argv, own)
         except ValueError as exc:
             parser.error(str(exc))
     args = parser.parse_args(argv)
