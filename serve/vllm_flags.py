@@ -35,7 +35,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--max-lora-rank": _LORA,
     "--max-cpu-loras": _LORA,
     "--quantization": "pdmesh runs checkpoints unquantized, in --dtype",
-    "-q": "(--quantization) pdmesh runs checkpoints unquantized, in --dtype",
     "--tokenizer-revision": "a separate --tokenizer is read at its default revision (main); "
                             "without --tokenizer the model's tokenizer follows --revision",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
@@ -70,7 +69,6 @@ class SameAsPdmesh:
 
 SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--disable-log-requests": SameAsPdmesh("pdmesh logs no request"),
-    "--no-enable-log-requests": SameAsPdmesh("pdmesh logs no request"),
     "--max-log-len": SameAsPdmesh("pdmesh logs no prompt", any_value=True),
     "--disable-log-stats": SameAsPdmesh("pdmesh logs no periodic stats (/metrics serves them)"),
     "--disable-uvicorn-access-log": SameAsPdmesh("the API server keeps no access log"),
@@ -85,17 +83,11 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
                                      ("auto", "hf")),
     "--pipeline-parallel-size": SameAsPdmesh(
         "a model is split by tensor parallelism only (--tensor-parallel-size)", ("1",)),
-    "-pp": SameAsPdmesh(
-        "a model is split by tensor parallelism only (--tensor-parallel-size)", ("1",)),
     "--data-parallel-size": SameAsPdmesh(
         "more engines are --num-prefill and --num-decode", ("1",)),
-    "-dp": SameAsPdmesh("more engines are --num-prefill and --num-decode", ("1",)),
     "--api-server-count": SameAsPdmesh("one API server process serves the mesh", ("1",)),
-    "-asc": SameAsPdmesh("one API server process serves the mesh", ("1",)),
     "--decode-context-parallel-size": SameAsPdmesh("no context parallelism", ("1",)),
-    "-dcp": SameAsPdmesh("no context parallelism", ("1",)),
     "--prefill-context-parallel-size": SameAsPdmesh("no context parallelism", ("1",)),
-    "-pcp": SameAsPdmesh("no context parallelism", ("1",)),
     "--nnodes": SameAsPdmesh("pdmesh serve runs one host's mesh (across hosts, start its "
                              "services on each)", ("1",)),
     "--node-rank": SameAsPdmesh("pdmesh serve runs one host's mesh", ("0",)),
@@ -113,6 +105,18 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
                                     ("raw_logprobs",)),
     "--cpu-offload-gb": SameAsPdmesh("weights stay on the engine's device", ("0",)),
 }
+
+SAME_AS_PDMESH["--no-enable-log-requests"] = SAME_AS_PDMESH["--disable-log-requests"]
+
+SHORT_FORMS: dict[str, str] = {"-q": "--quantization", "-pp": "--pipeline-parallel-size",
+                               "-dp": "--data-parallel-size", "-asc": "--api-server-count",
+                               "-dcp": "--decode-context-parallel-size",
+                               "-pcp": "--prefill-context-parallel-size"}
+"""vLLM's short option strings of the flags above: each means what its long one does here."""
+for _short, _long in SHORT_FORMS.items():
+    for _table in (UNSUPPORTED_VLLM_FLAGS, SAME_AS_PDMESH):
+        if _long in _table:
+            _table[_short] = _table[_long]  # type: ignore[index]
 
 
 SEVERAL_VALUES: dict[str, str] = {"--served-model-name": "--served-model-aliases"}
