@@ -43,6 +43,19 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
     return kwargs
 
 
+def parse_template_defaults(text: str) -> dict[str, Any]:
+    """`--default-chat-template-kwargs` (JSON text) as the variables every render gets;
+    ValueError naming the flag when it is not what a request's `chat_template_kwargs` may be."""
+    if not text.strip():
+        return {}
+    try:
+        return check_template_kwargs(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: not valid JSON: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--default-chat-template-kwargs: {exc}") from None
+
+
 def apply_chat_template(
     tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,

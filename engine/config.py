@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pdmesh.config import about
 from pdmesh.engine.request_rules import check_stream_interval
@@ -121,6 +121,9 @@ class EngineConfig:
     generation_config: str = field(default="auto", metadata=about(
         "offline LLM only: where default sampling comes from (auto | vllm | a directory, "
         "engine/generation_config.py)", cli=False))
+    override_generation_config: dict[str, Any] | None = field(default=None, metadata=about(
+        "offline LLM only: sampling defaults merged over generation_config's, in "
+        "generation_config.json's names (vLLM's argument)", cli=False))
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=about(
         "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
         "(benchmarks of shapes nobody downloaded; the outputs are noise)"))
@@ -186,9 +189,10 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        from pdmesh.engine.generation_config import check_source
+        from pdmesh.engine.generation_config import check_source, parse_override
 
         check_source(self.generation_config)
+        parse_override(self.override_generation_config)
 
     def profiles_memory(self, device: torch.device) -> bool:
         """Whether the KV cache is sized by `--gpu-memory-utilization` after a profiling run

@@ -8,6 +8,9 @@ unset takes the model's value; a field neither sets keeps the API default.
 
 `--generation-config` chooses the source, as in vLLM: `auto` (the model directory's file),
 `vllm` (none: plain API defaults) or the path of a directory holding a generation_config.json.
+`--override-generation-config` (a JSON object in the file's own names, e.g. `{"temperature":
+0.5, "max_new_tokens": 256}`) is merged over what the source gives, as vLLM merges it: over the
+model's file with `auto`, alone with `vllm`.
 
 The router resolves sampling for the whole mesh (`apply_to_proto` on each Generate request,
 before anything is forwarded), so the gateway and direct gRPC callers get the same defaults;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -61,21 +65,47 @@ def check_source(source: str) -> None:
         raise ValueError(f"--generation-config: {path} holds no {FILENAME}")
 
 
-def load_generation_defaults(source: str, model_dir: Path | str) -> GenerationDefaults:
-    """The defaults `source` names for the model in `model_dir` (see the module doc)."""
-    check_source(source)
-    if source == "vllm":
-        return GenerationDefaults()
-    path = Path(model_dir if source == "auto" else source).expanduser() / FILENAME
-    if not path.is_file():  # auto, and the model ships none
-        return GenerationDefaults()
+def parse_override(override: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """`--override-generation-config` (JSON text, or a mapping from the offline `LLM`) as a
+    dict; ValueError naming the flag when it is not an object whose sampling fields read."""
+    if override is None or (isinstance(override, str) and not override.strip()):
+        return {}
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--override-generation-config: not valid JSON: {exc}") from None
+    if not isinstance(override, Mapping):
+        raise ValueError("--override-generation-config must be a JSON object, e.g. "
+                         '\'{"temperature": 0.5}\'')
+    raw = dict(override)
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
-    defaults = from_dict(raw)
+        from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--override-generation-config: {exc}") from None
+    return raw
+
+
+def load_generation_defaults(source: str, model_dir: Path | str,
+                             override: str | Mapping[str, Any] | None = None
+                             ) -> GenerationDefaults:
+    """The defaults `source` names for the model in `model_dir`, with `override` merged over
+    them (see the module doc)."""
+    check_source(source)
+    extra = parse_override(override)
+    raw: dict[str, Any] = {}
+    path = Path(model_dir if source == "auto" else source).expanduser() / FILENAME
+    if source != "vllm" and path.is_file():  # auto, and the model may ship none
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--generation-config: {path} does not hold a JSON object")
+    defaults = from_dict({**raw, **extra})
     if defaults.as_dict():
-        logger.info("sampling defaults from %s: %s", path, defaults.as_dict())
+        where = f"{path if raw else 'none'}{' + --override-generation-config' if extra else ''}"
+        logger.info("sampling defaults from %s: %s", where, defaults.as_dict())
     return defaults
 
 

@@ -34,7 +34,9 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata=about("HTTP address to listen on"))
     port: int = field(default=8000, metadata=about("HTTP port; 0 picks a free one"))
     api_key: str | None = field(
-        default=None, metadata=about("require 'Authorization: Bearer <key>' on /v1/*")
+        default=None, metadata=about("require 'Authorization: Bearer <key>' on /v1/*; several "
+                                     "keys (any one is accepted): comma-separated, or vLLM's "
+                                     "--api-key KEY1 KEY2 on pdmesh serve")
     )
     allowed_origins: tuple[str, ...] = field(
         default=(), metadata=about("CORS: origins browsers may call from, comma-separated or a "
@@ -124,8 +126,9 @@ class GatewayConfig:
             raise ValueError(f"--router-address: {exc}") from None
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key must not be blank (leave it unset to disable auth)")
+        if self.api_key is not None and not all(k.strip() for k in self.api_key.split(",")):
+            raise ValueError("--api-key must not be blank, nor hold a blank key between its "
+                             "commas (leave it unset to disable auth)")
         for name in ("request_timeout_s", "control_timeout_s", "keep_alive_timeout_s",
                      "header_timeout_s"):
             if not getattr(self, name) > 0:
@@ -165,6 +168,11 @@ class GatewayConfig:
                            ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path and not Path(path).is_file():
                 raise ValueError(f"{flag}: no such file {path!r}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a client may present (none: no auth)."""
+        return tuple(k.strip() for k in self.api_key.split(",")) if self.api_key else ()
 
     @property
     def answer_settings(self) -> AnswerSettings:

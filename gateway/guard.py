@@ -84,9 +84,7 @@ class GuardMiddleware:
 def _refuse(config: GatewayConfig, path: str, headers: Headers) -> JSONResponse | None:
     if config.api_key and path.startswith("/v1/"):
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), config.api_key.encode()
-        ):
+        if scheme.lower() != "bearer" or not _known_key(token.strip(), config.api_keys):
             return error_response(GatewayError(
                 401, "invalid or missing API key (Authorization: Bearer <key>)",
                 code="invalid_api_key",
@@ -95,6 +93,16 @@ def _refuse(config: GatewayConfig, path: str, headers: Headers) -> JSONResponse 
     if length.isdigit() and int(length) > config.max_request_bytes:
         return _too_large(config)
     return None
+
+
+def _known_key(token: str, keys: tuple[str, ...]) -> bool:
+    """Whether `token` is one of `keys`, compared with every key in constant time (which key
+    matched, or how far, does not show in the time taken)."""
+    presented = token.encode()
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(presented, key.encode())
+    return found
 
 
 def _too_large(config: GatewayConfig) -> JSONResponse:

@@ -258,7 +258,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 ForeignFlags = Callable[[Sequence[str], Collection[str]], list[str]]
-"""Another server's flags on a command line (serve/vllm_flags.py `take_vllm_flags`): given the
+"""Another server's flags on a command line (serve/vllm_flags.py `vllm_command_line`): given the
 argv and the command's own option strings, the argv without the foreign flags it took;
 ValueError for one it refuses."""
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about, parse_config, split_address
+from pdmesh.engine.chat_template import parse_template_defaults
 from pdmesh.engine.frontend.stall import StallConfig
-from pdmesh.engine.generation_config import check_source
+from pdmesh.engine.generation_config import check_source, parse_override
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
 from pdmesh.router.admission import AdmissionLimits
@@ -57,6 +59,15 @@ class RouterConfig:
                          "model's generation_config.json), vllm (none) or a directory",
                          ("auto", "vllm", "PATH")),
     )
+    override_generation_config: str = field(
+        default="", metadata=about("a JSON object merged over --generation-config's sampling "
+                                   "defaults, in generation_config.json's names (vLLM's "
+                                   "flag), e.g. '{\"temperature\": 0.5, \"max_new_tokens\": "
+                                   "256}'"))
+    default_chat_template_kwargs: str = field(
+        default="", metadata=about("a JSON object of variables every chat template render "
+                                   "gets (vLLM's flag), e.g. '{\"enable_thinking\": false}'; "
+                                   "a request's chat_template_kwargs win key by key"))
     chat_template: str | None = field(
         default=None, metadata=about("a Jinja chat template replacing the tokenizer's: a "
                                      "file, the template itself, or a tool-calling template "
@@ -219,6 +230,8 @@ class RouterConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         check_source(self.generation_config)
+        parse_override(self.override_generation_config)
+        self.template_defaults  # noqa: B018 - validates --default-chat-template-kwargs
         self.tls.validate(server=True)
         self.cluster_token  # noqa: B018 - reads and validates the token once, at start-up
         self.admission_limits()  # validates the admission fields
@@ -226,6 +239,11 @@ class RouterConfig:
     @cached_property
     def cluster_token(self) -> ClusterToken | None:
         return load_cluster_token(self.cluster_token_file)
+
+    @cached_property
+    def template_defaults(self) -> dict[str, Any]:
+        """`--default-chat-template-kwargs`, parsed once (ValueError naming the flag)."""
+        return parse_template_defaults(self.default_chat_template_kwargs)
 
     @property
     def model_name(self) -> str:

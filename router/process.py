@@ -131,9 +131,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         revision=None if config.tokenizer else config.revision)
     tokenizer = await asyncio.to_thread(
         PromptTokenizer, str(source), config.tokenizer_pool_size, config.chat_template,
-        metrics.tokenize_wait,
+        metrics.tokenize_wait, template_defaults=config.template_defaults,
     )
-    defaults = load_generation_defaults(config.generation_config, source)
+    defaults = load_generation_defaults(config.generation_config, source,
+                                        config.override_generation_config)
     conn = RedisConnection.from_url(
         config.redis_url, password_file=config.redis_password_file, ca_file=config.redis_ca,
     ) if config.redis_url else None

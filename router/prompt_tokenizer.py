@@ -20,7 +20,7 @@ import json
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,12 @@ class PromptTokenizer:
     """Tokenizes Generate/Tokenize requests' prompts (text, token ids or chat) off the loop."""
 
     def __init__(self, model: str, pool_size: int = 2, chat_template: str | None = None,
-                 wait: Histogram | None = None) -> None:
+                 wait: Histogram | None = None, *,
+                 template_defaults: Mapping[str, Any] | None = None) -> None:
         """`wait`, labelled by lane, observes how long each piece of work waited for a
-        thread: the one sign that the pool is too small (or that big prompts crowd it)."""
+        thread: the one sign that the pool is too small (or that big prompts crowd it).
+        `template_defaults` (`--default-chat-template-kwargs`, checked) are every chat
+        render's variables under the request's own `chat_template_kwargs`."""
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         model_dir = resolve_tokenizer(model)
@@ -65,6 +68,7 @@ class PromptTokenizer:
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.vocab_size = int(config.get("vocab_size") or len(copies[0]))
         self.model_dir = model_dir
+        self.template_defaults = dict(template_defaults or {})
         self.pool_size = pool_size
         self.bound = _bound_of(copies[0])
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -105,7 +109,7 @@ class PromptTokenizer:
             if not messages:
                 raise InvalidRequest("chat.messages", "a chat needs at least one message")
             tools = chat_tools(request.chat)
-            kwargs = chat_template_kwargs(request.chat)
+            kwargs = {**self.template_defaults, **(chat_template_kwargs(request.chat) or {})}
             add = (
                 request.chat.add_generation_prompt
                 if request.chat.HasField("add_generation_prompt")

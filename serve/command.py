@@ -25,7 +25,7 @@ from pdmesh.serve.child import Child, ChildFailed
 from pdmesh.serve.config import MeshConfig
 from pdmesh.serve.mesh import LocalMesh
 from pdmesh.serve.supervisor import Supervisor
-from pdmesh.serve.vllm_flags import take_vllm_flags
+from pdmesh.serve.vllm_flags import vllm_command_line
 
 
 def children_env(config: MeshConfig, env: dict[str, str]) -> dict[str, str]:
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "them that dies. MODEL (or --model) is an alias, an HF-format directory or "
                     "a Hub id; --port is the HTTP port, as in `vllm serve`, and --grpc-port the "
                     "router's.",
-        foreign=take_vllm_flags,
+        foreign=vllm_command_line,
     )
     configure_logging(config.log_level)
     stop = threading.Event()

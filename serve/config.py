@@ -64,7 +64,8 @@ class MeshConfig:
     tls_key: str | None = field(default=None, metadata=about("PEM private key"))
     tls_ca: str | None = field(default=None, metadata=about("PEM CA: mutual TLS everywhere"))
     api_key: str | None = field(default=None, metadata=about(
-        "require 'Authorization: Bearer <key>' on /v1/* (better: env PDMESH_API_KEY)"))
+        "require 'Authorization: Bearer <key>' on /v1/* (better: env PDMESH_API_KEY); "
+        "several keys: comma-separated, or --api-key KEY1 KEY2 as vLLM takes them"))
     startup_timeout_s: float = field(default=180.0, metadata=about("per-child ready deadline"))
     drain_timeout_s: float | None = field(default=None, metadata=about(
         "on SIGTERM: how long every child may finish running requests before they are cut "
@@ -83,6 +84,9 @@ class MeshConfig:
     max_queue_delay_s: float = field_like(RouterConfig, "max_queue_delay_s")
     goodput: tuple[str, ...] = field_like(RouterConfig, "goodput")
     generation_config: str = field_like(RouterConfig, "generation_config")
+    override_generation_config: str = field_like(RouterConfig, "override_generation_config")
+    default_chat_template_kwargs: str = field_like(RouterConfig,
+                                                   "default_chat_template_kwargs")
     chat_template: str | None = field_like(RouterConfig, "chat_template")
 
     # The gateway's.

@@ -14,6 +14,9 @@ Every flag of vLLM's is one of four kinds here, decided before argparse sees the
 - **any other flag of vLLM's** (`VLLM_SERVE_FLAGS`, vLLM 0.32.0's, listed in
   vllm_serve_flags.txt): refused as "a vLLM flag pdmesh does not support yet".
 
+`--config FILE` (vLLM's YAML file of these flags) is read first, into flags placed before the
+command line's (serve/config_file.py), so the file's flags are sorted the same way.
+
 Each refusal is one line and exit code 2 ("--enable-lora is not supported yet: LoRA
 adapters"), not argparse's "unrecognized arguments" under a usage dump; a flag nobody knows
 still gets argparse's line.
@@ -25,6 +28,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+
+from pdmesh.serve.config_file import with_config_file
 
 _LORA = "LoRA adapters"
 
@@ -45,8 +50,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "
                             "(--num-prefill, --num-decode, --kv-backend)",
     "--enable-sleep-mode": "engines do not sleep; --drain-timeout-s stops them gracefully",
-    "--config": "give the flags on the command line, or as PDMESH_<FLAG> environment "
-                "variables",
     "--headless": "pdmesh serve always runs the API server; start services alone with "
                   "pdmesh prefill / decode / router / gateway",
 }
@@ -119,9 +122,12 @@ for _short, _long in SHORT_FORMS.items():
             _table[_short] = _table[_long]  # type: ignore[index]
 
 
-SEVERAL_VALUES: dict[str, str] = {"--served-model-name": "--served-model-aliases"}
+SEVERAL_VALUES: dict[str, str] = {"--served-model-name": "--served-model-aliases",
+                                  "--api-key": "--api-key"}
 """vLLM flags that take several values where pdmesh's takes one: the values past the first go
-to this flag of pdmesh's (`--served-model-name a b c`: the name a, the aliases b and c)."""
+to this flag of pdmesh's, comma-separated (`--served-model-name a b c`: the name a, the
+aliases b and c); a flag mapped to itself takes them all (`--api-key k1 k2`: `--api-key
+k1,k2`)."""
 
 
 @cache
@@ -129,6 +135,11 @@ def vllm_serve_flags() -> frozenset[str]:
     """Every option string of vLLM 0.32.0's `vllm serve` (vllm_serve_flags.txt)."""
     text = resources.files("pdmesh.serve").joinpath("vllm_serve_flags.txt").read_text()
     return frozenset(line for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def vllm_command_line(argv: Sequence[str], own: Collection[str]) -> list[str]:
+    """`take_vllm_flags` of `argv` with its `--config FILE` read in first."""
+    return take_vllm_flags(with_config_file(argv, own, SEVERAL_VALUES), own)
 
 
 def take_vllm_flags(argv: Sequence[str], own: Collection[str]) -> list[str]:
@@ -151,6 +162,9 @@ def take_vllm_flags(argv: Sequence[str], own: Collection[str]) -> list[str]:
             while i < len(args) and not args[i].startswith("-"):
                 values.append(args[i])
                 i += 1
+            if SEVERAL_VALUES[flag] == flag:
+                kept += [flag, ",".join(values)]
+                continue
             kept += [flag, *values[:1]]
             if len(values) > 1:
                 kept += [SEVERAL_VALUES[flag], ",".join(values[1:])]

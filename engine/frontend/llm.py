@@ -39,7 +39,7 @@ class LLM:
         config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(config)
         self.generation_defaults = load_generation_defaults(
-            config.generation_config, self.engine.model_dir)
+            config.generation_config, self.engine.model_dir, config.override_generation_config)
         self._ids = itertools.count()
         print(f"pdmesh: {self.engine.capacity_summary}", file=sys.stderr)
 

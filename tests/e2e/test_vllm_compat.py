@@ -5,8 +5,11 @@ port), with a `--generation-config` directory whose generation_config.json sets 
 sampling (greedy, 5 new tokens) so the server defaults are visible in the answers:
 
 * colocated, the model given by its alias;
-* 1 prefill + 1 decode (local prefill off: KV really moves), the model given by its directory,
-  with `--served-model-name` and `--max-model-len`: `/v1/models` must show both.
+* 1 prefill + 1 decode (local prefill off: KV really moves), the model given by its directory
+  and the rest in a vLLM `--config` YAML file (`--served-model-name` with two names and
+  `--max-model-len`, which `/v1/models` must show; the same sampling defaults from
+  `--generation-config vllm` with `--override-generation-config`; a `port` the command line's
+  `--port` overrides).
 
 Covered: server sampling defaults and their override by the request (also on the router's gRPC
 API), `/tokenize` -> `/detokenize`, `/version`, completions `echo`, `X-Request-Id`, CORS
@@ -65,21 +68,38 @@ def generation_config_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: P
     return path
 
 
+SERVER_YAML = f"""\
+port: 1  # the command line's --port wins
+kv-cache-memory: {KV_MEMORY}
+allowed-origins: [{ORIGIN}]
+num-prefill: 1
+num-decode: 1
+local-prefill-threshold: 0
+served-model-name: [{SERVED_NAME}, {ALIAS}]
+max_model_len: {MAX_MODEL_LEN}
+# no generation_config.json: the override alone gives the defaults
+generation-config: vllm
+override-generation-config: {{temperature: 0.0, max_new_tokens: {DEFAULT_NEW_TOKENS}}}
+# vLLM flags that ask for what pdmesh does anyway, and one it maps
+disable-log-stats: true
+kv-cache-dtype: auto
+tokenizer-mode: auto
+disable-fastapi-docs: true
+"""
+
+
 @pytest.fixture(scope="module", params=["colocated", "1p1d"])
-def mesh(request: pytest.FixtureRequest, generation_config_dir: Path,
-         model_dir: Path) -> Iterator[Mesh]:
+def mesh(request: pytest.FixtureRequest, generation_config_dir: Path, model_dir: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     port = _free_port()
     common = ["--port", str(port), "--kv-cache-memory", KV_MEMORY,
               "--generation-config", str(generation_config_dir), "--allowed-origins", ORIGIN]
     if request.param == "colocated":
         argv, model = ["smollm2", *common, "--colocated"], "smollm2"
-    else:
-        argv = [str(model_dir), *common, "--num-prefill", "1", "--num-decode", "1",
-                "--local-prefill-threshold", "0", "--served-model-name", SERVED_NAME, ALIAS,
-                "--max-model-len", str(MAX_MODEL_LEN),
-                # vLLM flags that ask for what pdmesh does anyway, and one it maps
-                "--disable-log-stats", "--kv-cache-dtype", "auto", "--tokenizer-mode", "auto",
-                "--disable-fastapi-docs"]
+    else:  # set up as a vLLM deployment keeps it: a --config file under the command line
+        config = tmp_path_factory.mktemp("serve") / "server.yaml"
+        config.write_text(SERVER_YAML)
+        argv = [str(model_dir), "--port", str(port), "--config", str(config)]
         model = SERVED_NAME
     serve = Child("serve", pdmesh_command("serve", *argv))
     try:

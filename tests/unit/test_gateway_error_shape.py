@@ -218,6 +218,20 @@ def test_unauthorized_is_vllms_bare_body(http: TestClient) -> None:
         assert resp.headers["www-authenticate"] == "Bearer"
 
 
+def test_any_of_several_api_keys_is_accepted(router: StandInRouter) -> None:
+    """vLLM's `--api-key k1 k2` (here `k1,k2`): either key passes, nothing else does."""
+    config = GatewayConfig(api_key="k1, k2", max_logprobs=5)
+    assert config.api_keys == ("k1", "k2")
+    with TestClient(create_app(config, client=router)) as http:  # type: ignore[arg-type]
+        statuses = [http.post("/v1/completions", json=completion(),
+                              headers={"Authorization": f"Bearer {key}"}).status_code
+                    for key in ("k1", "k2", "k1,k2", "k3", "")]
+    assert statuses == [200, 200, 401, 401, 401]
+    for blank in ("", " ", "k1,,k2", "k1, "):
+        with pytest.raises(ValueError, match="--api-key must not be blank"):
+            GatewayConfig(api_key=blank)
+
+
 def test_framework_errors_are_vllms_shape(http: TestClient) -> None:
     assert_vllm_shape(http.get("/v1/nothing-here", headers=AUTH).json(),
                       VLLM["route_not_found"])

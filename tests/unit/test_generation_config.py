@@ -1,6 +1,6 @@
 """Server sampling defaults (engine/generation_config.py): vLLM's precedence, request > the
 model's generation_config.json > the API's defaults, on the wire message the router forwards,
-and `--generation-config auto|vllm|PATH`."""
+`--generation-config auto|vllm|PATH` and `--override-generation-config`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pdmesh.engine.generation_config import (
     default_sampling_params,
     from_dict,
     load_generation_defaults,
+    parse_override,
 )
 from pdmesh.v1 import common_pb2
 
@@ -78,3 +79,37 @@ def test_offline_defaults_are_sampling_params() -> None:
     params = default_sampling_params(from_dict(MODEL_FILE), max_tokens=8)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
         pytest.approx(0.2), pytest.approx(0.9), 20, 8)
+
+
+def test_override_merges_over_the_source(tmp_path: Path) -> None:
+    """`--override-generation-config`, as vLLM merges it: over the model's file with auto,
+    alone with vllm; in the file's own names (max_new_tokens)."""
+    model = write(tmp_path, MODEL_FILE)
+    override = '{"temperature": 0.5, "max_new_tokens": 256}'
+    merged = load_generation_defaults("auto", model, override)
+    assert merged.as_dict() == {"temperature": 0.5, "top_p": pytest.approx(0.9), "top_k": 20,
+                                "repetition_penalty": pytest.approx(1.1), "max_tokens": 256}
+    assert load_generation_defaults("vllm", model, override).as_dict() == {
+        "temperature": 0.5, "max_tokens": 256}
+    assert load_generation_defaults("auto", model, {"do_sample": False}).temperature == 0.0
+    assert load_generation_defaults("auto", model, "") == from_dict(MODEL_FILE)
+
+
+@pytest.mark.parametrize(("override", "problem"), [
+    ("{temperature: 1}", "not valid JSON"),
+    ("[0.5]", "must be a JSON object"),
+    ('{"top_k": "many"}', "--override-generation-config: invalid literal"),
+])
+def test_a_bad_override_is_refused_naming_the_flag(override: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        parse_override(override)
+    from pdmesh.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        RouterConfig(redis_url="redis://127.0.0.1:1/0", override_generation_config=override)
+
+
+def test_the_offline_llm_takes_the_override_as_a_mapping() -> None:
+    assert EngineConfig(override_generation_config={"temperature": 0.5})
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        EngineConfig(override_generation_config={"top_k": "many"})

@@ -1,7 +1,7 @@
-"""The router's half of vLLM's request fields, on the real tokenizer: chat_template_kwargs
-reach the template it renders, truncate_prompt_tokens cuts what it tokenized (Generate and
-Tokenize alike, a prompt too long to serve whole included), bad_words become the token
-sequences the engines ban."""
+"""The router's half of vLLM's request fields, on the real tokenizer: chat_template_kwargs reach
+the template it renders (over the server's --default-chat-template-kwargs),
+truncate_prompt_tokens cuts what it tokenized (Generate and Tokenize alike, a prompt too long to
+serve whole included), bad_words become the token sequences the engines ban."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pdmesh.engine.chat_template import parse_template_defaults
 from pdmesh.router.admission import InvalidRequest
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.v1 import router_pb2
@@ -46,6 +47,30 @@ def test_template_kwargs_reach_the_render(tokenizer: PromptTokenizer) -> None:
     assert run(tokenizer.decode(tokenized))[0].endswith("[no thinking]")  # Tokenize as Generate
     with pytest.raises(InvalidRequest, match="chat_template_kwargs: add_generation_prompt"):
         run(tokenizer.encode(router_pb2.GenerateRequest(chat=chat(add_generation_prompt=True))))
+
+
+def test_server_template_defaults_sit_under_the_request(tokenizer: PromptTokenizer) -> None:
+    """`--default-chat-template-kwargs`: every render gets them; a request's own
+    chat_template_kwargs win key by key."""
+    served = PromptTokenizer("smollm2", pool_size=1, chat_template=TEMPLATE,
+                             template_defaults=parse_template_defaults(
+                                 '{"enable_thinking": false}'))
+
+    def rendered(request: Any) -> str:
+        return run(served.decode(run(served.encode(request, 1000))))[0]
+
+    try:
+        assert rendered(router_pb2.GenerateRequest(chat=chat())).endswith("[no thinking]")
+        assert rendered(router_pb2.GenerateRequest(chat=chat(enable_thinking=True))).endswith(
+            "<user>hi[thinking]")
+        tokenized = run(served.encode(router_pb2.TokenizeRequest(chat=chat())))
+        assert run(served.decode(tokenized))[0].endswith("[no thinking]")
+    finally:
+        served.close()
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: messages cannot"):
+        parse_template_defaults('{"messages": []}')
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: not valid JSON"):
+        parse_template_defaults("enable_thinking=false")
 
 
 def test_truncation_keeps_the_last_tokens_of_what_was_tokenized(

@@ -71,8 +71,11 @@ def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
     (["--disable-log-stats=1"], "--disable-log-stats takes no value"),
     (["--kv-cache-dtype"], "--kv-cache-dtype needs a value"),
     (["--speculative-config", "{}"], "--speculative-config is not supported yet"),
-    (["--override-generation-config", "{}"],
-     "--override-generation-config is a vLLM flag pdmesh does not support yet"),
+    (["--uds", "/tmp/pdmesh.sock"], "--uds is a vLLM flag pdmesh does not support yet"),
+    (["--override-generation-config", "[1]"],
+     "--override-generation-config must be a JSON object"),
+    (["--default-chat-template-kwargs", "{\"tools\": 1}"],
+     "--default-chat-template-kwargs: tools cannot be set here"),
     (["-ep"], "-ep is a vLLM flag pdmesh does not support yet"),
 ])
 def test_what_pdmesh_does_otherwise_is_one_line(capsys: pytest.CaptureFixture[str],
@@ -110,7 +113,8 @@ def test_vllm_aliases_and_the_environment_flags(tmp_path: Path) -> None:
 
 
 def test_several_served_model_names_as_vllm_takes_them() -> None:
-    """`--served-model-name a b c`: the name a everywhere, b and c also answered by the router."""
+    """`--served-model-name a b c`: the name a everywhere, b and c also answered by the router;
+    `--api-key k1 k2`: either key."""
     mesh = parse_config(MeshConfig, ["--model", "smollm2", "--served-model-name", "chat",
                                      "gpt-4o", "gpt-3.5-turbo", "--port", "0"],
                         prog="serve", env={}, foreign=take_vllm_flags)
@@ -121,6 +125,12 @@ def test_several_served_model_names_as_vllm_takes_them() -> None:
     engine = child_config(ENGINE_CONFIGS["decode"], mesh,
                           engine_placement("decode", mesh, redis_url=redis))
     assert engine.model_name == "chat"  # the registry's namespace: one name
+    keys = parse_config(MeshConfig, ["--model", "smollm2", "--api-key", "k1", "k2"],
+                        prog="serve", env={}, foreign=take_vllm_flags)
+    assert keys.api_key == "k1,k2"  # reaches the gateway in its environment, as one key did
+    gateway = parse_config(GatewayConfig, [], prog="gateway",
+                           env={"PDMESH_API_KEY": keys.api_key})
+    assert gateway.api_keys == ("k1", "k2")
     one = parse_config(MeshConfig, ["--model", "smollm2", "--served-model-name=chat"],
                        prog="serve", env={}, foreign=take_vllm_flags)
     assert (one.served_model_name, one.served_model_aliases) == ("chat", ())
