@@ -8,6 +8,7 @@ The API key is best given as PDMESH_API_KEY: a flag shows up in `ps` output.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -78,6 +79,8 @@ class GatewayConfig:
         "PEM CA verifying HTTPS client certificates (with --ssl-cert-reqs 2: required)"))
     ssl_cert_reqs: int = field(default=0, metadata=about(
         "HTTPS client certificates: 0 none, 1 optional, 2 required (Python ssl's values)"))
+    ssl_ciphers: str | None = field(default=None, metadata=about(
+        "HTTPS: the OpenSSL cipher list the server offers (vLLM's flag; unset: uvicorn's)"))
     enable_auto_tool_choice: bool = field(default=False, metadata=about(
         'tool_choice "auto" (the default with tools): parse tool calls out of the model\'s '
         "output with --tool-call-parser"))
@@ -163,6 +166,14 @@ class GatewayConfig:
             raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.ssl_cert_reqs and not self.ssl_ca_certs:
             raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs to verify clients against")
+        if self.ssl_ciphers is not None:
+            if not self.ssl_certfile:
+                raise ValueError("--ssl-ciphers needs --ssl-certfile/--ssl-keyfile")
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(self.ssl_ciphers)
+            except ssl.SSLError:
+                raise ValueError(f"--ssl-ciphers {self.ssl_ciphers!r}: OpenSSL selects no "
+                                 f"cipher from it") from None
         for flag, path in (("--ssl-certfile", self.ssl_certfile),
                            ("--ssl-keyfile", self.ssl_keyfile),
                            ("--ssl-ca-certs", self.ssl_ca_certs)):

@@ -62,6 +62,7 @@ async def serve(config: GatewayConfig) -> None:
             ssl_keyfile=config.ssl_keyfile,
             ssl_ca_certs=config.ssl_ca_certs,
             ssl_cert_reqs=config.ssl_cert_reqs,
+            **({"ssl_ciphers": config.ssl_ciphers} if config.ssl_ciphers else {}),
         )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))

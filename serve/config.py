@@ -69,8 +69,8 @@ class MeshConfig:
     startup_timeout_s: float = field(default=180.0, metadata=about("per-child ready deadline"))
     drain_timeout_s: float | None = field(default=None, metadata=about(
         "on SIGTERM: how long every child may finish running requests before they are cut "
-        "(unset: theirs, 30 s); pdmesh serve waits that long (plus their teardown) before it "
-        "kills one"))
+        "(unset: theirs, 30 s; 0: at once); pdmesh serve waits that long (plus their "
+        "teardown) before it kills one", aliases=("--shutdown-timeout",)))
     log_level: str = field(default="warning", metadata=about("children's log level"))
 
     # Every engine setting (--max-num-seqs, --dtype, --stream-interval, ...), for every engine.
@@ -106,6 +106,7 @@ class MeshConfig:
     ssl_keyfile: str | None = field_like(GatewayConfig, "ssl_keyfile")
     ssl_ca_certs: str | None = field_like(GatewayConfig, "ssl_ca_certs")
     ssl_cert_reqs: int = field_like(GatewayConfig, "ssl_cert_reqs")
+    ssl_ciphers: str | None = field_like(GatewayConfig, "ssl_ciphers")
     uvicorn_log_level: str | None = field_like(GatewayConfig, "uvicorn_log_level")
     max_logprobs: int = field_like(GatewayConfig, "max_logprobs")
     metrics_names: str = field_like(GatewayConfig, "metrics_names")

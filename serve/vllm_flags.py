@@ -75,6 +75,9 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--max-log-len": SameAsPdmesh("pdmesh logs no prompt", any_value=True),
     "--disable-log-stats": SameAsPdmesh("pdmesh logs no periodic stats (/metrics serves them)"),
     "--disable-uvicorn-access-log": SameAsPdmesh("the API server keeps no access log"),
+    "--disable-access-log-for-endpoints": SameAsPdmesh("the API server keeps no access log",
+                                                       any_value=True),
+    "--disable-cascade-attn": SameAsPdmesh("attention has no cascade path to turn off"),
     "--enable-prompt-tokens-details": SameAsPdmesh(
         "usage always carries prompt_tokens_details.cached_tokens"),
     "--enable-request-id-headers": SameAsPdmesh(

@@ -59,6 +59,7 @@ def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
         "--tokenizer-mode=auto", "--max-log-len", "100", "--distributed-executor-backend", "mp",
         "--disable-uvicorn-access-log", "--enable-prompt-tokens-details", "--runner", "generate",
         "--chat-template-content-format", "string", "--response-role", "assistant",
+        "--disable-access-log-for-endpoints", "/health,/metrics", "--disable-cascade-attn",
     ], prog="serve", env={}, foreign=take_vllm_flags)
     assert values_of(vllm_style) == values_of(plain)
 
@@ -173,9 +174,17 @@ def test_gateway_flags_reach_the_gateway(tmp_path: Path) -> None:
         path.write_text("-")
     mesh = parse_config(MeshConfig, [
         "--model", "smollm2", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
-        "--uvicorn-log-level", "debug", "--max-logprobs", "5"], prog="serve", env={})
+        "--uvicorn-log-level", "debug", "--max-logprobs", "5",
+        "--ssl-ciphers", "ECDHE+AESGCM", "--shutdown-timeout", "45"], prog="serve", env={})
+    assert mesh.drain_timeout_s == 45  # vLLM's --shutdown-timeout: the drain on SIGTERM
     gateway = gateway_of(mesh)
     assert (gateway.ssl_certfile, gateway.ssl_keyfile) == (str(cert), str(key))
+    assert (gateway.ssl_ciphers, gateway.drain_timeout_s) == ("ECDHE+AESGCM", 45)
+    with pytest.raises(ValueError, match="--ssl-ciphers 'NO-SUCH-CIPHER': OpenSSL selects"):
+        GatewayConfig(ssl_certfile=str(cert), ssl_keyfile=str(key),
+                      ssl_ciphers="NO-SUCH-CIPHER")
+    with pytest.raises(ValueError, match="--ssl-ciphers needs --ssl-certfile"):
+        GatewayConfig(ssl_ciphers="ECDHE+AESGCM")
     assert (gateway.uvicorn_log_level, gateway.max_logprobs) == ("debug", 5)
     assert gateway.model_root == "smollm2"
     # --ssl-* win over the mesh's own TLS certificate, which the gateway serves otherwise.
