@@ -175,6 +175,14 @@ class RouterConfig:
         "PEM CA verifying a rediss:// server"))
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata=about("gRPC cap"))
     log_level: str = field(default="warning", metadata=about(f"one of {', '.join(LOG_LEVELS)}"))
+    enable_log_requests: bool = field(default=False, metadata=about(
+        "log each request as it is admitted: its id, prompt length and sampling (logger "
+        "pdmesh.requests at INFO, whatever --log-level; the prompt's ids at DEBUG)"))
+    enable_log_outputs: bool = field(default=False, metadata=about(
+        "with --enable-log-requests: also log each output sequence as it ends, its text and "
+        "finish reason"))
+    max_log_len: int | None = field(default=None, metadata=about(
+        "the most characters of a text, or token ids, a request log line shows (unset: all)"))
     metrics_port: int = field(
         default=9400, metadata=about("Prometheus /metrics port; 0 picks a free one, -1 = off")
     )
@@ -227,6 +235,10 @@ class RouterConfig:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.failure_threshold < 1:
             raise ValueError(f"--failure-threshold must be >= 1, got {self.failure_threshold}")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         check_source(self.generation_config)

@@ -59,6 +59,7 @@ from pdmesh.router.orchestrator import Orchestrator
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.router.queue_delay import QueueDelay, Worker
 from pdmesh.router.request import PreparedRequest
+from pdmesh.router.request_log import RequestLog
 from pdmesh.tracing import (
     SpanKind,
     extract_metadata,
@@ -106,6 +107,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.grammars = GrammarCheck(tokenizer.model_dir, tokenizer.vocab_size,
                                      config.structured_output_compile_timeout_s)
         self._inflight: set[str] = set()
+        self.request_log = RequestLog.from_flags(
+            config.enable_log_requests, config.enable_log_outputs, config.max_log_len)
 
     # -- Generate ----------------------------------------------------------------------------
     async def Generate(
@@ -251,6 +254,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             deadline=received + timeout_s,
             tokenize_ms=tokenize_ms,
         )
+        if self.request_log is not None:
+            self.request_log.received(request_id, ids, max_tokens, sampling)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes(
@@ -288,12 +293,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         prompt = len(prepared.prompt_token_ids)
         self.queue_delay.started(prompt)
         waiting = True
+        output = (self.request_log.output(prepared.request_id)
+                  if self.request_log is not None else None)
 
         async def write(message: router_pb2.GenerateResponse) -> None:
             nonlocal waiting
             if waiting:
                 waiting = False
                 self.queue_delay.first_token(prompt)
+            if output is not None:
+                output.saw(message)
             await context.write(message)
 
         try:

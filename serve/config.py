@@ -84,6 +84,9 @@ class MeshConfig:
     max_queue_delay_s: float = field_like(RouterConfig, "max_queue_delay_s")
     goodput: tuple[str, ...] = field_like(RouterConfig, "goodput")
     generation_config: str = field_like(RouterConfig, "generation_config")
+    enable_log_requests: bool = field_like(RouterConfig, "enable_log_requests")
+    enable_log_outputs: bool = field_like(RouterConfig, "enable_log_outputs")
+    max_log_len: int | None = field_like(RouterConfig, "max_log_len")
     override_generation_config: str = field_like(RouterConfig, "override_generation_config")
     default_chat_template_kwargs: str = field_like(RouterConfig,
                                                    "default_chat_template_kwargs")

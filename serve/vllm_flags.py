@@ -43,8 +43,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--tokenizer-revision": "a separate --tokenizer is read at its default revision (main); "
                             "without --tokenizer the model's tokenizer follows --revision",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
-    "--enable-log-requests": "pdmesh logs no request; its traces (OTEL_EXPORTER_OTLP_ENDPOINT) "
-                             "and /metrics describe each one",
     "--reasoning-parser": "reasoning is not split into reasoning_content yet",
     "--speculative-config": "no speculative decoding yet",
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "
@@ -71,8 +69,8 @@ class SameAsPdmesh:
 
 
 SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
-    "--disable-log-requests": SameAsPdmesh("pdmesh logs no request"),
-    "--max-log-len": SameAsPdmesh("pdmesh logs no prompt", any_value=True),
+    "--disable-log-requests": SameAsPdmesh("requests are logged only with "
+                                           "--enable-log-requests"),
     "--disable-log-stats": SameAsPdmesh("pdmesh logs no periodic stats (/metrics serves them)"),
     "--disable-uvicorn-access-log": SameAsPdmesh("the API server keeps no access log"),
     "--disable-access-log-for-endpoints": SameAsPdmesh("the API server keeps no access log",
@@ -111,8 +109,6 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
                                     ("raw_logprobs",)),
     "--cpu-offload-gb": SameAsPdmesh("weights stay on the engine's device", ("0",)),
 }
-
-SAME_AS_PDMESH["--no-enable-log-requests"] = SAME_AS_PDMESH["--disable-log-requests"]
 
 SHORT_FORMS: dict[str, str] = {"-q": "--quantization", "-pp": "--pipeline-parallel-size",
                                "-dp": "--data-parallel-size", "-asc": "--api-server-count",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class Mesh:
     router: str
     base_url: str  # http://host:port
     model: str
+    serve: Child
 
 
 def _free_port() -> int:
@@ -85,6 +87,10 @@ disable-log-stats: true
 kv-cache-dtype: auto
 tokenizer-mode: auto
 disable-fastapi-docs: true
+# vLLM's request log, its outputs cut to 8 characters
+enable-log-requests: true
+enable-log-outputs: true
+max-log-len: 8
 """
 
 
@@ -104,7 +110,7 @@ def mesh(request: pytest.FixtureRequest, generation_config_dir: Path, model_dir:
     serve = Child("serve", pdmesh_command("serve", *argv))
     try:
         router = serve.wait_ready(timeout_s=240)
-        yield Mesh(request.param, router, f"http://127.0.0.1:{port}", model)
+        yield Mesh(request.param, router, f"http://127.0.0.1:{port}", model, serve)
     finally:
         serve.terminate(grace_s=30)
 
@@ -130,6 +136,36 @@ def test_serve_takes_vllm_flags(mesh: Mesh, client: openai.OpenAI) -> None:
     assert version.status_code == 200 and version.json()["version"]
     docs = httpx.get(f"{mesh.base_url}/docs", timeout=10)
     assert docs.status_code == (404 if mesh.kind == "1p1d" else 200)  # --disable-fastapi-docs
+
+
+def test_requests_and_outputs_are_logged_when_asked(mesh: Mesh,
+                                                    client: openai.OpenAI) -> None:
+    """`--enable-log-requests --enable-log-outputs --max-log-len 8` (the 1P+1D mesh's file):
+    the router logs the request as admitted and its output, cut, as it ends."""
+    if mesh.kind != "1p1d":
+        return  # the colocated mesh did not ask (off by default: tests/unit/test_request_log.py)
+    request_id = "log-me-1"
+    answer = client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=12,
+                                       extra_headers={"X-Request-Id": request_id})
+    text = answer.choices[0].text
+    lines = stderr_lines_until(mesh.serve, f"msg=finished request_id={request_id} ")
+    received, finished = [line for line in lines if f"request_id={request_id} " in line]
+    assert "msg=received" in received and "prompt_tokens=" in received
+    assert "max_tokens: 12" in received
+    assert "finish_reason=length output_tokens=12" in finished
+    assert f"output={text[:8] + '...'!r}" in finished
+
+
+def stderr_lines_until(child: Child, text: str, timeout_s: float = 30) -> list[str]:
+    """The child's last stderr lines once one holds `text` (its relay thread passes them on
+    as the child writes them); AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = list(child.stderr_tail)
+        if any(text in line for line in lines):
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"no stderr line with {text!r}: {list(child.stderr_tail)}")
 
 
 def test_generation_config_defaults_and_request_override(mesh: Mesh,

@@ -56,7 +56,7 @@ def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
     vllm_style = parse_config(MeshConfig, [
         "--model", "smollm2", "--port", "0", "--disable-log-stats", "--disable-log-requests",
         "--kv-cache-dtype", "auto", "--pipeline-parallel-size", "1", "-dp", "1",
-        "--tokenizer-mode=auto", "--max-log-len", "100", "--distributed-executor-backend", "mp",
+        "--tokenizer-mode=auto", "--distributed-executor-backend", "mp",
         "--disable-uvicorn-access-log", "--enable-prompt-tokens-details", "--runner", "generate",
         "--chat-template-content-format", "string", "--response-role", "assistant",
         "--disable-access-log-for-endpoints", "/health,/metrics", "--disable-cascade-attn",
