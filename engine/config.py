@@ -95,6 +95,10 @@ class EngineConfig:
         "the disk tier's size bound, e.g. 20GiB"))
     enable_chunked_prefill: bool = field(default=True, metadata=about(
         "split long prompts across steps, within --max-num-batched-tokens"))
+    long_prefill_token_threshold: int = field(default=0, metadata=about(
+        "the most tokens of one prompt a step takes (vLLM's flag): longer prompts go in chunks "
+        "of this size, so several share a step and none holds the others up; 0 = no cap "
+        "beyond --max-num-batched-tokens and --itl-target-ms"))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=about(
         "which waiting request runs first: the oldest, or by request priority"))
     dtype: str = field(default="auto", metadata=about(
@@ -158,6 +162,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from pdmesh.engine.scheduling.scheduler import check_long_prefill_threshold
+
+        check_long_prefill_threshold(self.long_prefill_token_threshold,
+                                     self.enable_chunked_prefill)
         if self.itl_target_ms is not None and not 0 <= self.itl_target_ms <= 600_000:
             raise ValueError(f"itl_target_ms must be in [0, 600000], got {self.itl_target_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -85,6 +85,7 @@ def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
             itl_target=ItlTarget.from_ms(config.itl_target_ms, min_prefill_tokens(
                 config.max_num_batched_tokens, config.block_size)),

@@ -29,6 +29,16 @@ from pdmesh.engine.scheduling.step_cost import StepCostModel
 Policy = Literal["fcfs", "priority"]
 
 
+def check_long_prefill_threshold(threshold: int, chunked_prefill: bool) -> None:
+    """ValueError unless `threshold` (vLLM's long_prefill_token_threshold) is 0, or positive
+    with chunked prefill on (it splits prompts into chunks)."""
+    if threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
+    if threshold and not chunked_prefill:
+        raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs "
+                         "chunked prefill (--enable-chunked-prefill)")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -36,8 +46,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Policy = "fcfs"
     itl_target: ItlTarget = field(default_factory=ItlTarget)
+    long_prefill_token_threshold: int = 0  # > 0: the most prompt tokens a sequence takes a step
 
     def __post_init__(self) -> None:
+        check_long_prefill_threshold(self.long_prefill_token_threshold,
+                                     self.enable_chunked_prefill)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -183,7 +196,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new > 1:
-                num_new = step.take_prefill(seq.num_computed_tokens, num_new)
+                num_new = step.take_prefill(seq.num_computed_tokens, self._chunk(num_new))
             if num_new <= 0 or seq.pending_reaches_length(self.max_model_len):
                 i += 1
                 continue
@@ -222,7 +235,8 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             if self.config.enable_chunked_prefill:
-                num_new = step.take_prefill(seq.num_computed_tokens + num_cached_tokens, num_new)
+                num_new = step.take_prefill(seq.num_computed_tokens + num_cached_tokens,
+                                            self._chunk(num_new))
             if num_new <= 0 or not self.kv.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.pop()
@@ -237,6 +251,12 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         return out
+
+    def _chunk(self, num_new: int) -> int:
+        """A prompt's tokens this step under vLLM's long_prefill_token_threshold: a long
+        prompt goes in chunks of at most that many, so it shares steps with other prompts."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap > 0 else num_new
 
     def _time_budget(self) -> StepBudget:
         """This step's budget in time: its decode rows (one token each) counted first."""

@@ -111,6 +111,13 @@ def test_small_chunks_match(reference):
     assert_same(llm.generate(PROMPTS, greedy()), reference)
 
 
+def test_long_prefill_threshold_matches(reference):
+    """Prompts in chunks of at most 5 tokens each step, several prompts per step."""
+    llm = LLM("smollm2", kv_cache_memory="128MiB", max_num_batched_tokens=256,
+              long_prefill_token_threshold=5, enable_prefix_caching=False)
+    assert_same(llm.generate(PROMPTS, greedy()), reference)
+
+
 def test_preemption_matches(reference):
     # 16 blocks of 16 tokens cannot hold all eight growing sequences at once.
     bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4

@@ -40,6 +40,7 @@ def make_scheduler(
     policy: Policy = "fcfs",
     max_model_len: int = 64,
     prefix_caching: bool = True,
+    threshold: int = 0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, HashScheme(block_size=BS), prefix_caching)
     config = SchedulerConfig(
@@ -47,6 +48,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         policy=policy,
+        long_prefill_token_threshold=threshold,
     )
     return Scheduler(config, kv, max_model_len)
 
@@ -220,6 +222,33 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_it_with_decodes() -> Non
     assert plan(run_step(sched)) == [("short", 1), ("long", 1)]  # decodes together
     assert long.status is SequenceStatus.FINISHED_LENGTH
     assert plan(run_step(sched)) == [("short", 1)]
+
+
+def test_long_prefill_token_threshold_lets_prompts_share_a_step() -> None:
+    """vLLM's long_prefill_token_threshold: no prompt takes more than that many tokens a step,
+    so a second prompt starts beside a long one instead of waiting for all of it."""
+    sched = make_scheduler(32, budget=16, threshold=6)
+    long = make_seq("long", prompt(1, 20), max_tokens=2)
+    other = make_seq("other", prompt(2, 9), max_tokens=2)
+    sched.add(long)
+    sched.add(other)
+    assert plan(run_step(sched)) == [("long", 6), ("other", 6)]
+    assert plan(run_step(sched)) == [("long", 6), ("other", 3)]  # decodes are not capped
+    assert plan(run_step(sched)) == [("long", 6), ("other", 1)]
+    assert plan(run_step(sched)) == [("long", 2)]
+    for _ in range(5):
+        if not sched.num_unfinished:
+            break
+        run_step(sched)
+    assert_all_blocks_returned(sched, [long, other])
+    uncapped = make_scheduler(32, budget=16)
+    uncapped.add(make_seq("long", prompt(1, 20), max_tokens=2))
+    uncapped.add(make_seq("other", prompt(2, 9), max_tokens=2))
+    assert plan(run_step(uncapped)) == [("long", 16)]  # the whole budget, the other waits
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False)
 
 
 def test_no_chunking_when_disabled() -> None:
