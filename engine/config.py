@@ -80,6 +80,9 @@ class EngineConfig:
         "KV cache budget: bytes, e.g. 2GiB, or a fraction of free memory, e.g. 0.2; auto = "
         "1GiB on CPU, on CUDA what --gpu-memory-utilization leaves after a profiling run. "
         "Given, it wins over --gpu-memory-utilization"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=about(
+        "the KV cache's size in blocks, on any device, whatever --kv-cache-memory or the "
+        "profiling run say (vLLM's flag, for testing preemption and small caches)"))
     enable_prefix_caching: bool = field(default=True, metadata=about(
         "reuse the KV of shared prompt prefixes (vLLM's flag)"))
     kv_offload_host_bytes: int | str | None = field(default=None, metadata=about(
@@ -159,6 +162,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be one of 8/16/32/64/128, got {self.block_size}")
         if self.kv_cache_memory != AUTO:
             parse_memory(self.kv_cache_memory, available=1)  # raises on what it cannot read
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2, got "
+                             f"{self.num_gpu_blocks_override}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -103,6 +103,8 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
     bytes_per_block = (mc.num_layers * 2 * config.block_size * kv_heads * mc.head_dim
                        * dtype.itemsize)
     budget, profile = kv_budget_bytes(config, model, device, start, max_positions)
+    if config.num_gpu_blocks_override is not None:  # vLLM's: whatever the budget says
+        budget = config.num_gpu_blocks_override * bytes_per_block
     num_blocks = num_kv_blocks(budget, bytes_per_block, free_memory(device))
     if tp.world_size > 1:
         num_blocks = int(tp.all_reduce(torch.tensor([num_blocks], device=device), "min").item())

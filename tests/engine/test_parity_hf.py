@@ -120,8 +120,8 @@ def test_long_prefill_threshold_matches(reference):
 
 def test_preemption_matches(reference):
     # 16 blocks of 16 tokens cannot hold all eight growing sequences at once.
-    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
-    llm = LLM("smollm2", kv_cache_memory=16 * bytes_per_block, max_num_batched_tokens=256)
+    llm = LLM("smollm2", num_gpu_blocks_override=16, max_num_batched_tokens=256)
+    assert llm.engine.num_total_blocks == 16
     outs = llm.generate(PROMPTS, greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     assert_same(outs, reference)
@@ -139,8 +139,7 @@ def test_async_scheduling_matches(reference, budget):
 
 
 def test_async_scheduling_under_preemption_matches(reference):
-    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
-    llm = LLM("smollm2", kv_cache_memory=16 * bytes_per_block, max_num_batched_tokens=256,
+    llm = LLM("smollm2", num_gpu_blocks_override=16, max_num_batched_tokens=256,
               async_scheduling=True)
     outs = llm.generate(PROMPTS, greedy())
     assert llm.engine.scheduler.num_preemptions > 0

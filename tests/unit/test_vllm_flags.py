@@ -100,10 +100,14 @@ def test_vllm_aliases_and_the_environment_flags(tmp_path: Path) -> None:
         "--model", "smollm2", "--device-memory-utilization", "0.5",
         "--kv-cache-memory-bytes", str(2**30), "--otlp-traces-endpoint", "http://127.0.0.1:4317",
         "--hf-token", "hf_secret", "--disable-fastapi-docs", "--root-path", "/llm",
-        "--exclude-tools-when-tool-choice-none",
+        "--exclude-tools-when-tool-choice-none", "--num-gpu-blocks-override", "64",
+        "--long-prefill-token-threshold", "128",
     ], prog="serve", env={}, foreign=take_vllm_flags)
     assert config.engine.gpu_memory_utilization == 0.5
     assert config.engine.kv_cache_memory == 2**30
+    engine = child_config(ENGINE_CONFIGS["decode"], config, engine_placement(
+        "decode", config, redis_url="redis://127.0.0.1:1/0")).engine
+    assert (engine.num_gpu_blocks_override, engine.long_prefill_token_threshold) == (64, 128)
     env = children_env(config, {})
     assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4317"
     assert env["HF_TOKEN"] == "hf_secret" and env[TOKEN_ENV]
