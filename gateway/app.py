@@ -122,6 +122,10 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     async def version() -> dict[str, str]:
         return info_routes.version()
 
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return info_routes.load(context())
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> TokenizeResponse:
         return await info_routes.tokenize(context().client, body)

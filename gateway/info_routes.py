@@ -1,6 +1,6 @@
 """The routes that generate nothing: readiness (/health, and vLLM's /ping), Prometheus metrics,
-the served models, the version, and vLLM's /tokenize and /detokenize (the router tokenizes
-exactly as Generate would).
+vLLM's /load, the served models, the version, and vLLM's /tokenize and /detokenize (the router
+tokenizes exactly as Generate would).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ async def models(context: GatewayContext) -> ModelList:
                   max_model_len=m.max_model_len,
                   permission=[ModelPermission(created=context.started)])
         for m in served])
+
+
+def load(context: GatewayContext) -> dict[str, int]:
+    """vLLM's /load: the generation requests this API server is serving now (what a load
+    balancer in front of several servers compares)."""
+    return {"server_load": context.metrics.requests_in_flight()}
 
 
 def version() -> dict[str, str]:

@@ -57,6 +57,11 @@ class GatewayMetrics:
             "Requests cancelled because the HTTP client went away", ["endpoint"], registry=r,
         )
 
+    def requests_in_flight(self) -> int:
+        """Generation requests being served now, every endpoint's (vLLM's /load)."""
+        return int(sum(sample.value for metric in self.in_flight.collect()
+                       for sample in metric.samples))
+
     def render(self, names: str = "pdmesh") -> bytes:
         """This gateway's own metrics (`names`: see pdmesh/metrics_vllm.py; none of the
         gateway's is aliased today). Under `pdmesh serve` /metrics serves more: info_routes."""

@@ -76,6 +76,8 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--disable-access-log-for-endpoints": SameAsPdmesh("the API server keeps no access log",
                                                        any_value=True),
     "--disable-cascade-attn": SameAsPdmesh("attention has no cascade path to turn off"),
+    "--enable-server-load-tracking": SameAsPdmesh(
+        "/load always reports the generation requests in flight"),
     "--enable-prompt-tokens-details": SameAsPdmesh(
         "usage always carries prompt_tokens_details.cached_tokens"),
     "--enable-request-id-headers": SameAsPdmesh(

@@ -87,6 +87,7 @@ disable-log-stats: true
 kv-cache-dtype: auto
 tokenizer-mode: auto
 disable-fastapi-docs: true
+enable-server-load-tracking: true
 # vLLM's request log, its outputs cut to 8 characters
 enable-log-requests: true
 enable-log-outputs: true
@@ -154,6 +155,24 @@ def test_requests_and_outputs_are_logged_when_asked(mesh: Mesh,
     assert "max_tokens: 12" in received
     assert "finish_reason=length output_tokens=12" in finished
     assert f"output={text[:8] + '...'!r}" in finished
+
+
+def test_load_counts_the_requests_in_flight(mesh: Mesh, client: openai.OpenAI) -> None:
+    """vLLM's /load: 1 while a streamed completion is open, 0 once it has ended."""
+    def server_load() -> int:
+        return int(httpx.get(f"{mesh.base_url}/load", timeout=10).json()["server_load"])
+
+    assert server_load() == 0
+    stream = client.completions.create(model=mesh.model, prompt=PROMPT, max_tokens=8,
+                                       stream=True)
+    next(iter(stream))
+    assert server_load() == 1
+    for _ in stream:
+        pass
+    deadline = time.monotonic() + 10  # the count drops as the server closes its side
+    while server_load() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server_load() == 0
 
 
 def stderr_lines_until(child: Child, text: str, timeout_s: float = 30) -> list[str]:
