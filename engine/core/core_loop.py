@@ -128,7 +128,7 @@ def occupancy(core: EngineCore) -> tuple[int, int, int, int]:
     to wait. A change is reported even then; else the serving side (and through it the
     router) would see those blocks taken until the next command."""
     scheduler = core.scheduler
-    return (core.num_free_blocks, len(core.admission.loading), len(scheduler.waiting),
+    return (core.num_free_blocks, len(core.admission.loads.loading), len(scheduler.waiting),
             len(scheduler.running))
 
 

@@ -215,7 +215,8 @@ class EngineCore:
         except BaseException:
             self.abort_request(request.request_id)
             raise
-        if request.given_tokens is not None and request.request_id not in self.admission.loading:
+        if (request.given_tokens is not None
+                and request.request_id not in self.admission.loads.loading):
             self._pending_outputs.add(request.request_id)  # (a pull owes its output on landing)
         return state
 
@@ -228,7 +229,7 @@ class EngineCore:
         self._pending_outputs.discard(request_id)
         if state is None:
             return released
-        if self.admission.abandon(request_id):
+        if self.admission.loads.abandon(request_id):
             return True  # its blocks go back once its pull has stopped writing them
         seqs = list(state.seqs)  # and any sample scheduled but not recorded in it yet
         scheduled = (*self.scheduler.running, *self.scheduler.waiting)
@@ -258,21 +259,22 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
-                or self._in_flight is not None or bool(self.admission.loading))
+                or self._in_flight is not None or bool(self.admission.loads.loading))
 
     def loads_in_flight(self) -> list[Future[int]]:
         """The KV pulls running on the connector's threads (the loop wakes when one ends)."""
-        return self.admission.futures()
+        return self.admission.loads.futures()
 
     def kv_stream(self, request_id: str, progress: ExportProgress) -> bool:
         """A streamed source grew (the sender's `CoreOutput.kv_stream`, relayed by the
         serving processes); False if the request no longer waits for it."""
-        return self.admission.stream_progress(request_id, progress)
+        return self.admission.loads.stream_progress(request_id, progress)
 
     def kv_stream_first_tokens(self, request_id: str, given_tokens: list[list[int]]) -> bool:
         """A streamed request's first tokens (its prefill ended): it decodes once its KV has
         landed; False if it no longer waits for them."""
-        return self.admission.stream_first_tokens(request_id, given_tokens, self.max_model_len)
+        return self.admission.loads.stream_first_tokens(request_id, given_tokens,
+                                                        self.max_model_len)
 
     def _on_preempt(self, seq: Sequence) -> None:
         self.commit.on_preempt(seq)
@@ -386,7 +388,7 @@ class EngineCore:
 
     def _check_progress(self) -> None:
         """Nothing was scheduled and nothing is in flight: only pinned KV may hold it up."""
-        pinned = self.exports.any_pinned() or bool(self.admission.loading)
+        pinned = self.exports.any_pinned() or bool(self.admission.loads.loading)
         if self.scheduler.num_unfinished and not self.scheduler.running and not pinned:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
 

@@ -22,7 +22,7 @@ def load_snapshot(core: EngineCore) -> EngineLoadSnapshot:
     stats = core.kv_manager.stats
     return EngineLoadSnapshot(
         num_running=len(core.scheduler.running),
-        num_waiting=len(core.scheduler.waiting) + len(core.admission.loading),
+        num_waiting=len(core.scheduler.waiting) + len(core.admission.loads.loading),
         num_free_blocks=core.num_free_blocks,
         num_total_blocks=core.num_total_blocks,
         num_pinned_blocks=core.exports.pinned_blocks(),

@@ -143,7 +143,7 @@ def test_a_stalled_pull_does_not_stop_other_requests_and_then_recomputes(pair) -
         while not other.finished:  # the pull blocks on a silent socket meanwhile
             decode.step()
             steps += 1
-        assert state.kv_load is None and "d5" in decode.core.admission.loading
+        assert state.kv_load is None and "d5" in decode.core.admission.loads.loading
         got = run(decode)
     finally:
         listener.close()
@@ -171,7 +171,7 @@ def test_an_abort_while_pulling_returns_the_blocks_once_the_pull_stops(pair) -> 
     finally:
         listener.close()
     assert decode.num_free_blocks == free_before
-    assert "d6" not in decode.core.admission.loading
+    assert "d6" not in decode.core.admission.loads.loading
     assert prefill.core.release_kv("p6")
 
 

@@ -193,7 +193,7 @@ def test_streamed_pull_overlaps_the_prefill_and_equals_colocated(pair, colocated
     assert prefill.core.export_kv(prid).block_checksums  # the serving process's ExportKV
     assert prefill.core.release_kv(prid)
     assert prefill.num_free_blocks == free[0]
-    assert not decode.core.admission.loading and drid not in decode.core.requests
+    assert not decode.core.admission.loads.loading and drid not in decode.core.requests
     assert decode.num_free_blocks == free[1]  # the prompt stays cached, in free blocks
 
 
@@ -271,7 +271,7 @@ def test_a_prefill_aborted_mid_stream_falls_back_to_recompute(pair, colocated) -
     tokens, load = decode_rest(decode.core, "d-abort")
     assert load.reason == "export_failed" and load.streamed
     assert [colocated[0], *tokens] == colocated  # recomputed here: the same tokens
-    assert decode.num_free_blocks == free[1] and not decode.core.admission.loading
+    assert decode.num_free_blocks == free[1] and not decode.core.admission.loads.loading
 
 
 def test_a_prefill_preempted_mid_stream_fails_its_export_and_the_pull_recomputes(
@@ -303,7 +303,7 @@ def test_a_prefill_preempted_mid_stream_fails_its_export_and_the_pull_recomputes
         prefill.core.step()
     assert prefill.core.release_kv("p-pre")
     assert prefill.num_free_blocks == free[0]
-    assert decode.num_free_blocks == free[1] and not decode.core.admission.loading
+    assert decode.num_free_blocks == free[1] and not decode.core.admission.loads.loading
 
 
 def test_a_decode_aborted_while_waiting_for_blocks_frees_them(pair) -> None:
