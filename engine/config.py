@@ -52,6 +52,16 @@ def parse_memory(value: int | float | str, available: int) -> int:
     return int(value)
 
 
+def check_long_prefill_threshold(threshold: int, chunked_prefill: bool) -> None:
+    """ValueError unless `threshold` (vLLM's long_prefill_token_threshold) is 0, or positive
+    with chunked prefill on (it splits prompts into chunks)."""
+    if threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
+    if threshold and not chunked_prefill:
+        raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs "
+                         "chunked prefill (--enable-chunked-prefill)")
+
+
 @dataclass
 class EngineConfig:
     """Every engine knob, declared here once: the engine services embed it (their flags
@@ -168,8 +178,6 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from pdmesh.engine.scheduling.scheduler import check_long_prefill_threshold
-
         check_long_prefill_threshold(self.long_prefill_token_threshold,
                                      self.enable_chunked_prefill)
         if self.itl_target_ms is not None and not 0 <= self.itl_target_ms <= 600_000:

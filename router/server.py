@@ -1,6 +1,7 @@
 """The Router gRPC service (`pdmesh router`): the cluster's only public front door.
 
-Generate = admit (validate, tokenize, budget) → route and run (orchestrator) → stream back.
+Generate = prepare (validate and tokenize, `router/prepare.py`) → admit (budget) → route and
+run (orchestrator) → stream back.
 The process around the service (start-up, health mirroring, drain, teardown) is
 `router/process.py`.
 Tokenize, ListModels and GetStatus answer from the router's own state. The standard health
@@ -35,9 +36,7 @@ from opentelemetry import trace
 
 from pdmesh.engine.generation_config import (
     GenerationDefaults,
-    apply_to_proto,
 )
-from pdmesh.engine.request_rules import RuleViolation, check_prompt_cache_key
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,
@@ -46,16 +45,14 @@ from pdmesh.router.admission import (
     InvalidRequest,
     OverCapacity,
     budget_tokens,
-    check_kv_capacity,
     retry_after_ms,
-    sampling_from_proto,
-    validate_prompt,
 )
 from pdmesh.router.config import RouterConfig
 from pdmesh.router.failures import RouteError
 from pdmesh.router.grammar_check import GrammarCheck
 from pdmesh.router.instances import InstancePool
 from pdmesh.router.orchestrator import Orchestrator
+from pdmesh.router.prepare import RequestPreparer, check_model
 from pdmesh.router.prompt_tokenizer import PromptTokenizer
 from pdmesh.router.queue_delay import QueueDelay, Worker
 from pdmesh.router.request import PreparedRequest
@@ -74,11 +71,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "pdmesh.v1.Router"
 INDEX_HEALTH_NAME = "pdmesh.router.PrefixIndex"
 MAX_REQUEST_ID_BYTES = 128
-UNSTREAMED_STREAM_INTERVAL = 64
-"""The engines' stream interval for a request the client takes whole (stream=false): there
-its deltas only keep the router's resume state (what a migration continues from), so one per
-64 tokens saves the engine and the router nearly every per-token message while a migration
-recomputes at most 64 tokens (vLLM hands such requests only their final output)."""
 _ROLES = {
     "prefill": engine_pb2.ROLE_PREFILL,
     "decode": engine_pb2.ROLE_DECODE,
@@ -106,6 +98,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.queue_delay = QueueDelay(config.max_queue_delay_s)
         self.grammars = GrammarCheck(tokenizer.model_dir, tokenizer.vocab_size,
                                      config.structured_output_compile_timeout_s)
+        self.preparer = RequestPreparer(config, self.defaults, tokenizer, self.grammars, pool)
         self._inflight: set[str] = set()
         self.request_log = RequestLog.from_flags(
             config.enable_log_requests, config.enable_log_outputs, config.max_log_len)
@@ -208,54 +201,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         received: float,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        self._check_model(request.model)
-        if not request.HasField("sampling"):
-            # Unset would mean every default, max_tokens included: up to the context limit,
-            # far more than a client that forgot the message expects.
-            raise InvalidRequest(
-                "sampling", "required; send an empty SamplingParams to take every default"
-            )
-        sampling = apply_to_proto(request.sampling, self.defaults)  # request > server default
-        params = sampling_from_proto(sampling)
-        if params.bad_words:  # tokenized here, once: the engines get token sequences
-            for ids in await self.tokenizer.bad_words_token_ids(params.bad_words):
-                sampling.bad_words_token_ids.add(token_ids=ids)
-            params = sampling_from_proto(sampling)  # checks the count after tokenization
-        prompt_cache_key = _prompt_cache_key(request.prompt_cache_key)
-        await self.grammars.check(params.structured_output)  # compiles, within its budget
-        max_model_len = self.pool.max_model_len()
-        ids = await self.tokenizer.encode(request, max_model_len)  # refuses provably too long
-        tokenize_ms = (time.monotonic() - received) * 1000
-        if max_model_len is None:
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no live instance serves the model")
-        max_tokens = validate_prompt(
-            ids, params, vocab_size=self.tokenizer.vocab_size, max_model_len=max_model_len
-        )
-        sampling.max_tokens = max_tokens  # engines get the budget admission counted, not "unset"
-        if not request.stream:
-            sampling.stream_interval = max(sampling.stream_interval, UNSTREAMED_STREAM_INTERVAL)
-        kv_capacity = self.pool.kv_capacity_tokens()
-        if kv_capacity is not None and self.pool.block_size:
-            check_kv_capacity(len(ids), max_tokens, params.n,
-                              block_size=self.pool.block_size, capacity_tokens=kv_capacity)
-        remaining = context.time_remaining()
-        timeout_s = self.config.request_timeout_s if remaining is None else remaining
-        prepared = PreparedRequest(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            n=params.n,
-            max_tokens=max_tokens,
-            cache_salt=request.cache_salt,
-            priority=request.priority,
-            stream=request.stream,
-            prompt_cache_key=prompt_cache_key,
-            received_at=received,
-            deadline=received + timeout_s,
-            tokenize_ms=tokenize_ms,
-        )
+        prepared, params = await self.preparer.prepare(request, request_id, received,
+                                                       context.time_remaining())
+        ids, max_tokens = prepared.prompt_token_ids, prepared.max_tokens
         if self.request_log is not None:
-            self.request_log.received(request_id, ids, max_tokens, sampling)
+            self.request_log.received(request_id, ids, max_tokens, prepared.sampling)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes(
@@ -263,7 +213,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self.config.model_name, params, input_tokens=len(ids), max_tokens=max_tokens
                 )
             )
-            span.set_attribute("pdmesh.tokenize_ms", tokenize_ms)
+            span.set_attribute("pdmesh.tokenize_ms", prepared.tokenize_ms)
         budget = budget_tokens(len(ids), max_tokens, params.n, self.pool.block_size)
         workers = self._workers()
         self.queue_delay.observe(workers)
@@ -316,21 +266,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                        i.load.step_seconds, i.load.model_prefill_tokens_per_s)
                 for i in self.pool.instances()]
 
-    def _check_model(self, model: str) -> None:
-        names = self.config.model_names
-        if model and model not in names:
-            raise RouteError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} is not served here; served: "
-                + ", ".join(repr(name) for name in names),
-            )
-
     # -- the small RPCs ----------------------------------------------------------------------
     async def Tokenize(
         self, request: router_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.TokenizeResponse:
         try:
-            self._check_model(request.model)
+            check_model(request.model, self.config.model_names)
             ids = await self.tokenizer.encode(request, context_len=self.pool.max_model_len())
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -344,7 +285,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.DetokenizeResponse:
         try:
-            self._check_model(request.model)
+            check_model(request.model, self.config.model_names)
             text, strs = await self.tokenizer.decode(request.token_ids)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -388,13 +329,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
             num_running=self.admission.running,
             num_queued=self.admission.queued,
         )
-
-
-def _prompt_cache_key(key: str) -> str:
-    try:
-        return check_prompt_cache_key(key)
-    except RuleViolation as exc:
-        raise InvalidRequest(exc.field, str(exc)) from None
 
 
 def _valid_request_id(request_id: str) -> bool:

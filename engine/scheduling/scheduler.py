@@ -21,22 +21,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdmesh.engine.config import check_long_prefill_threshold
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduling.sequence import Sequence, SequenceStatus
 from pdmesh.engine.scheduling.step_budget import ItlTarget, StepBudget
 from pdmesh.engine.scheduling.step_cost import StepCostModel
 
 Policy = Literal["fcfs", "priority"]
-
-
-def check_long_prefill_threshold(threshold: int, chunked_prefill: bool) -> None:
-    """ValueError unless `threshold` (vLLM's long_prefill_token_threshold) is 0, or positive
-    with chunked prefill on (it splits prompts into chunks)."""
-    if threshold < 0:
-        raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
-    if threshold and not chunked_prefill:
-        raise ValueError("long_prefill_token_threshold splits prompts into chunks: it needs "
-                         "chunked prefill (--enable-chunked-prefill)")
 
 
 @dataclass
