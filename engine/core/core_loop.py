@@ -6,8 +6,9 @@ has nothing to compute, so an idle engine burns no CPU, and otherwise steps back
 picking up commands between steps without waiting for them.
 
 A request whose grammar is not compiled yet waits beside the loop, not in it: its add command
-is answered once the grammar compiled on its own thread (`EngineCore.prepare_grammar`), and
-the loop steps the other requests meanwhile. Errors stay where they were (the add's caller).
+is answered once the grammar compiled on its own thread (`CoreGrammars.prepare`,
+engine/core/grammars.py), and the loop steps the other requests meanwhile. Errors stay where
+they were (the add's caller).
 
 Command errors go back to their caller and are never fatal. A step that raises fails every
 request in flight (`Failed`) and aborts them, so nothing waits for an output that will never
@@ -116,7 +117,7 @@ def execute(core: EngineCore, call: Call, tensor: torch.Tensor | None) -> Any:
     elif isinstance(cmd, KVSnapshot):
         return core.kv_snapshot()
     elif isinstance(cmd, SetGrammarVocabulary):
-        core.set_grammar_vocabulary(cmd.vocabulary)
+        core.grammars.set_vocabulary(cmd.vocabulary)
     else:
         raise ValueError(f"unknown command {type(cmd).__name__}")
     return None
@@ -174,7 +175,7 @@ class CoreLoop:
     def _execute(self, call: Call, tensor: torch.Tensor | None) -> None:
         cmd = call.command
         if isinstance(cmd, Add):
-            grammar = self.core.prepare_grammar(cmd.params)
+            grammar = self.core.grammars.prepare(cmd.params)
             if grammar is not None:
                 self._deferred.append(_Deferred(call, tensor, grammar))
                 return

@@ -4,8 +4,9 @@ One `EngineCore` owns one model, one paged KV cache, the scheduler and the model
 deals in token ids only: tokenizing prompts, decoding text, stop strings and logprob formatting
 belong to the output processor, which runs outside the core's loop (in another process when
 serving). Grammar matchers need the vocabulary: the serving side, which has the tokenizer,
-sends it once (`set_grammar_vocabulary`, xgrammar's own serialized form) before the first
-request that asks for a grammar; the core never loads a tokenizer.
+sends it once (`CoreGrammars.set_vocabulary`, engine/core/grammars.py, xgrammar's own
+serialized form) before the first request that asks for a grammar; the core never loads a
+tokenizer.
 
 Every request comes in one way, `add(EngineRequest)`, whether it brings imported KV (the decode
 role) or output tokens produced elsewhere (migration, KV-load fallback); an exporting request
@@ -23,13 +24,13 @@ import time
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
-from typing import Any
 
 import msgspec
 import torch
 
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core.admission import Admission, check_kv_import
+from pdmesh.engine.core.grammars import CoreGrammars
 from pdmesh.engine.core.kv_exports import KVExports
 from pdmesh.engine.core.kv_offload import KVOffload
 from pdmesh.engine.core.load_snapshot import load_snapshot
@@ -56,8 +57,6 @@ from pdmesh.engine.scheduling.step_cost import (
     attention_weight,
     work_of,
 )
-from pdmesh.engine.structured.grammar import GrammarCompiler, GrammarMatcher
-from pdmesh.engine.structured_output import StructuredOutput
 from pdmesh.engine.worker.in_flight import InFlightStep
 from pdmesh.engine.worker.model_runner import ModelRunner
 from pdmesh.engine.worker.models.llama import ModelConfig
@@ -143,8 +142,10 @@ class EngineCore:
             self.runner.model.ops = ops
         selfcheck = with_runner_capture(selfcheck, self.runner)
         self.requests: dict[str, CoreRequest] = {}
+        self.grammars = CoreGrammars(self.model_config.vocab_size,
+                                     config.structured_output_compile_timeout_s)
         samples = SampleMaker(self.scheduler, self.kv_manager, self.runner.copy_blocks,
-                              self._grammar_matcher, self.device)
+                              self.grammars.matcher, self.device)
         self.commit = OutputCommit(self.requests, self.scheduler, self.kv_manager, samples,
                                    self.eos_token_ids, self.max_model_len)
         self.scheduler.on_preempt = self._on_preempt
@@ -162,7 +163,6 @@ class EngineCore:
         self.admission = Admission(self.scheduler, self.kv_manager, self.kv_cache, samples,
                                    self.commit, self.model_config.vocab_size, self.connector)
         self._pending_outputs: set[str] = set()  # changed outside step() (commands)
-        self._grammar_compiler: GrammarCompiler | None = None  # built on first structured output
         self._in_flight: InFlightStep | None = None  # async scheduling: a step not landed yet
         # Outputs that must leave before a step runs (a streamed export's announcement, which
         # starts the decode side's transfer while the first chunk computes); set by the loop
@@ -281,41 +281,9 @@ class EngineCore:
         self.exports.fail_stream(seq.request_id, "preempted")  # its blocks were freed
 
     # -- structured output ----------------------------------------------------------------------
-    def _grammar_matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        if self._grammar_compiler is None:
-            raise ValueError("structured_output: this engine has no grammar vocabulary yet "
-                             "(its serving side sends one before the first structured request)")
-        return self._grammar_compiler.matcher(spec)
-
-    def prepare_grammar(self, params: SamplingParams) -> Future[Any] | None:
-        """Start compiling a request's grammar off the step loop; the future to wait for
-        before adding it, or None when adding it now would not compile anything (no grammar,
-        already compiled, or no vocabulary yet: `add` then refuses it)."""
-        if params.structured_output is None or self._grammar_compiler is None:
-            return None
-        future = self._grammar_compiler.prepare(params.structured_output)
-        return None if future.done() else future
-
-    @property
-    def has_grammar_vocabulary(self) -> bool:
-        return self._grammar_compiler is not None
-
-    def set_grammar_vocabulary(self, vocabulary: str) -> None:
-        """The vocabulary grammars compile against (`structured_output.grammar_vocabulary`)."""
-        compiler = GrammarCompiler(vocabulary, self.config.structured_output_compile_timeout_s)
-        if compiler.vocab_size != self.model_config.vocab_size:
-            compiler.close()
-            raise ValueError(f"grammar vocabulary: {compiler.vocab_size} tokens, but the model "
-                             f"has {self.model_config.vocab_size}")
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
-        self._grammar_compiler = compiler
-
     def close(self) -> None:
         """Release what outlives a step: the grammar compiler's threads and sandbox workers."""
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
-            self._grammar_compiler = None
+        self.grammars.close()
         if self.connector is not None:
             self.connector.close()
             self.connector = None

@@ -87,8 +87,8 @@ class LLMEngine:
     def _ensure_grammar_vocabulary(self, params: SamplingParams) -> None:
         """The core compiles grammars from our tokenizer's vocabulary: hand it over once, the
         first time a request asks for a grammar."""
-        if params.structured_output is not None and not self.core.has_grammar_vocabulary:
-            self.core.set_grammar_vocabulary(grammar_vocabulary(
+        if params.structured_output is not None and not self.core.grammars.has_vocabulary:
+            self.core.grammars.set_vocabulary(grammar_vocabulary(
                 self.tokenizer, self.core.model_config.vocab_size, self.eos_token_ids))
 
     def abort_request(self, request_id: str) -> bool:

@@ -98,7 +98,7 @@ class Driver:
 def core(model_dir, hf_tokenizer) -> Iterator[EngineCore]:
     eos = eos_token_ids(hf_tokenizer, model_dir)
     core = EngineCore(EngineConfig(model="smollm2", kv_cache_memory="16MiB"), eos)
-    core.set_grammar_vocabulary(
+    core.grammars.set_vocabulary(
         grammar_vocabulary(hf_tokenizer, core.model_config.vocab_size, eos))
     yield core
     core.close()
@@ -108,7 +108,7 @@ def core(model_dir, hf_tokenizer) -> Iterator[EngineCore]:
 def gate(core: EngineCore, monkeypatch) -> Iterator[threading.Event]:
     """Compiles wait for the gate; it opens at the end of the test whatever happened."""
     opened = threading.Event()
-    compiler = core._grammar_compiler
+    compiler = core.grammars.compiler
     assert compiler is not None
     real = compiler._compile
 
@@ -163,7 +163,7 @@ def test_abort_while_compiling_leaves_nothing(core: EngineCore, gate, hf_tokeniz
 
 def test_a_grammar_that_fails_to_compile_fails_its_add(core: EngineCore, gate, monkeypatch,
                                                        hf_tokenizer):
-    compiler = core._grammar_compiler
+    compiler = core.grammars.compiler
     gated = compiler._compile
 
     def failing(key: Any) -> Any:

@@ -165,11 +165,11 @@ def test_the_core_compiles_grammars_only_from_a_vocabulary_it_was_sent(llm: LLM,
         core.add(EngineRequest("r", [1, 2, 3], params))
     assert core.num_free_blocks == core.num_total_blocks and not core.requests
     with pytest.raises(ValueError, match="not a serialized xgrammar TokenizerInfo"):
-        core.set_grammar_vocabulary("{")
+        core.grammars.set_vocabulary("{")
     vocab = core.model_config.vocab_size
     with pytest.raises(ValueError, match="tokens, but the model has"):
-        core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab + 64, eos))
-    core.set_grammar_vocabulary(grammar_vocabulary(hf_tokenizer, vocab, eos))
+        core.grammars.set_vocabulary(grammar_vocabulary(hf_tokenizer, vocab + 64, eos))
+    core.grammars.set_vocabulary(grammar_vocabulary(hf_tokenizer, vocab, eos))
     try:
         core.add(EngineRequest("r", [1, 2, 3], params))
         while core.has_unfinished_requests():
