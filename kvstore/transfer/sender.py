@@ -14,10 +14,9 @@ transfer follows with WatchTransfer (`export_streams.py`).
 keep it short and thread-safe. `publish` and `cancel` are thread-safe too, so an engine
 thread can call them while the control plane runs on the sender's event loop.
 
-Observability: each pull is one `pdmesh.kv_transfer` span (kind SERVER) from StartTransfer to
-release, parented on the receiver's span through the control message's `traceparent`, and
-one observation in the `pdmesh:kv_transfer*` metrics (direction="sent"). Spans carry the
-transfer's `log_id`, never its id (a bearer secret).
+Observability (`sent_transfers.py`): each pull is one `pdmesh.kv_transfer` span from
+StartTransfer to release and one observation in the `pdmesh:kv_transfer*` metrics
+(direction="sent").
 
 Security (docs/SECURITY.md): `tls` puts the control channel and the tcp data plane under TLS
 (mutual with a CA) and refuses data planes without TLS (ucxx, torch_dist); `token` requires
@@ -30,8 +29,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -55,9 +52,10 @@ from pdmesh.kvstore.transfer.checksum import ChecksumAlgo, default_algo, tensor_
 from pdmesh.kvstore.transfer.control import KVTransferService, channel_options
 from pdmesh.kvstore.transfer.errors import KVTransferError, KVTransferNotFound
 from pdmesh.kvstore.transfer.export_streams import StreamedExports
-from pdmesh.kvstore.transfer.handle import KVHandle, check_request_id, log_id
+from pdmesh.kvstore.transfer.handle import KVHandle, check_request_id
 from pdmesh.kvstore.transfer.layout import KVLayout
 from pdmesh.kvstore.transfer.lease import LeaseTable, ReleaseCallback
+from pdmesh.kvstore.transfer.sent_transfers import SentTransfers
 from pdmesh.kvstore.transfer.state import ReleaseReason, TransferState
 from pdmesh.kvstore.transfer.ucx_plane import UcxPlane
 from pdmesh.kvstore.transfer.wire import WireHeader, encode_header
@@ -69,7 +67,6 @@ from pdmesh.kvstore.transfer.worker_planes import (
     GroupPlane,
 )
 from pdmesh.metrics import KVTransferMetrics, kv_transfer_metrics
-from pdmesh.tracing import Span, SpanKind, context_from_traceparent, get_tracer, mark_error
 from pdmesh.v1 import kv_transfer_pb2 as pb
 from pdmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -95,17 +92,6 @@ class KVSenderConfig:
     checksum_algo: ChecksumAlgo = field(default_factory=default_algo)
 
 
-@dataclass
-class _Served:
-    """One published KV, as observed: what it weighs, and its pull once started."""
-
-    transfer_id: str
-    nbytes: int
-    backend: str = ""
-    started: float | None = None
-    span: Span | None = None
-
-
 class _ObservedService(KVTransferService):
     """The control service, telling the sender when a pull starts (for its span and timing)."""
 
@@ -116,11 +102,11 @@ class _ObservedService(KVTransferService):
 
     def _admit(self, request: pb.StartTransferRequest, server: DataPlaneServer) -> None:
         super()._admit(request, server)  # a refused caller starts no span and no timing
-        self._sender._pull_started(request)
+        self._sender.sent.started(request)
 
     async def CompleteTransfer(self, request: pb.CompleteTransferRequest,
                                context: grpc.aio.ServicerContext) -> pb.CompleteTransferReply:
-        self._sender._pull_completed(request)
+        self._sender.sent.completed(request)
         return await super().CompleteTransfer(request, context)
 
     async def WatchTransfer(self, request: pb.WatchTransferRequest,
@@ -178,9 +164,7 @@ class KVSender:
         self._token = token
         self._on_release = on_release
         self._on_sent = on_sent
-        self._metrics = metrics or kv_transfer_metrics()
-        self._served: dict[str, _Served] = {}  # by request id; guarded by _served_lock
-        self._served_lock = threading.Lock()
+        self.sent = SentTransfers(metrics or kv_transfer_metrics())  # spans and metrics
         self._table = LeaseTable(self._released, max_lease_s=config.max_lease_s)
         advertise = config.advertise_host or config.host
         self._plane = DataPlaneConfig(
@@ -296,8 +280,7 @@ class KVSender:
             checksum=tensor_checksum(self.config.checksum_algo, kv),
         )
         header = encode_header(WireHeader.for_handle(handle))
-        with self._served_lock:
-            self._served[request_id] = _Served(handle.transfer_id, kv.numel() * kv.element_size())
+        self.sent.offered(request_id, handle.transfer_id, kv.numel() * kv.element_size())
         self._table.add(handle, kv, header, self.config.lease_s if lease_s is None else lease_s)
         self._poke()
         return handle
@@ -345,8 +328,7 @@ class KVSender:
 
     def _offer(self, handle: KVHandle, lease_s: float | None) -> None:
         """Put a core handle under its lease (ReleaseKV and Abort find it by request id)."""
-        with self._served_lock:
-            self._served[handle.request_id] = _Served(handle.transfer_id, handle.layout.nbytes)
+        self.sent.offered(handle.request_id, handle.transfer_id, handle.layout.nbytes)
         self._table.add(handle, None, b"", self.config.lease_s if lease_s is None else lease_s)
         self._poke()
 
@@ -358,9 +340,7 @@ class KVSender:
 
     def _watch(self, transfer_id: str, request_id: str) -> AsyncIterator[ExportProgress]:
         """A started transfer's progress (NOT_FOUND for one never streamed or released)."""
-        with self._served_lock:
-            served = self._served.get(request_id)
-        if served is None or served.transfer_id != transfer_id or not served.started:
+        if not self.sent.is_started(request_id, transfer_id):
             raise KVTransferNotFound("no started streamed transfer", transfer_id=transfer_id)
         return self._streams.log.watch(transfer_id)
 
@@ -378,65 +358,20 @@ class KVSender:
         """Transfers whose KV is still held; 0 once everything was released."""
         return self._table.pinned_count()
 
-    # -- observation -------------------------------------------------------------------------
-
-    def _pull_started(self, request: pb.StartTransferRequest) -> None:
-        with self._served_lock:
-            served = self._served.get(request.request_id)
-            if served is None or served.transfer_id != request.transfer_id or served.started:
-                return
-            served.backend = request.backend
-            served.started = time.monotonic()
-            served.span = get_tracer().start_span(
-                "pdmesh.kv_transfer",
-                context=context_from_traceparent(request.traceparent),
-                kind=SpanKind.SERVER,
-                attributes={
-                    "pdmesh.kv.side": "sender",
-                    "pdmesh.kv.backend": request.backend,
-                    "pdmesh.kv.transfer": log_id(request.transfer_id),
-                    "pdmesh.request_id": request.request_id,
-                    "pdmesh.kv.bytes": served.nbytes,
-                },
-            )
-
-    def _pull_completed(self, request: pb.CompleteTransferRequest) -> None:
-        """A receiver's ack names the bytes it pulled (an export's receiver pulls only what
-        its prefix cache lacks): count those, never more than was offered."""
-        if not request.ok or not request.pulled_bytes:
-            return
-        with self._served_lock:
-            served = self._served.get(request.request_id)
-            if served is not None and served.transfer_id == request.transfer_id:
-                served.nbytes = min(served.nbytes, request.pulled_bytes)
-
     def _released(self, request_id: str, reason: ReleaseReason) -> None:
         """The lease table's release callback: record the outcome, then the caller's one."""
-        with self._served_lock:
-            served = self._served.pop(request_id, None)
+        served = self.sent.pop(request_id)
         if served is not None:
             self._exports.pop(served.transfer_id)
             self._streams.end(served.transfer_id, f"transfer ended: {reason.name.lower()}")
         try:
             if served is not None:
-                self._observe(served, reason)
+                self.sent.observe(served, reason)
             if served is not None and reason is ReleaseReason.ACKED and self._on_sent:
                 self._on_sent(request_id, served.nbytes)
         except Exception:  # observability must never keep pinned KV from being freed
             logger.exception("recording KV transfer %s failed", request_id)
         self._on_release(request_id, reason)
-
-    def _observe(self, served: _Served, reason: ReleaseReason) -> None:
-        outcome = "ok" if reason is ReleaseReason.ACKED else reason.name.lower()
-        elapsed = time.monotonic() - served.started if served.started is not None else 0.0
-        self._metrics.observe("sent", served.backend or "none", served.nbytes, elapsed, outcome)
-        span = served.span
-        if span is not None:
-            span.set_attribute("pdmesh.kv.outcome", outcome)
-            span.set_attribute("pdmesh.kv.duration_ms", elapsed * 1e3)
-            if outcome != "ok":
-                mark_error(span, f"transfer ended: {outcome}")
-            span.end()
 
     # -- lease expiry ------------------------------------------------------------------------
 
