@@ -43,7 +43,7 @@ from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
 from pdmesh.engine.worker.model_loader import load_hf_config, load_model
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, sliding_window
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.kernels.backend_selection import get_attention_backend
 from pdmesh.kvstore.connector.cache_file import SharedCache, room_for, shared_zeros
@@ -209,13 +209,26 @@ def profile_memory(config: EngineConfig, model: LlamaForCausalLM, device: torch.
 
 
 def model_max_positions(model_dir: Path, wanted: int | None) -> int:
-    """The model's position limit; ValueError when the asked max_model_len exceeds it."""
+    """The model's position limit: its max_position_embeddings, or its attention window when
+    it has one (`sliding_window`: full attention is exact only within it); ValueError when
+    the asked max_model_len exceeds it."""
     hf = load_hf_config(model_dir)
     limit = int(getattr(hf, "max_position_embeddings", 2048))
     if wanted is not None and wanted > limit:
         raise ValueError(
             f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
-    return limit
+    window = sliding_window(hf)
+    if window is None or window >= limit:
+        return limit
+    if wanted is not None and wanted > window:
+        raise ValueError(
+            f"max_model_len={wanted} exceeds the model's sliding attention window of {window} "
+            f"tokens: pdmesh computes full attention, which equals the model's only within "
+            f"the window (as vLLM's --disable-sliding-window); use --max-model-len {window} "
+            f"or less")
+    logger.info("the model attends over a sliding window of %d tokens: max_model_len is at "
+                "most %d (full attention, exact within the window)", window, window)
+    return window
 
 
 def num_kv_blocks(budget: int, bytes_per_block: int, available: int) -> int:

@@ -30,6 +30,24 @@ from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+"""transformers' MistralConfig default: a mistral config.json without `sliding_window` gets it."""
+
+
+def sliding_window(hf: object) -> int | None:
+    """The attention window a checkpoint's layers use, or None for full attention: Mistral's
+    `sliding_window` (v0.1: 4096; null from v0.2), Qwen2's only with `use_sliding_window`.
+    pdmesh computes full attention, which is the same thing for sequences within the window,
+    so the engine caps max_model_len to it (engine/core/startup.py), as vLLM does under
+    --disable-sliding-window: exact outputs, shorter contexts."""
+    model_type = getattr(hf, "model_type", "")
+    default = MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None
+    window = getattr(hf, "sliding_window", default)
+    if not window or (model_type == "qwen2" and not getattr(hf, "use_sliding_window", False)):
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the worker needs, read from a HF config."""
