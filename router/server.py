@@ -34,9 +34,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from pdmesh.engine.generation_config import (
-    GenerationDefaults,
-)
+from pdmesh.engine.generation_config import GenerationDefaults
 from pdmesh.router.admission import (
     RETRY_AFTER_KEY,
     Admission,

@@ -43,7 +43,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--tokenizer-revision": "a separate --tokenizer is read at its default revision (main); "
                             "without --tokenizer the model's tokenizer follows --revision",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
-    "--reasoning-parser": "reasoning is not split into reasoning_content yet",
+    "--reasoning-parser": "reasoning is not split out of the content (vLLM's `reasoning` field) "
+                          "yet",
     "--speculative-config": "no speculative decoding yet",
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "
                             "(--num-prefill, --num-decode, --kv-backend)",
