@@ -75,6 +75,9 @@ class EngineConfig:
         "cache, $HF_HUB_CACHE or $HF_HOME/hub (HF_HUB_OFFLINE=1: the cache only, no network)"))
     tokenizer: str | None = field(default=None, metadata=about(
         "the tokenizer's alias, directory or Hub id, when not the model's own (vLLM's flag)"))
+    tokenizer_revision: str | None = field(default=None, metadata=about(
+        "the Hub tokenizer's branch, tag or commit (vLLM's flag): --tokenizer's, else the "
+        "model repo's; unset = --tokenizer's default revision, or the model's --revision"))
     block_size: int = field(default=16, metadata=about("tokens per KV block"))
     max_num_seqs: int = field(default=256, metadata=about("max sequences per batch"))
     max_num_batched_tokens: int = field(default=2048, metadata=about("token budget per step"))

@@ -69,19 +69,26 @@ HUB_WEIGHT_FILES = "*.safetensors"
 _TRUE = frozenset({"1", "ON", "YES", "TRUE"})
 
 
-class ModelSettings(Protocol):
-    """What resolving an engine's model and tokenizer reads of its config (`EngineConfig`)."""
+class TokenizerSettings(Protocol):
+    """What finding the tokenizer reads of a config (`EngineConfig`, `RouterConfig`)."""
 
     @property
     def model(self) -> str: ...
     @property
-    def load_format(self) -> str: ...
-    @property
     def revision(self) -> str | None: ...
     @property
-    def download_dir(self) -> str | None: ...
-    @property
     def tokenizer(self) -> str | None: ...
+    @property
+    def tokenizer_revision(self) -> str | None: ...
+
+
+class ModelSettings(TokenizerSettings, Protocol):
+    """What resolving an engine's model and tokenizer reads of its config (`EngineConfig`)."""
+
+    @property
+    def load_format(self) -> str: ...
+    @property
+    def download_dir(self) -> str | None: ...
 
 
 def cache_root() -> Path:
@@ -166,12 +173,22 @@ def model_dir_for(config: ModelSettings) -> Path:
                          download_dir=config.download_dir)
 
 
-def tokenizer_dir_for(config: ModelSettings) -> Path:
-    """Where an engine loads its tokenizer: `--tokenizer` when given (at its default revision,
-    as vLLM without --tokenizer-revision), else the model's own directory."""
+def tokenizer_source(config: TokenizerSettings) -> tuple[str, str | None]:
+    """Which repo (alias or directory) and revision the tokenizer is read from, as vLLM reads
+    it: `--tokenizer` at `--tokenizer-revision` (unset: its default revision), else the model
+    at `--tokenizer-revision`, else at the model's own `--revision`."""
     if config.tokenizer:
-        return resolve_tokenizer(config.tokenizer, download_dir=config.download_dir)
-    return model_dir_for(config)
+        return config.tokenizer, config.tokenizer_revision
+    return config.model, config.tokenizer_revision or config.revision
+
+
+def tokenizer_dir_for(config: ModelSettings) -> Path:
+    """Where an engine loads its tokenizer (`tokenizer_source`): the model's own directory
+    unless `--tokenizer` or `--tokenizer-revision` names another."""
+    if not (config.tokenizer or config.tokenizer_revision):
+        return model_dir_for(config)
+    name, revision = tokenizer_source(config)
+    return resolve_tokenizer(name, revision=revision, download_dir=config.download_dir)
 
 
 def _from_hub(repo_id: str, revision: str | None, download_dir: str | None, *, weights: bool,

@@ -49,6 +49,10 @@ class RouterConfig:
         default=None, metadata=about("the Hub model's branch, tag or commit (vLLM's flag; the "
                                      "engines' --revision); unset = main")
     )
+    tokenizer_revision: str | None = field(
+        default=None, metadata=about("the Hub tokenizer's branch, tag or commit (vLLM's flag; "
+                                     "the engines' --tokenizer-revision)")
+    )
     download_dir: str | None = field(
         default=None, metadata=about("where Hub models are looked up and downloaded (the "
                                      "engines' --download-dir); unset = the Hugging Face cache")
@@ -267,11 +271,6 @@ class RouterConfig:
         """Every name clients may ask for the model by, its own first."""
         return (self.model_name, *(a for a in self.served_model_aliases
                                    if a != self.model_name))
-
-    @property
-    def model_source(self) -> str:
-        """Where the tokenizer and generation config are read from."""
-        return self.tokenizer or self.model
 
     @property
     def tls(self) -> TLSConfig:

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from pdmesh.engine.generation_config import (
     load_generation_defaults,
 )
-from pdmesh.engine.model_store import resolve_tokenizer
+from pdmesh.engine.model_store import resolve_tokenizer, tokenizer_source
 from pdmesh.gc_heap import freeze_startup_heap
 from pdmesh.grpc_common import (
     DRAINING,
@@ -124,11 +124,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     install_shutdown_signals(stop, config.drain_timeout_s)
     metrics: RouterMetrics = router_metrics()
-    # The model's own tokenizer at --revision, or --tokenizer's at its default revision (as
-    # vLLM): configs and tokenizer files only, the router loads no weights.
+    # The tokenizer vLLM would read (`tokenizer_source`: --tokenizer or the model, at
+    # --tokenizer-revision or --revision): configs and tokenizer files only, no weights.
+    name, revision = tokenizer_source(config)
     source = await asyncio.to_thread(
-        resolve_tokenizer, config.model_source, download_dir=config.download_dir,
-        revision=None if config.tokenizer else config.revision)
+        resolve_tokenizer, name, download_dir=config.download_dir, revision=revision)
     tokenizer = await asyncio.to_thread(
         PromptTokenizer, str(source), config.tokenizer_pool_size, config.chat_template,
         metrics.tokenize_wait, template_defaults=config.template_defaults,

@@ -40,8 +40,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--max-lora-rank": _LORA,
     "--max-cpu-loras": _LORA,
     "--quantization": "pdmesh runs checkpoints unquantized, in --dtype",
-    "--tokenizer-revision": "a separate --tokenizer is read at its default revision (main); "
-                            "without --tokenizer the model's tokenizer follows --revision",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
     "--reasoning-parser": "reasoning is not split out of the content (vLLM's `reasoning` field) "
                           "yet",

@@ -30,6 +30,7 @@ from pdmesh.engine.model_store import (
     resolve_model,
     resolve_tokenizer,
     tokenizer_dir_for,
+    tokenizer_source,
 )
 from pdmesh.router.config import RouterConfig
 from pdmesh.serve import MeshConfig
@@ -161,17 +162,35 @@ def test_serve_hands_the_hub_settings_to_engines_and_router(tmp_path: Path) -> N
     refused) reaches every process that resolves the model."""
     mesh = parse_config(MeshConfig, [
         "--model", REPO, "--revision", "v2", "--download-dir", str(tmp_path),
-        "--tokenizer", "org/tok"], prog="serve", env={})
+        "--tokenizer", "org/tok", "--tokenizer-revision", "t2"], prog="serve", env={})
     redis = "redis://127.0.0.1:1/0"
     for kind in ("prefill", "decode"):
         engine = child_config(ENGINE_CONFIGS[kind], mesh,
                               engine_placement(kind, mesh, redis_url=redis)).engine
-        assert (engine.model, engine.revision, engine.download_dir, engine.tokenizer) == (
-            REPO, "v2", str(tmp_path), "org/tok")
+        assert (engine.model, engine.revision, engine.download_dir, engine.tokenizer,
+                engine.tokenizer_revision) == (REPO, "v2", str(tmp_path), "org/tok", "t2")
     router = child_config(RouterConfig, mesh, router_placement(
         mesh, redis_url=redis, port=0, metrics_port=0, prefill=[], decode=["127.0.0.1:1"]))
-    assert (router.model, router.revision, router.download_dir, router.tokenizer) == (
-        REPO, "v2", str(tmp_path), "org/tok")
+    assert (router.model, router.revision, router.download_dir, router.tokenizer,
+            router.tokenizer_revision) == (REPO, "v2", str(tmp_path), "org/tok", "t2")
+    assert tokenizer_source(router) == tokenizer_source(engine) == ("org/tok", "t2")
+
+
+def test_a_tokenizer_revision_picks_the_tokenizer_snapshot(hf_home: Path,
+                                                           no_network: None) -> None:
+    """vLLM's --tokenizer-revision: --tokenizer's revision, else the model repo's tokenizer
+    at it (the model's weights stay at --revision)."""
+    put_snapshot(hf_home, REPO, commit_of("v1"), TINY)
+    v2 = put_snapshot(hf_home, REPO, commit_of("v2"), TINY, refs=("v2",))
+    tok = put_snapshot(hf_home, "org/tok", commit_of("t1"), {"tokenizer.json": "{}"})
+    tok2 = put_snapshot(hf_home, "org/tok", commit_of("t2"), {"tokenizer.json": "{}"},
+                        refs=("t2",))
+    assert tokenizer_dir_for(EngineConfig(model=REPO, tokenizer="org/tok")) == tok
+    assert tokenizer_dir_for(EngineConfig(model=REPO, tokenizer="org/tok",
+                                          tokenizer_revision="t2")) == tok2
+    config = EngineConfig(model=REPO, tokenizer_revision="v2")
+    assert (model_dir_for(config).name, tokenizer_dir_for(config)) == (commit_of("v1"), v2)
+    assert tokenizer_dir_for(EngineConfig(model=REPO, revision="v2")) == v2  # the model's
 
 
 class FakeHub(BaseHTTPRequestHandler):
