@@ -39,11 +39,15 @@ def test_two_ranks_compute_what_transformers_computes(tmp_path: Path,
     expected = transformers_logprobs(model_dir)
     llm = LLM(str(model_dir), tensor_parallel_size=2, cpu_threads=2, dtype="float32",
               kv_cache_memory="32MiB", max_model_len=256)
+    torch.testing.assert_close(engine_logprobs(llm), expected, atol=2e-3, rtol=1e-3)
+
+
+def engine_logprobs(llm: LLM) -> torch.Tensor:
+    """The same prompt logprobs from the engine; its core is closed after."""
     try:
         out = llm.generate([{"prompt_token_ids": PROMPT_IDS}],
                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
     finally:
         llm.engine.core.close()
-    got = torch.tensor([out.prompt_logprobs[i][PROMPT_IDS[i]].logprob
-                        for i in range(1, len(PROMPT_IDS))])
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    return torch.tensor([out.prompt_logprobs[i][PROMPT_IDS[i]].logprob
+                         for i in range(1, len(PROMPT_IDS))])
