@@ -86,8 +86,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         defaults: GenerationDefaults | None = None,
     ) -> None:
         self.config = config
-        # Sampling defaults for what a request leaves unset (engine/generation_config.py).
-        self.defaults = defaults or GenerationDefaults()
         self.tokenizer = tokenizer
         self.pool = pool
         self.orchestrator = orchestrator
@@ -96,7 +94,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.queue_delay = QueueDelay(config.max_queue_delay_s)
         self.grammars = GrammarCheck(tokenizer.model_dir, tokenizer.vocab_size,
                                      config.structured_output_compile_timeout_s)
-        self.preparer = RequestPreparer(config, self.defaults, tokenizer, self.grammars, pool)
+        # Sampling defaults for what a request leaves unset (engine/generation_config.py).
+        self.preparer = RequestPreparer(config, defaults or GenerationDefaults(), tokenizer,
+                                        self.grammars, pool)
         self._inflight: set[str] = set()
         self.request_log = RequestLog.from_flags(
             config.enable_log_requests, config.enable_log_outputs, config.max_log_len)
