@@ -7,7 +7,10 @@ offline `LLM.chat` does the same, so both refuse the same conversations the same
 from __future__ import annotations
 
 import json
+from dataclasses import field
 from typing import Any
+
+from pdmesh.config import about
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """The roles of OpenAI's chat API. Anything else would be rendered into the prompt verbatim
@@ -41,6 +44,14 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
         raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON are allowed, "
                          f"got {size}")
     return kwargs
+
+
+def template_defaults_field() -> Any:
+    """`--default-chat-template-kwargs`, declared once for the configs that read it: the
+    router's (it renders prompts) and the gateway's (it reads whether a request thinks)."""
+    return field(default="", metadata=about(
+        "a JSON object of variables every chat template render gets (vLLM's flag), e.g. "
+        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win key by key"))
 
 
 def parse_template_defaults(text: str) -> dict[str, Any]:

@@ -36,6 +36,9 @@ schemas compile in milliseconds; 1,000 optional properties take ~3 s on one core
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
+MAX_REASONING_END_BYTES = 256
+"""`reasoning_end`: a tag such as "</think>", not a passage."""
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -43,7 +46,10 @@ class StructuredOutput:
 
     `json_schema` is a JSON schema as JSON text (a dict is accepted and serialized);
     `json_object` asks for any JSON object; `choice` lists the only allowed outputs;
-    `grammar` is EBNF in xgrammar's dialect with a `root` rule.
+    `grammar` is EBNF in xgrammar's dialect with a `root` rule. `reasoning_end`, when set, is a
+    reasoning model's end-of-thinking text: the output is free until it has produced that text
+    and follows the constraint from the next token on (vLLM's structured outputs under a
+    reasoning parser). It is no part of the compiled grammar (`key`).
     """
 
     json_schema: str | None = None
@@ -51,6 +57,7 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning_end: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
@@ -73,6 +80,7 @@ class StructuredOutput:
             raise ValueError(f"structured_output must set exactly one of {', '.join(KINDS)}; "
                              f"got {', '.join(set_kinds) or 'none'}")
         _check_limits(self.kind, getattr(self, self.kind))
+        _check_reasoning_end(self.reasoning_end)
 
     @property
     def kind(self) -> str:
@@ -82,6 +90,18 @@ class StructuredOutput:
     def key(self) -> tuple[str, Any]:
         """Hashable (kind, spec): the compile-cache key."""
         return self.kind, getattr(self, self.kind)
+
+
+def _check_reasoning_end(text: object) -> None:
+    if not isinstance(text, str):
+        raise ValueError("structured_output.reasoning_end must be a string")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("structured_output.reasoning_end is not valid Unicode") from None
+    if size > MAX_REASONING_END_BYTES:
+        raise ValueError(f"structured_output.reasoning_end is {size} bytes; the limit is "
+                         f"{MAX_REASONING_END_BYTES} bytes")
 
 
 def _check_limits(kind: str, value: Any) -> None:

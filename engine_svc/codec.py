@@ -81,10 +81,10 @@ def structured_output_from_proto(msg: common_pb2.SamplingParams) -> StructuredOu
         raise ValueError("structured_output is set but names no kind (json_schema, json_object, "
                          "regex, choice or grammar)")
     if kind == "choice":
-        return StructuredOutput(choice=tuple(so.choice.choices))
+        return StructuredOutput(choice=tuple(so.choice.choices), reasoning_end=so.reasoning_end)
     if kind == "json_object" and not so.json_object:
         raise ValueError("structured_output.json_object must be true when set")
-    return StructuredOutput(**{kind: getattr(so, kind)})
+    return StructuredOutput(**{kind: getattr(so, kind)}, reasoning_end=so.reasoning_end)
 
 
 # -- integer bounds of the wire ------------------------------------------------------------------

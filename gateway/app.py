@@ -146,13 +146,13 @@ def create_app(config: GatewayConfig, client: RouterClient | None = None) -> Fas
     async def chat(body: ChatBody, request: Request) -> Response:
         check_max_logprobs(body, config.max_logprobs)
         plan = chat_plan(body, request_id_of(request, body.request_id), config.tool_settings,
-                         config.answer_settings)
+                         config.answer_settings, config.reasoning_settings)
         return await serve(context(), plan, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request) -> Response:
         plan = responses_plan(body, request_id_of(request), config.tool_settings,
-                              config.max_logprobs)
+                              config.max_logprobs, config.reasoning_settings)
         return await responses_answer(serve(context(), plan, request), plan.formatter)
 
     return app

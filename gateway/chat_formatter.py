@@ -1,7 +1,7 @@
 """/v1/chat/completions' answers, whole and streamed: assistant messages (each streamed choice
-opens with its role), chat logprobs, vLLM's `prompt_logprobs` on the response, and tool calls
-read out of the output (gateway/tools.py's `ToolPlan`), whole or as streamed `tool_calls`
-deltas."""
+opens with its role), chat logprobs, vLLM's `prompt_logprobs` on the response, and the output
+read as a reply (gateway/reply.py's `ReplyPlan`): reasoning into `reasoning`, tool calls into
+`tool_calls`, whole or as streamed deltas."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pdmesh.gateway.openai_format import (
     stop_reason,
     tool_finish_reason,
 )
-from pdmesh.gateway.tool_parsers import StreamEvents
-from pdmesh.gateway.tools import OutputStream, ToolPlan
+from pdmesh.gateway.reply import ReplyPlan
+from pdmesh.gateway.tool_parsers import OutputStream, StreamEvents
 from pdmesh.v1 import common_pb2
 
 
@@ -39,14 +39,14 @@ class ChatFormatter:
     n: int
     want_logprobs: bool
     prompt_logprobs: int | None = None  # k of vLLM's `prompt_logprobs` (None: not asked)
-    tools: ToolPlan | None = None  # how to read tool calls (None: plain content)
+    reply: ReplyPlan = field(default_factory=ReplyPlan)  # reading the output (default: content)
     _readers: dict[int, OutputStream | None] = field(default_factory=dict)  # streamed, per choice
 
     def whole(self, head: ResponseHead, outputs: Outputs) -> ChatCompletionResponse:
         states, k = outputs.sequences, self.prompt_logprobs
         return ChatCompletionResponse(
             id=head.id, created=head.created, model=head.model, usage=outputs.usage,
-            choices=[chat_choice(i, states[i], self.want_logprobs, self.tools)
+            choices=[chat_choice(i, states[i], self.want_logprobs, self.reply)
                      for i in sorted(states)],
             prompt_logprobs=None if k is None else format_prompt_logprobs(
                 outputs.prompt_logprobs.get(0, []), k),
@@ -69,12 +69,13 @@ class ChatFormatter:
             message = DeltaMessage(content=delta.text if delta.text or delta.token_ids else None)
             return StreamedDelta([self._choice(index, message, delta)],
                                  failed=sequence_failed(delta))
-        events = _read_tools(reader, delta)
-        if not (events.content or events.tool_calls or delta.logprobs
+        events = _read(reader, delta)
+        if not (events.content or events.reasoning or events.tool_calls or delta.logprobs
                 or delta.HasField("finish")):
             return StreamedDelta()
         message = DeltaMessage(
             content=events.content or None,
+            reasoning=events.reasoning or None,
             tool_calls=[d.to_openai() for d in events.tool_calls] or None,
         )
         # A failed sequence ends the stream with an error event, tool calls or not.
@@ -82,11 +83,9 @@ class ChatFormatter:
                              failed=sequence_failed(delta))
 
     def _reader(self, index: int) -> OutputStream | None:
-        """Choice `index`'s tool-call reader (made at its first output); None: plain content."""
-        if self.tools is None:
-            return None
+        """Choice `index`'s reader (made at its first output); None: plain content."""
         if index not in self._readers:
-            self._readers[index] = self.tools.stream()
+            self._readers[index] = self.reply.stream()
         return self._readers[index]
 
     def _choice(self, index: int, message: DeltaMessage,
@@ -103,11 +102,12 @@ class ChatFormatter:
         return choice
 
 
-def _read_tools(reader: OutputStream, delta: common_pb2.SequenceDelta) -> StreamEvents:
-    """A delta's text read for tool calls; the sequence's last delta also ends the reading."""
+def _read(reader: OutputStream, delta: common_pb2.SequenceDelta) -> StreamEvents:
+    """A delta's text read; the sequence's last delta also ends the reading."""
     events = reader.feed(delta.text)
     if delta.HasField("finish"):
         rest = reader.finish()
+        events.reasoning += rest.reasoning
         events.content += rest.content
         events.tool_calls += rest.tool_calls
     return events

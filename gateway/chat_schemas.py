@@ -106,6 +106,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer.
+    include_reasoning: bool = True
     # vLLM's: the tokenizer's special tokens (BOS) on top of what the template places; off, as
     # there, since most templates place their own.
     add_special_tokens: bool = False
@@ -179,6 +181,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # vLLM's field, with --reasoning-parser
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -203,6 +206,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # ToolCallDelta.to_openai()
 
 

@@ -15,9 +15,12 @@ from functools import cached_property
 from pathlib import Path
 
 from pdmesh.config import about, parse_config, split_address
+from pdmesh.engine.chat_template import parse_template_defaults, template_defaults_field
 from pdmesh.engine.sampling_params import MAX_LOGPROBS
 from pdmesh.gateway.answer_settings import AnswerSettings
 from pdmesh.gateway.metrics_federation import MetricsTarget, parse_targets
+from pdmesh.gateway.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
+from pdmesh.gateway.reply import ReasoningSettings
 from pdmesh.gateway.tool_parsers import TOOL_PARSERS, check_tool_flags
 from pdmesh.gateway.tools import ToolSettings
 from pdmesh.grpc_common import DEFAULT_MAX_MESSAGE_BYTES, TLSConfig
@@ -86,6 +89,10 @@ class GatewayConfig:
         "output with --tool-call-parser"))
     tool_call_parser: str | None = field(default=None, metadata=about(
         "how the model writes tool calls (for --enable-auto-tool-choice)", tuple(TOOL_PARSERS)))
+    reasoning_parser: str | None = field(default=None, metadata=about(
+        "split a thinking model's reasoning out of its content into the `reasoning` field "
+        "(vLLM's flag)", tuple(REASONING_PARSERS)))
+    default_chat_template_kwargs: str = template_defaults_field()
     exclude_tools_when_tool_choice_none: bool = field(default=False, metadata=about(
         'tool_choice "none": leave the tools out of the prompt (default: the template gets '
         "them, as in vLLM)"))
@@ -156,6 +163,8 @@ class GatewayConfig:
         self.tls.validate(server=False)
         self._validate_https()
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)
+        self.reasoning_settings  # noqa: B018 - parses --default-chat-template-kwargs
 
     def _validate_https(self) -> None:
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
@@ -193,6 +202,11 @@ class GatewayConfig:
     def tool_settings(self) -> ToolSettings:
         return ToolSettings(self.enable_auto_tool_choice, self.tool_call_parser,
                             self.exclude_tools_when_tool_choice_none)
+
+    @cached_property
+    def reasoning_settings(self) -> ReasoningSettings:
+        return ReasoningSettings(self.reasoning_parser,
+                                 parse_template_defaults(self.default_chat_template_kwargs))
 
     @cached_property
     def federate_targets(self) -> tuple[MetricsTarget, ...]:

@@ -19,9 +19,8 @@ from pdmesh.gateway.chat_schemas import (
     TopLogprob,
 )
 from pdmesh.gateway.completion_schemas import CompletionLogprobs, CompletionResponseChoice
+from pdmesh.gateway.reply import ReplyPlan
 from pdmesh.gateway.schemas import PromptLogprob, PromptLogprobs
-from pdmesh.gateway.tool_parsers import collect
-from pdmesh.gateway.tools import ToolPlan
 from pdmesh.v1 import common_pb2
 
 _FINISH_REASONS = {
@@ -148,25 +147,20 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, seq: SequenceState, want_logprobs: bool, tools: ToolPlan | None = None
+    index: int, seq: SequenceState, want_logprobs: bool, reply: ReplyPlan | None = None
 ) -> ChatChoice:
-    """One chat choice; with a ToolPlan that reads tool calls, the output is read into content
-    and `tool_calls` (finish reason "tool_calls" when it made any and stopped by itself)."""
-    reason = finish_reason(seq.finish)
-    stream = tools.stream() if tools is not None else None
-    if stream is None:
-        message = ChatMessageOut(content=seq.text)
-    else:
-        content, calls = collect(stream, [seq.text])
-        message = ChatMessageOut(content=content, tool_calls=[
-            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-            for c in calls])
-        reason = tool_finish_reason(reason, bool(calls))
+    """One chat choice; the output read as `reply` says: reasoning split into `reasoning`, tool
+    calls into `tool_calls` (finish reason "tool_calls" when it made any and stopped by
+    itself)."""
+    read = (reply or ReplyPlan()).read(seq.text)
+    message = ChatMessageOut(content=read.content, reasoning=read.reasoning, tool_calls=[
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in read.tool_calls])
     return ChatChoice(
         index=index,
         message=message,
         logprobs=chat_logprobs(seq.logprobs) if want_logprobs else None,
-        finish_reason=reason,
+        finish_reason=tool_finish_reason(finish_reason(seq.finish), bool(read.tool_calls)),
         stop_reason=stop_reason(seq.finish),
     )
 

@@ -1,7 +1,7 @@
-"""/v1/responses' answers, whole and streamed: a response object whose output items are an
-assistant message and, with function tools, the function calls read out of the output (the
-chat path's `ToolPlan` reads them: gateway/tools.py), and, streamed, the Responses API's typed
-events as vLLM sends them.
+"""/v1/responses' answers, whole and streamed: a response object whose output items are the
+reasoning (with --reasoning-parser, for a request that thinks), an assistant message and, with
+function tools, the function calls read out of the output (the chat path's `ReplyPlan` reads
+them: gateway/reply.py), and, streamed, the Responses API's typed events as vLLM sends them.
 
 A stream is `event: <type>` / `data: <event>` pairs, numbered by `sequence_number`:
 response.created and response.in_progress (the response so far), then each output item in
@@ -10,9 +10,12 @@ response.output_item.added and response.content_part.added, response.output_text
 delta, then response.output_text.done, response.content_part.done and
 response.output_item.done; a function call is response.output_item.added (the call, its
 arguments empty), response.function_call_arguments.delta per piece, then
-response.function_call_arguments.done and response.output_item.done. Without tools the message
-opens at once; with them an item opens when its first content or call arrives (so a reply that
-only calls has no message item), and the next one closes it. response.completed carries the
+response.function_call_arguments.done and response.output_item.done; reasoning is
+response.output_item.added, response.reasoning_part.added, response.reasoning_text.delta per
+delta, then response.reasoning_text.done, response.reasoning_part.done and
+response.output_item.done. Without tools or reasoning the message opens at once; with them an
+item opens when its first reasoning, content or call arrives (so a reply that only calls has no
+message item), and the next one closes it. response.completed carries the
 whole response, its items as streamed, and its usage (status "incomplete" when
 max_output_tokens cut it, as vLLM reports it). A failure after the stream started is an
 `error` event. No `[DONE]` (neither OpenAI nor vLLM sends one here).
@@ -53,14 +56,17 @@ from pdmesh.gateway.formatter import (
     sequence_failed,
 )
 from pdmesh.gateway.openai_format import SequenceState
+from pdmesh.gateway.reply import ReplyPlan
 from pdmesh.gateway.responses_output import (
     IncompleteDetails,
     OutputFunctionCall,
     OutputItem,
     OutputLogprob,
     OutputMessage,
+    OutputReasoning,
     OutputText,
     OutputTopLogprob,
+    ReasoningText,
     ResponsesResponse,
     ResponseStatus,
     ResponseUsage,
@@ -68,8 +74,7 @@ from pdmesh.gateway.responses_output import (
 from pdmesh.gateway.responses_schemas import ResponsesRequest, in_responses_terms
 from pdmesh.gateway.schemas import UsageInfo
 from pdmesh.gateway.streaming import DONE, sse_response
-from pdmesh.gateway.tool_parsers import StreamEvents, ToolCallDelta, collect
-from pdmesh.gateway.tools import OutputStream, ToolPlan
+from pdmesh.gateway.tool_parsers import OutputStream, StreamEvents, ToolCallDelta
 from pdmesh.v1 import common_pb2
 
 _SNAPSHOTS = ("response.created", "response.in_progress")
@@ -103,17 +108,17 @@ def status_of(finish: common_pb2.Finish | None) -> ResponseStatus:
 @dataclass
 class ResponsesFormatter:
     """One /v1/responses request's answer (a `Formatter`; one output sequence). Its items are
-    named after the request: `msg_<id>` (`msg_<id>_<n>` for a later message), `fc_<id>_<n>`
-    for the n-th call, the same streamed and in the final response."""
+    named after the request: `rs_<id>` for the reasoning, `msg_<id>` (`msg_<id>_<n>` for a later
+    message), `fc_<id>_<n>` for the n-th call, the same streamed and in the final response."""
 
     operation: ClassVar[str] = "chat"
     chunk_object: ClassVar[str] = "response"
 
     request: ResponsesRequest
     request_id: str
-    tools: ToolPlan | None = None  # how to read function calls (None: plain text)
-    _reader: OutputStream | None = field(init=False, default=None)  # streamed: the tool reader
-    _item: OutputMessage | OutputFunctionCall | None = None  # streamed: the item open now
+    reply: ReplyPlan = field(default_factory=ReplyPlan)  # reading the output (default: text)
+    _reader: OutputStream | None = field(init=False, default=None)  # streamed: the reader
+    _item: OutputItem | None = None  # streamed: the item open now
     _text: str = ""  # ... its text or arguments so far
     _done: list[OutputItem] = field(default_factory=list)  # ... the items closed, in order
     _messages: int = 0  # ... message items opened
@@ -122,7 +127,10 @@ class ResponsesFormatter:
     _status: ResponseStatus = "in_progress"
 
     def __post_init__(self) -> None:
-        self._reader = self.tools.stream() if self.tools is not None else None
+        self._reader = self.reply.stream()
+
+    def reasoning_id(self) -> str:
+        return f"rs_{self.request_id}"
 
     def message_id(self, n: int = 0) -> str:
         return f"msg_{self.request_id}" if n == 0 else f"msg_{self.request_id}_{n}"
@@ -139,19 +147,20 @@ class ResponsesFormatter:
                              ResponseUsage.of(outputs.usage))
 
     def _items(self, text: str, logprobs: list[OutputLogprob] | None) -> list[OutputItem]:
-        """The output items of a whole text: the message (with every token's `logprobs`, as
-        vLLM's), then the calls read out of it; with a tool reader the message only when
-        there is content besides the calls (vLLM's)."""
-        reader = self.tools.stream() if self.tools is not None else None
-        if reader is None:
+        """The output items of a whole text: the reasoning, the message (with every token's
+        `logprobs`, as vLLM's), then the calls read out of it; with a reader the message only
+        when there is content besides the reasoning and calls (vLLM's)."""
+        if self._reader is None:
             return [_message(self.message_id(), text, "completed", logprobs)]
-        content, calls = collect(reader, [text])
-        items: list[OutputItem] = [_message(self.message_id(), content, "completed",
-                                            logprobs)] if content else []
+        read = self.reply.read(text)
+        items: list[OutputItem] = [] if read.reasoning is None else [
+            _reasoning(self.reasoning_id(), read.reasoning, "completed")]
+        if read.content:
+            items.append(_message(self.message_id(), read.content, "completed", logprobs))
         return [*items, *(OutputFunctionCall(id=self.call_item_id(n), call_id=c.id,
                                              name=c.name, arguments=c.arguments,
                                              status="completed")
-                          for n, c in enumerate(calls))]
+                          for n, c in enumerate(read.tool_calls))]
 
     def response(self, head: ResponseHead, status: ResponseStatus, output: list[OutputItem],
                  usage: ResponseUsage | None = None) -> ResponsesResponse:
@@ -176,8 +185,8 @@ class ResponsesFormatter:
 
     # -- streamed ----------------------------------------------------------------------------------
     def opening(self) -> list[Choice]:
-        """The response's snapshots (markers), then, without tools, the message item and its
-        text part (with tools the first item opens when its output arrives)."""
+        """The response's snapshots (markers), then, read as plain text, the message item and
+        its text part (otherwise the first item opens when its output arrives)."""
         markers: list[Choice] = [{"type": kind} for kind in _SNAPSHOTS]
         return markers if self._reader is not None else [*markers, *self._open_message()]
 
@@ -197,6 +206,8 @@ class ResponsesFormatter:
             reads = [self._reader.feed(delta.text), *([self._reader.finish()] if ends else [])]
         events: list[Choice] = []
         for read in reads:
+            if read.reasoning:
+                events += self._reasoning(read.reasoning)
             if read.content:
                 events += self._content(read.content)
             for call in read.tool_calls:
@@ -223,6 +234,26 @@ class ResponsesFormatter:
             {"type": "response.content_part.added", "item_id": self._item.id,
              "output_index": self._output_index(), "content_index": 0, "part": part},
         ]
+
+    def _reasoning(self, text: str) -> list[Choice]:
+        """Reasoning text: into the open reasoning item, else one opened after the item before
+        (its tokens carry no logprobs, as a call's)."""
+        events: list[Choice] = []
+        self._pending = []
+        if not isinstance(self._item, OutputReasoning):
+            events += self._close()
+            self._item = _reasoning(self.reasoning_id(), "", "in_progress")
+            self._text = ""
+            events += [
+                {"type": "response.output_item.added", "output_index": self._output_index(),
+                 "item": self._item.model_dump(mode="json")},
+                {"type": "response.reasoning_part.added", "item_id": self._item.id,
+                 "output_index": self._output_index(), "content_index": 0,
+                 "part": ReasoningText(text="").model_dump(mode="json")}]
+        self._text += text
+        return [*events, {"type": "response.reasoning_text.delta", "item_id": self._item.id,
+                          "output_index": self._output_index(), "content_index": 0,
+                          "delta": text}]
 
     def _content(self, text: str) -> list[Choice]:
         """Content text: into the open message, else a message opened after the item before."""
@@ -283,6 +314,14 @@ class ResponsesFormatter:
             events: list[Choice] = [
                 {"type": "response.function_call_arguments.done", "item_id": item.id,
                  "output_index": index, "name": item.name, "arguments": self._text}]
+        elif isinstance(item, OutputReasoning):
+            done = _reasoning(item.id, self._text, "completed")
+            part = ReasoningText(text=self._text).model_dump(mode="json")
+            events = [
+                {"type": "response.reasoning_text.done", "item_id": item.id,
+                 "output_index": index, "content_index": 0, "text": self._text},
+                {"type": "response.reasoning_part.done", "item_id": item.id,
+                 "output_index": index, "content_index": 0, "part": part}]
         else:
             self._take_logprobs()  # tokens without text of their own (the last, say)
             done = _message(item.id, self._text, "completed", self._part_logprobs())
@@ -303,6 +342,8 @@ class ResponsesFormatter:
         item = self._item
         if isinstance(item, OutputFunctionCall):
             item = item.model_copy(update={"arguments": self._text})
+        elif isinstance(item, OutputReasoning):
+            item = _reasoning(item.id, self._text, "in_progress")
         elif item is not None:
             item = _message(item.id, self._text, "in_progress", self._part_logprobs())
         return [*self._done, *([item] if item is not None else [])]
@@ -348,6 +389,11 @@ def _message(item_id: str, text: str, status: ResponseStatus,
              logprobs: list[OutputLogprob] | None = None) -> OutputMessage:
     return OutputMessage(id=item_id, status=status,
                          content=[OutputText(text=text, logprobs=logprobs)] if text else [])
+
+
+def _reasoning(item_id: str, text: str, status: ResponseStatus) -> OutputReasoning:
+    return OutputReasoning(id=item_id, status=status,
+                           content=[ReasoningText(text=text)] if text else [])
 
 
 def sse_typed_event(event: dict[str, Any]) -> str:

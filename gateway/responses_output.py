@@ -61,7 +61,23 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's reasoning, split off its answer by the server's --reasoning-parser."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    encrypted_content: None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class IncompleteDetails(BaseModel):

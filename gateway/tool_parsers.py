@@ -14,7 +14,7 @@ import json
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 def new_tool_call_id() -> str:
@@ -52,10 +52,12 @@ class ToolCallDelta:
 
 @dataclass
 class StreamEvents:
-    """What one delta (or the end) of the output adds: content text, then tool-call deltas."""
+    """What one delta (or the end) of the output adds: reasoning text (gateway/reply.py), content
+    text, then tool-call deltas."""
 
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 Segment = str | ToolCall
@@ -76,7 +78,7 @@ def _call_of(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _held_prefix(text: str, token: str) -> int:
+def held_prefix(text: str, token: str) -> int:
     """How many trailing characters of `text` could begin `token` (held back while streaming)."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if token.startswith(text[-n:]):
@@ -135,11 +137,23 @@ class ToolCallStream:
         return out
 
 
-def collect(stream: ToolCallStream, pieces: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
-    """Run a stream over `pieces` to its end: (content or None when there is none, calls)."""
-    content = ""
+class OutputStream(Protocol):
+    """Reads one output sequence's text deltas into content and tool-call deltas (and, read as
+    a reply, reasoning: gateway/reply.py)."""
+
+    num_calls: int
+
+    def feed(self, delta: str) -> StreamEvents: ...
+
+    def finish(self) -> StreamEvents: ...
+
+
+def gather(stream: OutputStream, pieces: Iterable[str]) -> tuple[str, str, list[ToolCall]]:
+    """Run a stream over `pieces` to its end: (reasoning, content, calls)."""
+    reasoning = content = ""
     calls: dict[int, ToolCall] = {}
     for events in [*(stream.feed(p) for p in pieces), stream.finish()]:
+        reasoning += events.reasoning
         content += events.content
         for d in events.tool_calls:
             if d.id is not None:
@@ -147,8 +161,14 @@ def collect(stream: ToolCallStream, pieces: Iterable[str]) -> tuple[str | None, 
             else:
                 prev = calls[d.index]
                 calls[d.index] = ToolCall(prev.name, prev.arguments + d.arguments, prev.id)
+    return reasoning, content, [calls[i] for i in sorted(calls)]
+
+
+def collect(stream: OutputStream, pieces: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
+    """Run a stream over `pieces` to its end: (content or None when there is none, calls)."""
+    _, content, calls = gather(stream, pieces)
     has_content = bool(content) or not calls
-    return (content if has_content else None), [calls[i] for i in sorted(calls)]
+    return (content if has_content else None), calls
 
 
 class ToolParser:
@@ -177,7 +197,7 @@ class _HermesScanner(Scanner):
         while True:
             start = self.buf.find(self.START)
             if start < 0:
-                keep = 0 if final else _held_prefix(self.buf, self.START)
+                keep = 0 if final else held_prefix(self.buf, self.START)
                 if not self.in_calls:
                     out.append(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest, ChatTool
 from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolParser,
+    OutputStream,
     StreamEvents,
     ToolCallDelta,
     ToolParser,
@@ -38,16 +39,6 @@ class ToolSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
-
-
-class OutputStream(Protocol):
-    """Reads one output sequence's text deltas into content and tool-call deltas."""
-
-    num_calls: int
-
-    def feed(self, delta: str) -> StreamEvents: ...
-
-    def finish(self) -> StreamEvents: ...
 
 
 class NamedCallStream:

@@ -24,6 +24,7 @@ from pdmesh.gateway.completion_schemas import CompletionRequest
 from pdmesh.gateway.errors import GatewayError
 from pdmesh.gateway.formatter import Formatter
 from pdmesh.gateway.logprobs_limit import check_max_logprobs
+from pdmesh.gateway.reply import NO_REASONING, ReasoningSettings, plan_reply
 from pdmesh.gateway.responses_formatter import ResponsesFormatter
 from pdmesh.gateway.responses_schemas import ResponsesRequest
 from pdmesh.gateway.router_client import RouterClient
@@ -71,11 +72,12 @@ async def completion_plan(
 
 def chat_plan(
     body: ChatCompletionRequest, request_id: str, tool_settings: ToolSettings,
-    answers: AnswerSettings = AS_ASKED,
+    answers: AnswerSettings = AS_ASKED, reasoning: ReasoningSettings = NO_REASONING,
 ) -> GenerationPlan:
     tools = plan_tools(body, tool_settings)
     request = (body.to_generate(request_id) if tools is None else
                body.to_generate(request_id, tools.tools_json, tools.structured_output))
+    reply = plan_reply(body, tools, reasoning, request)
     return GenerationPlan(
         id=f"chatcmpl-{request_id}", model=body.model, n=body.n, stream=body.stream,
         include_usage=answers.include_usage(body.include_usage_in_stream),
@@ -83,7 +85,7 @@ def chat_plan(
         formatter=_by_token_id(answers.tokens_as_ids(body.return_tokens_as_token_ids),
                                ChatFormatter(
             n=body.n, want_logprobs=body.logprobs, prompt_logprobs=body.returned_prompt_logprobs,
-            tools=tools)),
+            reply=reply)),
     )
 
 
@@ -94,7 +96,7 @@ def _by_token_id(asked: bool, formatter: Formatter) -> Formatter:
 
 def responses_plan(
     body: ResponsesRequest, request_id: str, tool_settings: ToolSettings,
-    max_logprobs: int = MAX_LOGPROBS,
+    max_logprobs: int = MAX_LOGPROBS, reasoning: ReasoningSettings = NO_REASONING,
 ) -> GenerationPlan:
     """A /v1/responses request as the chat completion it amounts to (its messages as a `Chat`
     prompt, its function tools planned as chat's are, its `include`d output logprobs as chat's
@@ -105,10 +107,11 @@ def responses_plan(
     tools = _responses_tools(chat, tool_settings)
     request = (chat.to_generate(request_id) if tools is None else
                chat.to_generate(request_id, tools.tools_json, tools.structured_output))
+    reply = plan_reply(chat, tools, reasoning, request)
     return GenerationPlan(
         id=f"resp_{request_id}", model=body.model, n=1, stream=body.stream,
         include_usage=True, continuous_usage=False, requests=[request],
-        formatter=ResponsesFormatter(request=body, request_id=request_id, tools=tools),
+        formatter=ResponsesFormatter(request=body, request_id=request_id, reply=reply),
     )
 
 

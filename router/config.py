@@ -14,7 +14,7 @@ from typing import Any
 
 from pdmesh.auth import ClusterToken, load_cluster_token
 from pdmesh.config import about, parse_config, split_address
-from pdmesh.engine.chat_template import parse_template_defaults
+from pdmesh.engine.chat_template import parse_template_defaults, template_defaults_field
 from pdmesh.engine.frontend.stall import StallConfig
 from pdmesh.engine.generation_config import check_source, parse_override
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
@@ -68,10 +68,7 @@ class RouterConfig:
                                    "defaults, in generation_config.json's names (vLLM's "
                                    "flag), e.g. '{\"temperature\": 0.5, \"max_new_tokens\": "
                                    "256}'"))
-    default_chat_template_kwargs: str = field(
-        default="", metadata=about("a JSON object of variables every chat template render "
-                                   "gets (vLLM's flag), e.g. '{\"enable_thinking\": false}'; "
-                                   "a request's chat_template_kwargs win key by key"))
+    default_chat_template_kwargs: str = template_defaults_field()
     chat_template: str | None = field(
         default=None, metadata=about("a Jinja chat template replacing the tokenizer's: a "
                                      "file, the template itself, or a tool-calling template "

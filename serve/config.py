@@ -95,6 +95,7 @@ class MeshConfig:
     # The gateway's.
     enable_auto_tool_choice: bool = field_like(GatewayConfig, "enable_auto_tool_choice")
     tool_call_parser: str | None = field_like(GatewayConfig, "tool_call_parser")
+    reasoning_parser: str | None = field_like(GatewayConfig, "reasoning_parser")
     exclude_tools_when_tool_choice_none: bool = field_like(
         GatewayConfig, "exclude_tools_when_tool_choice_none")
     disable_fastapi_docs: bool = field_like(GatewayConfig, "disable_fastapi_docs")

@@ -41,8 +41,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--max-cpu-loras": _LORA,
     "--quantization": "pdmesh runs checkpoints unquantized, in --dtype",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
-    "--reasoning-parser": "reasoning is not split out of the content (vLLM's `reasoning` field) "
-                          "yet",
     "--speculative-config": "no speculative decoding yet",
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "
                             "(--num-prefill, --num-decode, --kv-backend)",

@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,24 +51,47 @@ and the next request's small one should not wait for it."""
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    With `after` (a reasoning model's end-of-thinking text, as bytes) the grammar starts only
+    once the output has produced it: until then every token is allowed and only watched, its
+    bytes (`token_bytes`, the vocabulary's) checked for the text, which may span tokens."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, after: bytes = b"",
+                 token_bytes: Sequence[bytes] = ()) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._after = after
+        self._token_bytes = token_bytes
+        self._tail = b""  # the output's last bytes while waiting for `after`
+        self.started = not after
 
     def accept(self, token_id: int) -> bool:
         """Advance by one recorded token; False when the grammar does not allow it."""
+        if not self.started:
+            self._watch(token_id)
+            return True
         return bool(self._matcher.accept_token(token_id))
+
+    def _watch(self, token_id: int) -> None:
+        piece = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+        window = self._tail + piece
+        if self._after in window:
+            self.started, self._tail = True, b""
+        else:
+            self._tail = window[-(len(self._after) - 1):] if len(self._after) > 1 else b""
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the sequence is done."""
-        return bool(self._matcher.is_terminated())
+        return self.started and bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self.started:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)  # every bit set: every token allowed
 
 
 def grammar_vocabulary(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> str:
@@ -99,6 +123,7 @@ class GrammarCompiler:
             raise ValueError(f"grammar vocabulary: not a serialized xgrammar TokenizerInfo "
                              f"({detail})") from None
         self.vocab_size = int(info.vocab_size)
+        self._info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=_compile_threads(),
                                              cache_enabled=False)
         self._sandbox = GrammarSandbox(SandboxVocabulary(serialized=vocabulary),
@@ -131,7 +156,16 @@ class GrammarCompiler:
         return self.prepare(spec).result()
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        return GrammarMatcher(self.compile(spec))
+        if not spec.reasoning_end:
+            return GrammarMatcher(self.compile(spec))
+        return GrammarMatcher(self.compile(spec), spec.reasoning_end.encode("utf-8"),
+                              self.token_bytes)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes as the output spells them (a grammar that starts after a
+        reasoning model's thinking watches for its end in these)."""
+        return [bytes(t) for t in self._info.decoded_vocab]
 
     def close(self) -> None:
         """Stop the threads and sandbox workers once compiles in progress end; queued ones are

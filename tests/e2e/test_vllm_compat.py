@@ -9,7 +9,7 @@ sampling (greedy, 5 new tokens) so the server defaults are visible in the answer
   and the rest in a vLLM `--config` YAML file (`--served-model-name` with two names and
   `--max-model-len`, which `/v1/models` must show; the same sampling defaults from
   `--generation-config vllm` with `--override-generation-config`; a `port` the command line's
-  `--port` overrides).
+  `--port` overrides; `--reasoning-parser qwen3` with thinking off by default).
 
 Covered: server sampling defaults and their override by the request (also on the router's gRPC
 API), `/tokenize` -> `/detokenize`, `/version`, completions `echo`, `X-Request-Id`, CORS
@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -88,6 +89,9 @@ kv-cache-dtype: auto
 tokenizer-mode: auto
 disable-fastapi-docs: true
 enable-server-load-tracking: true
+# Qwen3's reasoning parser, with thinking off unless a request turns it on
+reasoning-parser: qwen3
+default-chat-template-kwargs: {{enable_thinking: false}}
 # vLLM's request log, its outputs cut to 8 characters
 enable-log-requests: true
 enable-log-outputs: true
@@ -210,6 +214,32 @@ def test_generation_config_defaults_and_request_override(mesh: Mesh,
     for r in responses[:-1]:
         texts[r.delta.index] = texts.get(r.delta.index, "") + r.delta.text
     assert len(set(texts.values())) == 1
+
+
+def test_a_thinking_request_is_answered_as_reasoning(mesh: Mesh,
+                                                     client: openai.OpenAI) -> None:
+    """`--reasoning-parser qwen3` under `--default-chat-template-kwargs {enable_thinking:
+    false}`: a request is plain content unless it turns thinking on. SmolLM2 never closes a
+    thinking block, so a thinking request's output is all reasoning, the same greedy tokens;
+    with a JSON schema too, since its grammar waits for `</think>` in both engines (the
+    prefill samples the first token, the decode the rest)."""
+    if mesh.kind != "1p1d":
+        pytest.skip("the 1P+1D mesh runs --reasoning-parser")
+    messages: list[Any] = [{"role": "user", "content": PROMPT}]
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    plain = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=8)
+    thought = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=8,
+                                             extra_body=thinking)
+    gated = client.chat.completions.create(model=mesh.model, messages=messages, max_tokens=8,
+                                           response_format=schema,  # type: ignore[arg-type]
+                                           extra_body=thinking)
+    text = plain.choices[0].message.content
+    assert text and plain.choices[0].message.model_dump().get("reasoning") is None
+    for answer in (thought, gated):
+        message = answer.choices[0].message.model_dump()
+        assert (message["reasoning"], message["content"]) == (text, None)
+        assert answer.choices[0].finish_reason == plain.choices[0].finish_reason
 
 
 def test_tokenize_detokenize_round_trip(mesh: Mesh, hf_tokenizer: object) -> None:

@@ -76,6 +76,28 @@ def test_prefix_cache_hit_keeps_the_grammar(llm: LLM) -> None:
     jsonschema.validate(json.loads(second.outputs[0].text), SCHEMA)
 
 
+def test_a_grammar_after_reasoning_starts_where_its_end_text_was_produced(llm: LLM) -> None:
+    """`reasoning_end`: the output is free until it has produced that text (here the greedy
+    output's first three tokens stand for the thinking, their text for its end tag), then
+    follows the schema. Without it the schema holds from the first token, which that text
+    cannot begin."""
+    prompt = "The three largest cities of France are"
+    free = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=8)).outputs[0]
+    assert free.finish_reason == "length", free  # eight tokens, none of them the end
+    thinking = llm.get_tokenizer().decode(free.token_ids[:3])
+    assert not thinking.lstrip().startswith("{")
+    schema = StructuredOutput(json_schema=json.dumps(SCHEMA))
+    gated = StructuredOutput(json_schema=json.dumps(SCHEMA), reasoning_end=thinking)
+    at_once = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=60,
+                                                   structured_output=schema)).outputs[0]
+    after = generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=60,
+                                                 structured_output=gated)).outputs[0]
+    assert not at_once.text.startswith(thinking)
+    assert after.token_ids[:3] == free.token_ids[:3] and after.text.startswith(thinking)
+    assert after.finish_reason == "stop", after.text
+    jsonschema.validate(json.loads(after.text[len(thinking):]), SCHEMA)
+
+
 def test_resumed_request_replays_partial_json(llm: LLM) -> None:
     engine = llm.engine
     _, prompt_ids = engine.tokenize("Describe a person as JSON.")
@@ -144,6 +166,14 @@ def test_codec_maps_the_wire_oneof() -> None:
     with pytest.raises(SamplingError, match="the limit is") as info:
         sampling_from_proto(msg)
     assert info.value.field == "sampling.structured_output.regex"
+    gated = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(
+        json_object=True, reasoning_end="</think>"))
+    assert sampling_from_proto(gated).structured_output == StructuredOutput(
+        json_object=True, reasoning_end="</think>")
+    gated.structured_output.reasoning_end = "x" * 257
+    with pytest.raises(SamplingError, match="the limit is") as info:
+        sampling_from_proto(gated)
+    assert info.value.field == "sampling.structured_output.reasoning_end"
     empty = common_pb2.SamplingParams()
     empty.structured_output.SetInParent()
     with pytest.raises(SamplingError, match="names no kind"):

@@ -439,7 +439,7 @@ def test_the_openai_client_reads_both(http: TestClient) -> None:
 def _plan_formatter(body: dict[str, Any],
                     settings: ToolSettings = NO_AUTO) -> ResponsesFormatter:
     formatter = responses_plan(ResponsesRequest.model_validate(body), "r1", settings).formatter
-    assert isinstance(formatter, ResponsesFormatter) and isinstance(formatter.tools, ToolPlan)
+    assert isinstance(formatter, ResponsesFormatter) and isinstance(formatter.reply.tools, ToolPlan)
     return formatter
 
 

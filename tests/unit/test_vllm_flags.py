@@ -38,7 +38,7 @@ def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 @pytest.mark.parametrize("argv", [
     ["--enable-lora"], ["--quantization", "awq"], ["-q", "gptq"], ["--code-revision", "main"],
-    ["--enable-sleep-mode"], ["--lora-modules", "a=b"], ["--reasoning-parser", "qwen3"],
+    ["--enable-sleep-mode"], ["--lora-modules", "a=b"], ["--speculative-config", "{}"],
 ])
 def test_an_unsupported_vllm_flag_is_named_in_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str],
