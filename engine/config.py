@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pdmesh.config import about
+from pdmesh.engine.hf_overrides import parse_hf_overrides
 from pdmesh.engine.request_rules import check_stream_interval
 from pdmesh.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 
@@ -144,6 +145,10 @@ class EngineConfig:
     override_generation_config: dict[str, Any] | None = field(default=None, metadata=about(
         "offline LLM only: sampling defaults merged over generation_config's, in "
         "generation_config.json's names (vLLM's argument)", cli=False))
+    hf_overrides: str = field(default="", metadata=about(
+        "a JSON object merged over the model's config.json before the engine reads it "
+        "(vLLM's flag), e.g. '{\"max_position_embeddings\": 4096}'; the offline LLM also "
+        "takes a dict (engine/hf_overrides.py)"))
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=about(
         "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
         "(benchmarks of shapes nobody downloaded; the outputs are noise)"))
@@ -218,6 +223,7 @@ class EngineConfig:
 
         check_source(self.generation_config)
         parse_override(self.override_generation_config)
+        parse_hf_overrides(self.hf_overrides)
 
     def profiles_memory(self, device: torch.device) -> bool:
         """Whether the KV cache is sized by `--gpu-memory-utilization` after a profiling run

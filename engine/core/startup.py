@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from pdmesh.engine.core.memory_profile import (
     read_device_memory,
 )
 from pdmesh.engine.core_types import CoreInfo
+from pdmesh.engine.hf_overrides import parse_hf_overrides
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
 from pdmesh.engine.worker.model_loader import load_hf_config, load_model
@@ -93,9 +95,11 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
         keep_temporaries_on_heap()  # engine/core/host_allocator.py: no page faults per step
     start = read_device_memory(device) if config.profiles_memory(device) else None
     torch.manual_seed(config.seed)
-    max_positions = model_max_positions(model_dir, config.max_model_len)
+    overrides = parse_hf_overrides(config.hf_overrides)
+    max_positions = model_max_positions(model_dir, config.max_model_len, overrides)
     model, model_config, hf_config = load_model(
-        model_dir, dtype, device, max_positions, load_format=config.load_format, tp=tp)
+        model_dir, dtype, device, max_positions, load_format=config.load_format, tp=tp,
+        hf_overrides=overrides)
     scheme = HashScheme(block_size=config.block_size, algorithm=config.hash_algorithm,
                         root_seed=config.hash_root_seed)
     mc = model_config
@@ -208,11 +212,12 @@ def profile_memory(config: EngineConfig, model: LlamaForCausalLM, device: torch.
         max_num_seqs=config.max_num_seqs, max_positions=max_positions, graphs=graphs)
 
 
-def model_max_positions(model_dir: Path, wanted: int | None) -> int:
+def model_max_positions(model_dir: Path, wanted: int | None,
+                        hf_overrides: Mapping[str, Any] | None = None) -> int:
     """The model's position limit: its max_position_embeddings, or its attention window when
     it has one (`sliding_window`: full attention is exact only within it); ValueError when
     the asked max_model_len exceeds it."""
-    hf = load_hf_config(model_dir)
+    hf = load_hf_config(model_dir, hf_overrides)
     limit = int(getattr(hf, "max_position_embeddings", 2048))
     if wanted is not None and wanted > limit:
         raise ValueError(

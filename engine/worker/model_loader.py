@@ -28,14 +28,16 @@ import logging
 import mmap
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from pdmesh.engine.hf_overrides import apply_hf_overrides
 from pdmesh.engine.worker.models.llama import (
     SUPPORTED_MODEL_TYPES,
     LlamaForCausalLM,
@@ -70,26 +72,40 @@ _REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size"
                   "max_position_embeddings")
 
 
-def load_hf_config(model_dir: Path) -> object:
-    """The model's config: config.json read as it is when it states everything the model reads
-    with default RoPE (transformers' AutoConfig, ~80 MiB of every engine core's RSS, would only
-    fill in what it states), else transformers' AutoConfig."""
-    light = _plain_config(model_dir / "config.json")
+def load_hf_config(model_dir: Path, overrides: Mapping[str, Any] | None = None) -> object:
+    """The model's config: config.json (with `--hf-overrides` merged over it) read as it is when
+    it states everything the model reads with default RoPE (transformers' AutoConfig, ~80 MiB
+    of every engine core's RSS, would only fill in what it states), else transformers'
+    interpretation of it."""
+    raw = _read_config(model_dir / "config.json")
+    if overrides:
+        if raw is None:
+            raise ValueError(f"--hf-overrides: {model_dir / 'config.json'} is not a JSON object")
+        raw = apply_hf_overrides(raw, overrides)
+    light = _plain_config(raw) if raw is not None else None
     if light is not None:
         return light
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    if not overrides:
+        return AutoConfig.from_pretrained(model_dir)
+    assert raw is not None
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    return AutoConfig.for_model(raw.get("model_type", ""), **fields)
 
 
-def _plain_config(path: Path) -> SimpleNamespace | None:
-    """config.json as attributes, or None where transformers must interpret it (a model type
-    we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
+def _read_config(path: Path) -> dict[str, Any] | None:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+    return raw if isinstance(raw, dict) else None
+
+
+def _plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
+    """config.json as attributes, or None where transformers must interpret it (a model type
+    we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return None
     if any(raw.get(key) is None for key in _REQUIRED_KEYS):
         return None
@@ -238,16 +254,18 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallel = SINGLE,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, object]:
     """Our model of the config in `model_dir`, on `device` in `dtype`: with `tp`, this rank's
     shard of it.
 
     `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
     random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
+    `hf_overrides` (`--hf-overrides`) are merged over config.json first.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    hf = load_hf_config(model_dir)
+    hf = load_hf_config(model_dir, hf_overrides)
     cfg = ModelConfig.from_hf(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)

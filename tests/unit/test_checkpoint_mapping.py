@@ -128,4 +128,4 @@ def test_what_transformers_must_interpret_goes_to_transformers(
     config = json.loads((model_dir / "config.json").read_text())
     config = {k: v for k, v in config.items() if v is not None}
     (model_dir / "config.json").write_text(json.dumps(config))
-    assert _plain_config(model_dir / "config.json") is None
+    assert _plain_config(config) is None

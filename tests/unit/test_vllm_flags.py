@@ -3,6 +3,7 @@ in one line naming them (exit code 2), and the cheap ones map onto what pdmesh h
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,7 @@ def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
     (["--default-chat-template-kwargs", "{\"tools\": 1}"],
      "--default-chat-template-kwargs: tools cannot be set here"),
     (["-ep"], "-ep is a vLLM flag pdmesh does not support yet"),
+    (["--hf-overrides", '{"model_type": "gemma"}'], "--hf-overrides cannot set model_type"),
 ])
 def test_what_pdmesh_does_otherwise_is_one_line(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], line: str) -> None:
@@ -102,12 +104,14 @@ def test_vllm_aliases_and_the_environment_flags(tmp_path: Path) -> None:
         "--hf-token", "hf_secret", "--disable-fastapi-docs", "--root-path", "/llm",
         "--exclude-tools-when-tool-choice-none", "--num-gpu-blocks-override", "64",
         "--long-prefill-token-threshold", "128",
+        "--hf-overrides", '{"max_position_embeddings": 4096}',
     ], prog="serve", env={}, foreign=take_vllm_flags)
     assert config.engine.gpu_memory_utilization == 0.5
     assert config.engine.kv_cache_memory == 2**30
     engine = child_config(ENGINE_CONFIGS["decode"], config, engine_placement(
         "decode", config, redis_url="redis://127.0.0.1:1/0")).engine
     assert (engine.num_gpu_blocks_override, engine.long_prefill_token_threshold) == (64, 128)
+    assert json.loads(engine.hf_overrides) == {"max_position_embeddings": 4096}
     env = children_env(config, {})
     assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4317"
     assert env["HF_TOKEN"] == "hf_secret" and env[TOKEN_ENV]
