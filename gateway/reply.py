@@ -122,11 +122,16 @@ NO_REASONING = ReasoningSettings()
 
 def plan_reply(body: ChatCompletionRequest, tools: ToolPlan | None,
                settings: ReasoningSettings, request: router_pb2.GenerateRequest) -> ReplyPlan:
-    """How a chat request's output is read. A thinking request's structured output (its
-    `response_format`, or the one a required or named tool is enforced with) is told to apply
-    after the reasoning (`StructuredOutput.reasoning_end`), as vLLM constrains a reasoning
-    model: otherwise the grammar would hold from the first token and the model could not think."""
+    """How a chat request's output is read, and what that reading needs of the router call:
+    - a thinking request's structured output (its `response_format`, or the one a required
+      or named tool is enforced with) applies after the reasoning
+      (`StructuredOutput.reasoning_end`), as vLLM constrains a reasoning model: otherwise the
+      grammar would hold from the first token and the model could not think;
+    - a tool parser whose markers are special tokens (mistral's `[TOOL_CALLS]`) needs them
+      kept in the output's text (`skip_special_tokens` off, as vLLM turns it off)."""
     reasoning = settings.parser_for(body.chat_template_kwargs)
     if reasoning is not None and request.sampling.HasField("structured_output"):
         request.sampling.structured_output.reasoning_end = reasoning.grammar_after
+    if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
+        request.sampling.skip_special_tokens = False
     return ReplyPlan(tools, reasoning, body.include_reasoning)

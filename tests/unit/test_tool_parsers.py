@@ -18,11 +18,14 @@ from pdmesh.gateway.tool_parsers import (
     HermesToolParser,
     JsonArrayToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
     ToolParser,
     check_tool_flags,
     collect,
 )
 from pdmesh.gateway.tools import ToolSettings, plan_tools, required_schema
+from pdmesh.gateway.translate import chat_plan
 
 pytestmark = pytest.mark.fast
 
@@ -39,6 +42,12 @@ HERMES_TEXT = (
 )
 LLAMA_TEXT = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
               '{"name": "get_time", "parameters": {"zone": 1}}')
+PYTHONIC_TEXT = '[get_weather(city="Paris, [FR]"), get_time(zone=2, dst=True, at=None)]'
+MISTRAL_V3_TEXT = ('Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
+                   '"Paris"}}, {"name": "get_time", "arguments": {"zone": 2}}]')
+MISTRAL_V11_TEXT = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
+                    '{"zone": 2}')
+TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 2})]
 
 
 def whole(parser: ToolParser, text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
@@ -65,9 +74,45 @@ def test_llama3_json_whole_text() -> None:
     assert whole(Llama3JsonToolParser(), ' {"name": "f", "arguments": {}}') == (None, [("f", {})])
 
 
+def test_pythonic_whole_text() -> None:
+    assert whole(PythonicToolParser(), PYTHONIC_TEXT) == (None, [
+        ("get_weather", {"city": "Paris, [FR]"}),
+        ("get_time", {"zone": 2, "dst": True, "at": None})])
+    wrapped = '<|python_start|>[get_time(zone=2)]<|python_end|>'
+    assert whole(PythonicToolParser(), wrapped) == (None, [("get_time", {"zone": 2})])
+    assert whole(PythonicToolParser(), "[f()] and then some words") == (
+        " and then some words", [("f", {})])
+
+
+@pytest.mark.parametrize("text", [
+    "Plain answer [with a bracket]", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(x={1, 2})]",
+    "[f(**kw)]", "[obj.f(x=1)]", "[f(x=1)", "[]",
+])
+def test_pythonic_that_is_no_call_list_is_content(text: str) -> None:
+    assert whole(PythonicToolParser(), text) == (text, [])
+
+
+def test_mistral_whole_texts_and_ids() -> None:
+    assert whole(MistralToolParser(), MISTRAL_V3_TEXT) == ("Checking.", TWO_CALLS)
+    assert whole(MistralToolParser(), MISTRAL_V11_TEXT) == (None, TWO_CALLS)
+    _, calls = collect(MistralToolParser().stream(), [MISTRAL_V11_TEXT])
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # Mistral's templates' rule
+    bad = 'Hm.[TOOL_CALLS] [{"name": "f", "arguments": {oops}}]'
+    assert whole(MistralToolParser(), bad) == (bad, [])
+    after = '[TOOL_CALLS]get_time[ARGS]{"zone": 2} and some words'
+    assert whole(MistralToolParser(), after) == (" and some words", [("get_time", {"zone": 2})])
+
+
 @pytest.mark.parametrize("parser,text", [
     (HermesToolParser(), HERMES_TEXT),
     (Llama3JsonToolParser(), LLAMA_TEXT),
+    (PythonicToolParser(), PYTHONIC_TEXT),
+    (PythonicToolParser(), "[f(a=1)] tail [g(b=2)]"),
+    (PythonicToolParser(), "Plain [text] here"),
+    (MistralToolParser(), MISTRAL_V3_TEXT),
+    (MistralToolParser(), MISTRAL_V11_TEXT),
+    (MistralToolParser(), 'a [TOOL_ b [TOOL_CALLS]f[ARGS]{"x": [1]} c'),
+    (MistralToolParser(), '[TOOL_CALLS] [{"name": "f", "arguments": {oops}}]'),
     (HermesToolParser(), "no tools here, just <tool text"),
     (Llama3JsonToolParser(), "Plain answer {not json}"),
     (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}'),  # unterminated
@@ -106,12 +151,13 @@ def test_malformed_json_stays_content(parser: ToolParser, text: str) -> None:
 
 
 def test_registry_and_flag_checks() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic", "llama4_pythonic",
+                                 "mistral"}
     check_tool_flags(True, "hermes")
     check_tool_flags(False, None)
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         check_tool_flags(True, None)
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, pythonic"):
         check_tool_flags(True, "nope")
     with pytest.raises(ValueError, match="--tool-call-parser"):
         GatewayConfig(enable_auto_tool_choice=True)
@@ -158,6 +204,18 @@ def test_defs_of_every_tool_are_hoisted_to_the_root() -> None:
     jsonschema.validate([{"name": "f", "parameters": {"p": 3}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "f", "parameters": {"p": "x"}}], schema)
+
+
+def test_a_parser_reading_special_tokens_keeps_them_in_the_text() -> None:
+    """mistral's `[TOOL_CALLS]` is a special token: the request's output keeps it."""
+    mistral = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    sampling = chat_plan(_chat(tools=TOOLS), "r", mistral).requests[0].sampling
+    assert sampling.HasField("skip_special_tokens") and not sampling.skip_special_tokens
+    for request in (_chat(tools=TOOLS), _chat()):
+        sampling = chat_plan(request, "r", AUTO).requests[0].sampling
+        assert not sampling.HasField("skip_special_tokens")
+    assert not chat_plan(_chat(), "r", mistral).requests[0].sampling.HasField(
+        "skip_special_tokens")
 
 
 def test_auto_none_and_no_tools() -> None:
