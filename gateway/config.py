@@ -101,6 +101,10 @@ class GatewayConfig:
         "(vLLM's flag)"))
     enable_force_include_usage: bool = field(default=False, metadata=about(
         "every stream ends with a usage chunk, stream_options or not (vLLM's flag)"))
+    sse_keep_alive_interval: float = field(default=0.0, metadata=about(
+        "streams: an SSE comment after this many seconds without output (queue waits, long "
+        "prefills), so proxies that close idle connections do not; the stream then starts "
+        "when the router accepts the request (vLLM's flag; 0 = off)"))
     disable_fastapi_docs: bool = field(default=False, metadata=about(
         "serve no /docs, /redoc or /openapi.json (vLLM's flag)"))
     root_path: str = field(default="", metadata=about(
@@ -152,6 +156,9 @@ class GatewayConfig:
         if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(
                 f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
+        if not 0 <= self.sse_keep_alive_interval <= 3600:
+            raise ValueError("--sse-keep-alive-interval must be in [0, 3600] seconds, got "
+                             f"{self.sse_keep_alive_interval}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.max_logprobs}")

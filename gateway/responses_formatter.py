@@ -73,7 +73,7 @@ from pdmesh.gateway.responses_output import (
 )
 from pdmesh.gateway.responses_schemas import ResponsesRequest, in_responses_terms
 from pdmesh.gateway.schemas import UsageInfo
-from pdmesh.gateway.streaming import DONE, sse_response
+from pdmesh.gateway.streaming import DONE, is_comment, sse_response
 from pdmesh.gateway.tool_parsers import OutputStream, StreamEvents, ToolCallDelta
 from pdmesh.v1 import common_pb2
 
@@ -353,6 +353,9 @@ class ResponsesFormatter:
         number = 0
         try:
             async for chunk in chunks:
+                if is_comment(chunk):  # a keep-alive: passed on as it is
+                    yield chunk.decode() if isinstance(chunk, bytes) else chunk
+                    continue
                 for event in self.reframe(chunk):
                     yield sse_typed_event({**event, "sequence_number": number})
                     number += 1

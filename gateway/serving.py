@@ -28,7 +28,7 @@ from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.openai_format import SequenceState
 from pdmesh.gateway.request_id import request_id_of
 from pdmesh.gateway.router_client import GenerateCall
-from pdmesh.gateway.streaming import first_events, sse_events, sse_response
+from pdmesh.gateway.streaming import first_events, sse_events, sse_response, with_keep_alive
 from pdmesh.gateway.translate import GenerationPlan, count_prompt_tokens
 from pdmesh.tracing import extract_headers, get_tracer, inject_metadata
 from pdmesh.v1 import common_pb2
@@ -50,6 +50,10 @@ async def serve(context: GatewayContext, plan: GenerationPlan, request: Request)
                     "pdmesh.request_id": request_id_of(request)},
     )
     metadata = inject_metadata(ctx=trace.set_span_in_context(span))
+    keep_alive_s = context.config.sse_keep_alive_interval if plan.stream else 0.0
+    if keep_alive_s > 0:
+        for r in plan.requests:  # the stream may start at acceptance (gateway/streaming.py)
+            r.send_accepted = True
     gen = Generation(
         head=ResponseHead(id=plan.id, created=int(time.time()), model=served_model),
         n=plan.n, include_usage=plan.include_usage,
@@ -70,8 +74,10 @@ async def serve(context: GatewayContext, plan: GenerationPlan, request: Request)
         if firsts is None:
             return Response(status_code=CLIENT_CLOSED)
         handed_over = True
-        return sse_response(sse_events(
-            gen, iterators, firsts, done=lambda: _finished(metrics, gen, watch, endpoint)))
+        events = sse_events(
+            gen, iterators, firsts, done=lambda: _finished(metrics, gen, watch, endpoint))
+        return sse_response(with_keep_alive(events, keep_alive_s) if keep_alive_s > 0
+                            else events)
     finally:
         if not handed_over:
             _finished(metrics, gen, watch, endpoint)

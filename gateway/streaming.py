@@ -4,12 +4,18 @@ the usage (stream_options.include_usage) or the error that ended the stream, the
 
 The response only starts once every call produced its first event (`first_events`), so a
 refusal is still a proper status and not a broken stream; what fails later can only be told
-in the stream, as an `{"error": ...}` event.
+in the stream, as an `{"error": ...}` event. With `--sse-keep-alive-interval` the router is
+asked to say when it accepted a call (`send_accepted`: validated and queued), which is then
+its first event: the stream starts before the first token, and `with_keep_alive` sends an SSE
+comment whenever the stream has been idle that long (queue waits, long prefills, gaps between
+tokens), which proxies count as traffic and clients ignore. A failure after acceptance (a
+deadline passed in the queue) is then an error event, as vLLM streams it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,11 +31,47 @@ END: Any = object()
 """A call's end, in `first_events` and the merged events."""
 
 DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"
+"""An SSE comment: bytes on the wire that every SSE client skips."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def is_comment(chunk: str | bytes) -> bool:
+    return (chunk.decode() if isinstance(chunk, bytes) else chunk).startswith(":")
+
+
+async def with_keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """`events`, with a `KEEP_ALIVE` comment each time `interval_s` passes without one. The
+    next event is awaited in a task of its own that a comment never interrupts; closing this
+    stream closes `events`."""
+    it = aiter(events)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            finished, pending = pending, None
+            try:
+                event = finished.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def sse_event(obj: Any) -> str:
@@ -90,6 +132,8 @@ async def sse_events(
             if isinstance(item, GatewayError):
                 error = item
                 break
+            if item.HasField("accepted"):
+                continue
             if item.HasField("result"):
                 gen.usage.add(item.result.usage)
                 continue

@@ -216,6 +216,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         workers = self._workers()
         self.queue_delay.observe(workers)
         self.queue_delay.admit(len(ids), workers)  # OverCapacity when it would wait too long
+        if request.send_accepted:
+            await context.write(router_pb2.GenerateResponse(accepted=router_pb2.Accepted()))
         wait_s = prepared.deadline - time.monotonic()
         with get_tracer().start_as_current_span(
             "pdmesh.router.admission", attributes={"pdmesh.admission.budget_tokens": budget}

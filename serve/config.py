@@ -99,6 +99,7 @@ class MeshConfig:
     exclude_tools_when_tool_choice_none: bool = field_like(
         GatewayConfig, "exclude_tools_when_tool_choice_none")
     disable_fastapi_docs: bool = field_like(GatewayConfig, "disable_fastapi_docs")
+    sse_keep_alive_interval: float = field_like(GatewayConfig, "sse_keep_alive_interval")
     return_tokens_as_token_ids: bool = field_like(GatewayConfig, "return_tokens_as_token_ids")
     enable_force_include_usage: bool = field_like(GatewayConfig, "enable_force_include_usage")
     root_path: str = field_like(GatewayConfig, "root_path")

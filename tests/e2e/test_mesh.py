@@ -264,6 +264,28 @@ def test_greedy_output_equals_offline_llm_and_kv_bytes_move(
     assert sent == received  # every byte that left a prefill arrived at a decode
 
 
+def test_an_accepted_event_comes_first_when_asked(
+    mesh: Mesh, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    """`send_accepted` (the gateway's, with --sse-keep-alive-interval): an Accepted event
+    first, then the same output; a request refused in validation gets its status and no
+    Accepted."""
+    prompt = PROMPTS[0]
+    responses = list(mesh.router.Generate(router_pb2.GenerateRequest(
+        text=prompt, sampling=greedy(), stream=True, send_accepted=True), timeout=120))
+    assert responses[0].HasField("accepted")
+    assert not any(r.HasField("accepted") for r in responses[1:])
+    out = collect(iter(responses[1:]))
+    assert (out.token_ids, out.text) == reference[prompt]
+    seen: list[router_pb2.GenerateResponse] = []
+    with pytest.raises(grpc.RpcError) as info:
+        for response in mesh.router.Generate(router_pb2.GenerateRequest(
+                text="hi", sampling=common_pb2.SamplingParams(top_p=2.0), stream=True,
+                send_accepted=True), timeout=60):
+            seen.append(response)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not seen
+
+
 def test_admission_errors_name_the_field(mesh: Mesh) -> None:
     cases = [
         ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=2.0)}, "top_p"),

@@ -9,7 +9,9 @@ sampling (greedy, 5 new tokens) so the server defaults are visible in the answer
   and the rest in a vLLM `--config` YAML file (`--served-model-name` with two names and
   `--max-model-len`, which `/v1/models` must show; the same sampling defaults from
   `--generation-config vllm` with `--override-generation-config`; a `port` the command line's
-  `--port` overrides; `--reasoning-parser qwen3` with thinking off by default).
+  `--port` overrides; `--reasoning-parser qwen3` with thinking off by default;
+  `--sse-keep-alive-interval`, so every stream of that mesh starts at acceptance and may carry
+  keep-alive comments, which the `openai` client skips).
 
 Covered: server sampling defaults and their override by the request (also on the router's gRPC
 API), `/tokenize` -> `/detokenize`, `/version`, completions `echo`, `X-Request-Id`, CORS
@@ -89,6 +91,8 @@ kv-cache-dtype: auto
 tokenizer-mode: auto
 disable-fastapi-docs: true
 enable-server-load-tracking: true
+# an SSE comment whenever a stream idles 50 ms (the streams start at acceptance)
+sse-keep-alive-interval: 0.05
 # Qwen3's reasoning parser, with thinking off unless a request turns it on
 reasoning-parser: qwen3
 default-chat-template-kwargs: {{enable_thinking: false}}
@@ -240,6 +244,26 @@ def test_a_thinking_request_is_answered_as_reasoning(mesh: Mesh,
         message = answer.choices[0].message.model_dump()
         assert (message["reasoning"], message["content"]) == (text, None)
         assert answer.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_a_stream_with_keep_alives_reads_as_the_whole_answer(mesh: Mesh,
+                                                             client: openai.OpenAI) -> None:
+    """Every line of a raw stream is a `data:` event or a keep-alive comment, and its text is
+    the unstreamed answer's."""
+    body = {"model": mesh.model, "max_tokens": 8,
+            "messages": [{"role": "user", "content": PROMPT}]}
+    whole = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    text, lines = "", []
+    with httpx.stream("POST", f"{mesh.base_url}/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=60) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    for line in lines:
+        assert line.startswith("data: ") or line == ": keep-alive", line
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert lines[-1] == "data: [DONE]"
+    assert text == whole["choices"][0]["message"]["content"]
 
 
 def test_tokenize_detokenize_round_trip(mesh: Mesh, hf_tokenizer: object) -> None:

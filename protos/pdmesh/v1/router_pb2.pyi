@@ -51,7 +51,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "cache_salt", "priority", "stream", "truncate_prompt_tokens", "prompt_cache_key", "add_special_tokens")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "cache_salt", "priority", "stream", "truncate_prompt_tokens", "prompt_cache_key", "add_special_tokens", "send_accepted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerateRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEND_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -76,17 +77,24 @@ class GenerateRequest(_message.Message):
     truncate_prompt_tokens: int
     prompt_cache_key: str
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., stream: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_cache_key: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    send_accepted: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., stream: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_cache_key: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., send_accepted: _Optional[bool] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("delta", "result", "prompt_logprobs")
+    __slots__ = ("delta", "result", "prompt_logprobs", "accepted")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SequenceDelta
     result: GenerateResult
     prompt_logprobs: _common_pb2.PromptLogprobs
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
+    accepted: Accepted
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SequenceDelta, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ...) -> None: ...
 
 class ServedBy(_message.Message):
     __slots__ = ("prefill_instance_id", "decode_instance_id")
