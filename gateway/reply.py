@@ -46,6 +46,8 @@ class ReplyStream:
     def _read(self, reasoning: str, content: str, final: bool) -> StreamEvents:
         if self._tools is None:
             events = StreamEvents(content=content)
+        elif not content and not final:
+            events = StreamEvents()  # still thinking: a named call is announced after it
         else:
             events = self._tools.feed(content)
             if final:

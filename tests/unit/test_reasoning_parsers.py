@@ -214,3 +214,14 @@ def test_a_router_request_carries_no_reasoning_end_without_a_parser() -> None:
     request: router_pb2.GenerateRequest = plan.requests[0]
     assert request.sampling.structured_output.json_object
     assert request.sampling.structured_output.reasoning_end == ""
+
+
+def test_a_named_call_is_announced_after_the_thinking() -> None:
+    named = chat_plan(_chat(tools=[TOOL], tool_choice={"type": "function", "function": {
+        "name": "get_time"}}), "r", ToolSettings(), reasoning=QWEN3).formatter
+    stream = named.reply.stream()  # type: ignore[attr-defined]
+    thinking = stream.feed("<think>The zone is 2")
+    assert thinking.reasoning == "The zone is 2" and not thinking.tool_calls
+    answer = stream.feed('</think>{"zone": 2}')
+    assert [d.name for d in answer.tool_calls if d.id] == ["get_time"]
+    assert "".join(d.arguments for d in answer.tool_calls) == '{"zone": 2}'
