@@ -109,7 +109,8 @@ def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan 
             raise _bad('"auto" tool choice (the default with tools) requires the server to run '
                        "with --enable-auto-tool-choice and --tool-call-parser; use "
                        'tool_choice "required", "none" or a named function otherwise')
-        return ToolPlan(tools_json, parser=TOOL_PARSERS[settings.tool_call_parser](),
+        parameters = {t.function.name: t.function.parameters or EMPTY_PARAMETERS for t in tools}
+        return ToolPlan(tools_json, parser=TOOL_PARSERS[settings.tool_call_parser](parameters),
                         parallel=body.parallel_tool_calls)
     if body.has_structured_output():
         raise _bad(f"tool_choice {_choice_name(choice)} is enforced with a structured output "

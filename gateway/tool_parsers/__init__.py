@@ -1,10 +1,10 @@
 """Tool-call parsers: a model's output text → content + tool calls (vLLM's `--tool-call-parser`).
 
 One module per output convention (`hermes`, `json_objects`: llama3_json, `pythonic`,
-`mistral`); `TOOL_PARSERS` maps the flag's names onto them. Every parser is a streaming one
-(`stream.py`): `parser.stream()` is fed text deltas and answers content deltas and tool-call
-deltas; a whole text is the same stream fed once (`collect`), so a stream ends with the same
-calls and content as the whole text whatever its chunking.
+`mistral`, `qwen3_xml`: qwen3_coder); `TOOL_PARSERS` maps the flag's names onto them. Every
+parser is a streaming one (`stream.py`): `parser.stream()` is fed text deltas and answers
+content deltas and tool-call deltas; a whole text is the same stream fed once (`collect`), so
+a stream ends with the same calls and content as the whole text whatever its chunking.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pdmesh.gateway.tool_parsers.hermes import HermesToolParser
 from pdmesh.gateway.tool_parsers.json_objects import JsonArrayToolParser, Llama3JsonToolParser
 from pdmesh.gateway.tool_parsers.mistral import MistralToolParser
 from pdmesh.gateway.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
+from pdmesh.gateway.tool_parsers.qwen3_xml import Qwen3XmlAliasToolParser, Qwen3XmlToolParser
 from pdmesh.gateway.tool_parsers.stream import (
     OutputStream,
     Scanner,
@@ -30,13 +31,14 @@ from pdmesh.gateway.tool_parsers.stream import (
 __all__ = [
     "TOOL_PARSERS", "HermesToolParser", "JsonArrayToolParser", "Llama3JsonToolParser",
     "Llama4PythonicToolParser", "MistralToolParser", "OutputStream", "PythonicToolParser",
+    "Qwen3XmlToolParser",
     "Scanner", "StreamEvents", "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
     "check_tool_flags", "collect", "gather", "held_prefix", "new_tool_call_id",
 ]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (
     HermesToolParser, Llama3JsonToolParser, PythonicToolParser, Llama4PythonicToolParser,
-    MistralToolParser,
+    MistralToolParser, Qwen3XmlToolParser, Qwen3XmlAliasToolParser,
 )}
 
 

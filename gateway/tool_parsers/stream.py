@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -172,6 +172,11 @@ class ToolParser:
     keeps_special_tokens = False
     """Its markers are special tokens, which the output's text must keep (vLLM's
     `skip_special_tokens=False` for a request with tools under this parser)."""
+
+    def __init__(self, parameters: Mapping[str, Any] | None = None) -> None:
+        self.parameters: Mapping[str, Any] = parameters or {}
+        """Each offered function's parameters schema, by name: how a format whose argument
+        values are raw text (qwen3_coder) reads them."""
 
     def stream(self, max_calls: int | None = None) -> ToolCallStream:
         return ToolCallStream(self.scanner(), max_calls)

@@ -20,6 +20,7 @@ from pdmesh.gateway.tool_parsers import (
     Llama3JsonToolParser,
     MistralToolParser,
     PythonicToolParser,
+    Qwen3XmlToolParser,
     ToolParser,
     check_tool_flags,
     collect,
@@ -48,6 +49,10 @@ MISTRAL_V3_TEXT = ('Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": 
 MISTRAL_V11_TEXT = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
                     '{"zone": 2}')
 TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 2})]
+QWEN3_XML_TEXT = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                  "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+                  "<parameter=zone>\n2\n</parameter>\n</function>\n</tool_call>")
+QWEN3_PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 def whole(parser: ToolParser, text: str) -> tuple[str | None, list[tuple[str, dict[str, Any]]]]:
@@ -103,8 +108,39 @@ def test_mistral_whole_texts_and_ids() -> None:
     assert whole(MistralToolParser(), after) == (" and some words", [("get_time", {"zone": 2})])
 
 
+def test_qwen3_coder_reads_values_by_their_schema_type() -> None:
+    auto = plan_tools(_chat(tools=TOOLS), ToolSettings(True, "qwen3_coder"))
+    assert auto is not None and auto.parser is not None
+    assert auto.parser.parameters == QWEN3_PARAMETERS  # the request's tools, by name
+    parser = Qwen3XmlToolParser(QWEN3_PARAMETERS)
+    assert whole(parser, QWEN3_XML_TEXT) == ("Let me look.\n", TWO_CALLS)
+    schema = {"f": {"type": "object", "properties": {
+        "n": {"type": "number"}, "flag": {"type": "boolean"}, "tags": {"type": "array"},
+        "opt": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "string"},
+        "bad": {"type": "integer"}}}}
+    code = "if a:\n    x = '</parameter>'\n"
+    text = ("<tool_call>\n<function=f>\n<parameter=n>\n2.5\n</parameter>\n"
+            "<parameter=flag>\nTrue\n</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n"
+            "<parameter=opt>\nNone\n</parameter>\n<parameter=code>\n" + code +
+            "\n</parameter>\n<parameter=bad>\nmany\n</parameter>\n<parameter=extra>\n7\n"
+            "</parameter>\n</function>\n</tool_call>")
+    assert whole(Qwen3XmlToolParser(schema), text) == (None, [("f", {
+        "n": 2.5, "flag": True, "tags": ["a", "b"], "opt": None, "code": code, "bad": "many",
+        "extra": "7"})])
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=f>\n<parameter=x>\n1\n</function>\n</tool_call>",  # unclosed
+    "<tool_call>\n<function=f>\njunk\n</function>\n</tool_call>",
+    "<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
+])
+def test_qwen3_coder_malformed_blocks_stay_content(text: str) -> None:
+    assert whole(Qwen3XmlToolParser(QWEN3_PARAMETERS), text) == (text, [])
+
+
 @pytest.mark.parametrize("parser,text", [
     (HermesToolParser(), HERMES_TEXT),
+    (Qwen3XmlToolParser(QWEN3_PARAMETERS), QWEN3_XML_TEXT),
     (Llama3JsonToolParser(), LLAMA_TEXT),
     (PythonicToolParser(), PYTHONIC_TEXT),
     (PythonicToolParser(), "[f(a=1)] tail [g(b=2)]"),
@@ -152,7 +188,7 @@ def test_malformed_json_stays_content(parser: ToolParser, text: str) -> None:
 
 def test_registry_and_flag_checks() -> None:
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic", "llama4_pythonic",
-                                 "mistral"}
+                                 "mistral", "qwen3_coder", "qwen3_xml"}
     check_tool_flags(True, "hermes")
     check_tool_flags(False, None)
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
