@@ -10,7 +10,9 @@ request that does not think is answered as plain content, as vLLM answers it.
 A thinking request's output is reasoning up to the end tag and content after it. The template
 may have opened the thinking block in the prompt, so the output need not begin with the start
 tag; one at its very beginning is dropped. An output that never closes its reasoning (cut by
-`max_tokens`) is all reasoning, with no content. Streamed, `ReasoningStream` holds back only
+`max_tokens`) is all reasoning, with no content. Qwen3.5 may open an XML tool call
+(`<tool_call>` then `<function=`) inside its thinking: for `qwen3` that ends the reasoning too,
+and the call is content, as vLLM reads it. Streamed, `ReasoningStream` holds back only
 text that could still be a tag, so any chunking ends with the same reasoning and content as the
 whole text, and tool calls are read from the content alone (gateway/reply.py).
 
@@ -36,12 +38,24 @@ class ReasoningSplit:
     content: str = ""
 
 
+@dataclass(frozen=True)
+class ImplicitEnd:
+    """A tag that ends the reasoning without its end tag when `confirm` follows it (past
+    whitespace): Qwen3.5 may open a `<tool_call>` inside its thinking. The tag starts the
+    content, where the tool parser reads it."""
+
+    tag: str
+    confirm: str
+
+
 @dataclass
 class ReasoningStream:
-    """One output sequence's text, fed delta by delta, split at the end tag."""
+    """One output sequence's text, fed delta by delta, split at the end tag (or an implicit
+    end). What could still be a tag, or an implicit end not yet confirmed, is held back."""
 
     start: str
     end: str
+    implicit: ImplicitEnd | None = None
     _buf: str = ""
     _state: str = "head"  # → "reasoning" (past a leading start tag) → "content" (past end)
 
@@ -62,16 +76,44 @@ class ReasoningStream:
             self._state = "reasoning"
         if self._state == "reasoning":
             end = self._buf.find(self.end)
-            if end < 0:
-                keep = 0 if final else held_prefix(self._buf, self.end)
+            cut, skip = (end, len(self.end)) if end >= 0 else (-1, 0)
+            pending = self._implicit_end(final, end)
+            if pending is not None:
+                at, confirmed = pending
+                if not confirmed:  # undecided yet: hold it back
+                    out.reasoning, self._buf = self._buf[:at], self._buf[at:]
+                    return out
+                cut, skip = at, 0
+            if cut < 0:
+                keep = 0 if final else max(held_prefix(self._buf, self.end),
+                                           self._held_implicit())
                 out.reasoning, self._buf = self._buf[:len(self._buf) - keep], \
                     self._buf[len(self._buf) - keep:]
                 return out
-            out.reasoning = self._buf[:end]
-            self._buf = self._buf[end + len(self.end):]
+            out.reasoning = self._buf[:cut]
+            self._buf = self._buf[cut + skip:]
             self._state = "content"
         out.content, self._buf = self._buf, ""
         return out
+
+    def _implicit_end(self, final: bool, end: int) -> tuple[int, bool] | None:
+        """The first implicit end before `end` (anywhere when -1): (where, confirmed), with
+        confirmed False while the text after it could still become `confirm`."""
+        if self.implicit is None:
+            return None
+        tag, confirm = self.implicit.tag, self.implicit.confirm
+        at = self._buf.find(tag)
+        while at >= 0 and (end < 0 or at < end):
+            after = self._buf[at + len(tag):].lstrip()
+            if after.startswith(confirm):
+                return at, True
+            if not final and confirm.startswith(after):
+                return at, False
+            at = self._buf.find(tag, at + 1)
+        return None
+
+    def _held_implicit(self) -> int:
+        return 0 if self.implicit is None else held_prefix(self._buf, self.implicit.tag)
 
 
 @dataclass(frozen=True)
@@ -84,6 +126,7 @@ class ReasoningParser:
     thinks_by_default: bool = True
     start: str = "<think>"
     end: str = "</think>"
+    implicit: ImplicitEnd | None = None
 
     def thinks(self, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether a request rendered with these template variables thinks."""
@@ -93,7 +136,7 @@ class ReasoningParser:
         return bool(value)
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.start, self.end)
+        return ReasoningStream(self.start, self.end, self.implicit)
 
     @property
     def grammar_after(self) -> str:
@@ -103,7 +146,8 @@ class ReasoningParser:
 
 REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
     ReasoningParser("deepseek_r1"),
-    ReasoningParser("qwen3", switch="enable_thinking", thinks_by_default=True),
+    ReasoningParser("qwen3", switch="enable_thinking", thinks_by_default=True,
+                    implicit=ImplicitEnd("<tool_call>", "<function")),
     ReasoningParser("deepseek_v3", switch="thinking", thinks_by_default=False),
 )}
 

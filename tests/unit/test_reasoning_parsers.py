@@ -225,3 +225,28 @@ def test_a_named_call_is_announced_after_the_thinking() -> None:
     answer = stream.feed('</think>{"zone": 2}')
     assert [d.name for d in answer.tool_calls if d.id] == ["get_time"]
     assert "".join(d.arguments for d in answer.tool_calls) == '{"zone": 2}'
+
+
+QWEN35_CALL = ("<think>I will ask for the time.\n<tool_call>\n<function=get_time>\n"
+               "<parameter=zone>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_an_xml_call_inside_the_thinking_ends_it() -> None:
+    """Qwen3.5 opens `<tool_call><function=…>` without closing its thinking: the call is
+    content, read by qwen3_coder, whatever the chunking; a `<tool_call>` that no `<function`
+    follows is still thinking."""
+    plan = chat_plan(_chat(tools=[TOOL]), "r", ToolSettings(True, "qwen3_coder"),
+                     reasoning=QWEN3).formatter.reply  # type: ignore[attr-defined]
+    for pieces in chunkings(QWEN35_CALL):
+        stream = plan.stream()
+        assert stream is not None
+        read = read_reply(stream, pieces, has_reasoning=True)
+        assert read.reasoning == "I will ask for the time.\n", pieces
+        assert read.content is None
+        assert [(c.name, json.loads(c.arguments)) for c in read.tool_calls] == [
+            ("get_time", {"zone": "2"})]  # TOOL's schema types no `zone`: a string
+    mention = "<think>The <tool_call> tag, then </think>ok"
+    for pieces in chunkings(mention):
+        assert split_reasoning(REASONING_PARSERS["qwen3"], pieces) == (
+            "The <tool_call> tag, then ", "ok"), pieces
+    assert split_reasoning(R1, [QWEN35_CALL])[1] == ""  # deepseek_r1 has no implicit end
