@@ -55,8 +55,9 @@ def tokenizer_dir() -> Path:
     return resolve_model("smollm2")
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-"""The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases."""
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases,
+Qwen3 per-head q/k norms."""
 
 
 def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0,
@@ -66,7 +67,8 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
     transformers' `architecture` (one of ARCHITECTURES) writes it."""
     import transformers
 
-    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[architecture]
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
+            "qwen3": "Qwen3"}[architecture]
     config = getattr(transformers, f"{name}Config")(**{**SHAPES[shape], **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
@@ -75,6 +77,11 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, 0.02)
+    if architecture == "qwen3":  # transformers makes the q/k norms identities: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.2)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
     if tokenizer:

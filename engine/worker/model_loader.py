@@ -70,6 +70,8 @@ _FUSED = {
 _REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                   "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
                   "max_position_embeddings")
+_REQUIRED_BY_TYPE = {"qwen3": ("head_dim",)}
+"""Keys a model type defaults otherwise than hidden_size / heads (Qwen3's head_dim: 128)."""
 
 
 def load_hf_config(model_dir: Path, overrides: Mapping[str, Any] | None = None) -> object:
@@ -107,7 +109,8 @@ def _plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
     we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return None
-    if any(raw.get(key) is None for key in _REQUIRED_KEYS):
+    required = (*_REQUIRED_KEYS, *_REQUIRED_BY_TYPE.get(str(raw.get("model_type")), ()))
+    if any(raw.get(key) is None for key in required):
         return None
     params = raw.get("rope_parameters")
     if params is not None:

@@ -102,6 +102,7 @@ def test_another_dtype_copies_and_keeps_values(tmp_path: Path) -> None:
     {"rope_theta": 500000.0, "head_dim": 8},
     {"tie_word_embeddings": True, "num_key_value_heads": None},
     {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 8},
     {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
     {"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
 ])
@@ -121,6 +122,7 @@ def test_a_plain_config_reads_as_transformers_reads_it(tmp_path: Path, overrides
     {"rope_theta": None},
     {"rms_norm_eps": None},
     {"model_type": "gemma"},
+    {"model_type": "qwen3"},  # no head_dim: Qwen3's default is 128, not hidden / heads
 ])
 def test_what_transformers_must_interpret_goes_to_transformers(
         tmp_path: Path, overrides: dict) -> None:

@@ -31,6 +31,7 @@ def model(tmp_path: Path, **fields: Any) -> Path:
     ({"model_type": "mistral", "sliding_window": 16384}, 8192),  # wider than the model
     ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}, 8192),
     ({"model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": True}, 1024),
+    ({"model_type": "qwen3", "sliding_window": 1024, "use_sliding_window": False}, 8192),
     ({"model_type": "llama"}, 8192),
 ])
 def test_the_position_limit_is_the_window(tmp_path: Path, fields: dict[str, Any],

@@ -27,7 +27,7 @@ from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
@@ -43,7 +43,8 @@ def sliding_window(hf: object) -> int | None:
     model_type = getattr(hf, "model_type", "")
     default = MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None
     window = getattr(hf, "sliding_window", default)
-    if not window or (model_type == "qwen2" and not getattr(hf, "use_sliding_window", False)):
+    if not window or (model_type in ("qwen2", "qwen3")
+                      and not getattr(hf, "use_sliding_window", False)):
         return None
     return int(window)
 
@@ -65,6 +66,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
 
     @classmethod
     def from_hf(cls, hf: object) -> ModelConfig:
@@ -92,6 +94,7 @@ class ModelConfig:
             # Qwen2 always has a bias on q/k/v; Llama exposes it as `attention_bias`.
             attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -177,6 +180,9 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # Qwen3's per-head norms (one weight of head_dim, the same on every rank).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -192,9 +198,17 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        ops.rope_(q, k, *cos_sin)  # in place, inside the QKV output
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._head_norm(q, self.q_norm, ops)
+            k = self._head_norm(k, self.k_norm, ops)
+        ops.rope_(q, k, *cos_sin)  # in place (inside the QKV output, without QK norms)
         out = backend.forward(q, k, v, kv_layer, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+
+    def _head_norm(self, x: torch.Tensor, norm: RMSNorm, ops: LayerOps) -> torch.Tensor:
+        """`x` `[T, H, D]` normalised over each head's D (a new, contiguous tensor)."""
+        rows = x.reshape(-1, self.head_dim)
+        return ops.rms_norm(rows, norm.weight, norm.eps).view(x.shape)
 
 
 class MLP(nn.Module):
