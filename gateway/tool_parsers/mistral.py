@@ -79,6 +79,8 @@ def _next_calls(text: str) -> tuple[list[ToolCall], str] | None:
     """The calls after one tag, and the text after them; None while they do not parse."""
     decoder = json.JSONDecoder()
     if text.startswith("["):  # v3: one array of call objects
+        if "]" not in text:
+            return None  # cannot be complete yet: not worth a decode
         try:
             array, end = decoder.raw_decode(text)
         except json.JSONDecodeError:
@@ -90,7 +92,7 @@ def _next_calls(text: str) -> tuple[list[ToolCall], str] | None:
         return [_with_id(c) for c in found if c is not None], text[end:]
     name, sep, after = text.partition(ARGS)  # v11: name[ARGS]{...}
     after = after.lstrip()
-    if not sep or not after.startswith("{"):
+    if not sep or not after.startswith("{") or "}" not in after:
         return None
     try:
         arguments, end = decoder.raw_decode(after)

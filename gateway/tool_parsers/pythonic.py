@@ -3,9 +3,9 @@ arguments of literal values, `[get_weather(city="Paris"), get_time(zone=2)]`, op
 Llama 4's `<|python_start|>` … `<|python_end|>`. A reply that does not start with the list is
 content.
 
-The list is read with `ast` (parsed, never run; each argument through `ast.literal_eval`), at the
-first `]` where the text so far is a complete, well-formed list of calls: the brackets before it
-balance and it parses. So the calls come out the same whatever the chunking, and text after the
+The list is read with `ast` (parsed, never run; each argument through `ast.literal_eval`) once,
+at its closing bracket: brackets are counted outside string literals as the text arrives, each
+character read once, so a long output costs one pass whatever its chunking. Text after the
 list is content. Arguments that have no JSON form (a set, bytes, a complex number) make the
 whole reply content, as any other malformed list does.
 """
@@ -48,11 +48,46 @@ def parse_call_list(text: str) -> list[ToolCall] | None:
     return calls
 
 
+class _ListEnd:
+    """Finds where a Python list literal that opens at the start of the text closes, reading
+    each character once however the text arrives: brackets counted outside string literals."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start  # the next character to read: the list's `[` first
+        self.depth = 0
+        self.quote = ""  # the open string's quote character, "" outside strings
+        self.escaped = False
+
+    def find(self, text: str) -> int:
+        """The index of the closing `]` in `text` (which only grows between calls), or -1
+        while the text has not reached it."""
+        while self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == self.quote:
+                    self.quote = ""
+            elif c in "'\"":
+                self.quote = c
+            elif c in "([{":
+                self.depth += 1
+            elif c in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    return self.pos - 1
+        return -1
+
+
 class _PythonicScanner(Scanner):
     def __init__(self) -> None:
         self.buf = ""
         self.mode = "undecided"  # → "calls" (→ "after" the list) or "content"
-        self.tried = 0  # `]` positions before this one were tried
+        self.opened = 0  # where the list's `[` is
+        self.list_end = _ListEnd(0)
 
     def scan(self, delta: str, final: bool) -> list[Segment]:
         self.buf += delta
@@ -60,6 +95,8 @@ class _PythonicScanner(Scanner):
             head = self.buf.lstrip().removeprefix(START).lstrip()
             if head.startswith("["):
                 self.mode = "calls"
+                self.opened = self.buf.index("[")
+                self.list_end = _ListEnd(self.opened)
             elif not final and (not head or START.startswith(self.buf.lstrip())):
                 return []
             else:
@@ -72,21 +109,18 @@ class _PythonicScanner(Scanner):
         return [text] if text else []
 
     def _calls(self, final: bool) -> list[Segment]:
-        opened = self.buf.index("[")
-        while (end := self.buf.find("]", max(self.tried, opened))) >= 0:
-            self.tried = end + 1
-            candidate = self.buf[opened:end + 1]
-            if candidate.count("[") > candidate.count("]"):
-                continue  # a list still open: not its end
-            calls = parse_call_list(candidate)
+        """At the list's closing bracket, its calls (or, when it is no list of calls, all of
+        it as content); parsed once, however long the output."""
+        end = self.list_end.find(self.buf)
+        if end >= 0:
+            calls = parse_call_list(self.buf[self.opened:end + 1])
             if calls is not None:
                 self.buf, self.mode = self.buf[end + 1:], "after"
                 return [*calls, *self._after(final)]
-        if not final:
+        elif not final:
             return []
         text, self.buf, self.mode = self.buf, "", "content"
         return [text]
-
 
     def _after(self, final: bool) -> list[Segment]:
         """The text after the list: content, less a closing `<|python_end|>`."""

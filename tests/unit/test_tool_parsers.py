@@ -91,7 +91,7 @@ def test_pythonic_whole_text() -> None:
 
 @pytest.mark.parametrize("text", [
     "Plain answer [with a bracket]", "[1, 2]", "[f(1)]", "[f(x=y)]", "[f(x={1, 2})]",
-    "[f(**kw)]", "[obj.f(x=1)]", "[f(x=1)", "[]",
+    "[f(**kw)]", "[obj.f(x=1)]", "[f(x=1)", "[]", "[a]" * 20_000,
 ])
 def test_pythonic_that_is_no_call_list_is_content(text: str) -> None:
     assert whole(PythonicToolParser(), text) == (text, [])
@@ -145,6 +145,7 @@ def test_qwen3_coder_malformed_blocks_stay_content(text: str) -> None:
     (PythonicToolParser(), PYTHONIC_TEXT),
     (PythonicToolParser(), "[f(a=1)] tail [g(b=2)]"),
     (PythonicToolParser(), "Plain [text] here"),
+    (PythonicToolParser(), '[f(s="a ] \\" [ b", t=[1, (2, 3)])] after'),
     (MistralToolParser(), MISTRAL_V3_TEXT),
     (MistralToolParser(), MISTRAL_V11_TEXT),
     (MistralToolParser(), 'a [TOOL_ b [TOOL_CALLS]f[ARGS]{"x": [1]} c'),
