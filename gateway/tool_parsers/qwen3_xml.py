@@ -83,9 +83,10 @@ def read_value(text: str, schema: Any) -> Any:
 
 def _closes(text: str, at: int, closers: tuple[str, ...]) -> bool:
     """Whether what follows position `at` (past whitespace) starts with one of `closers`, or
-    is where the text ends."""
-    rest = text[at:].lstrip()
-    return not rest or rest.startswith(closers)
+    is where the text ends (no copy of the text: a value may hold many candidates)."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at == len(text) or text.startswith(closers, at)
 
 
 def parse_block(body: str, parameters: Mapping[str, Any]) -> ToolCall | None:
@@ -128,16 +129,18 @@ def parse_block(body: str, parameters: Mapping[str, Any]) -> ToolCall | None:
         return None
 
 
-def _block_end(text: str) -> int:
-    """Where the block that `text` starts ends (the index past its `</tool_call>`), or -1 while
-    it has not: the first `</tool_call>` right after a `</function>` that nothing but the
-    block's end follows."""
-    search = len(START)
+def _block_end(text: str, search: int) -> tuple[int, int]:
+    """Where the block that `text` starts ends (the index past its `</tool_call>`, or -1 while
+    it has not), and where to search from next time: its end is the first `</tool_call>` right
+    after a `</function>`."""
     while (end := text.find(END, search)) >= 0:
-        if text[:end].rstrip().endswith(FUNCTION_END):
-            return end + len(END)
+        before = end
+        while before > 0 and text[before - 1].isspace():
+            before -= 1
+        if text.endswith(FUNCTION_END, 0, before):
+            return end + len(END), 0
         search = end + 1
-    return -1
+    return -1, max(len(START), len(text) - len(END) + 1)
 
 
 class _Qwen3XmlScanner(Scanner):
@@ -145,6 +148,7 @@ class _Qwen3XmlScanner(Scanner):
         self.parameters = parameters
         self.buf = ""
         self.in_calls = False  # a <tool_call> was seen: text outside blocks is no content
+        self.searched = len(START)  # the open block's text before this holds no end
 
     def scan(self, delta: str, final: bool) -> list[Segment]:
         self.buf += delta
@@ -160,13 +164,14 @@ class _Qwen3XmlScanner(Scanner):
             if not self.in_calls:
                 out.append(self.buf[:start])
                 self.in_calls = True
-            self.buf = self.buf[start:]
-            end = _block_end(self.buf)
+            if start:
+                self.buf, self.searched = self.buf[start:], len(START)
+            end, self.searched = _block_end(self.buf, self.searched)
             if end < 0 and not final:
                 return [s for s in out if s != ""]
             raw = self.buf if end < 0 else self.buf[:end]
             body = raw[len(START):len(raw) - (0 if end < 0 else len(END))]
-            self.buf = self.buf[len(raw):]
+            self.buf, self.searched = self.buf[len(raw):], len(START)
             out.append(parse_block(body, self.parameters) or raw)
 
 

@@ -129,6 +129,14 @@ def test_qwen3_coder_reads_values_by_their_schema_type() -> None:
         "extra": "7"})])
 
 
+def test_qwen3_coder_values_may_hold_the_closing_tags() -> None:
+    value = "a </parameter> b </function> c </tool_call>\n" * 2_000
+    text = (f"<tool_call>\n<function=f>\n<parameter=x>\n{value}\n</parameter>\n</function>\n"
+            "</tool_call>")
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]  # token-sized deltas
+    assert streamed(Qwen3XmlToolParser(), pieces) == (None, [("f", {"x": value})])
+
+
 @pytest.mark.parametrize("text", [
     "<tool_call>\n<function=f>\n<parameter=x>\n1\n</function>\n</tool_call>",  # unclosed
     "<tool_call>\n<function=f>\njunk\n</function>\n</tool_call>",
