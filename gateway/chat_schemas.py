@@ -45,11 +45,17 @@ class ChatMessageIn(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this answers
+    # Assistant messages: an earlier answer's reasoning sent back (vLLM's `reasoning`, and
+    # its older name `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _tool_calls_from_the_assistant(self) -> ChatMessageIn:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls are only allowed on assistant messages")
+        if (self.reasoning or self.reasoning_content) and self.role != "assistant":
+            raise ValueError("reasoning is only allowed on assistant messages")
         return self
 
     def text(self) -> str:
@@ -63,6 +69,7 @@ class ChatMessageIn(RequestModel):
         return router_pb2.ChatMessage(
             role=self.role, content=self.text(), name=self.name or "",
             tool_call_id=self.tool_call_id or "",
+            reasoning=self.reasoning or self.reasoning_content or "",
             tool_calls=[router_pb2.ToolCall(id=c.id, name=c.function.name,
                                              arguments=c.function.arguments)
                         for c in self.tool_calls or []],

@@ -103,11 +103,31 @@ class FunctionCallOutputInput(RequestModel):
         return "".join(part.text for part in self.output)
 
 
-InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput
+class ReasoningTextPart(RequestModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningInput(RequestModel):
+    """An earlier answer's reasoning item sent back (an agent's loop passes a response's whole
+    `output` on): the reasoning of the assistant turn it opens. Its summary is not read."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningTextPart] | None = None
+    summary: list[Any] | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput
 
 INPUT_ITEMS: dict[str, type[RequestModel]] = {
     "message": InputMessage, "function_call": FunctionCallInput,
-    "function_call_output": FunctionCallOutputInput,
+    "function_call_output": FunctionCallOutputInput, "reasoning": ReasoningInput,
 }
 """The input items served, by `type` (a message may leave it out)."""
 
@@ -251,12 +271,14 @@ class ResponsesRequest(RequestModel):
                 raise ValueError(f"input[{i}]: items of type {kind!r} are not supported (only "
                                  f"{', '.join(INPUT_ITEMS)})")
             key = "output" if kind == "function_call_output" else "content"
+            allowed = ("reasoning_text",) if kind == "reasoning" else TEXT_PARTS
             parts = item.get(key)
             for j, part in enumerate(parts if isinstance(parts, list) else []):
                 part_kind = part.get("type") if isinstance(part, dict) else None
-                if part_kind not in TEXT_PARTS:
+                if part_kind not in allowed:
+                    names = " and ".join(p for p in allowed if p)
                     raise ValueError(f"input[{i}].{key}[{j}]: parts of type {part_kind!r} are "
-                                     "not supported (only input_text and output_text)")
+                                     f"not supported (only {names})")
             items.append(_validated(INPUT_ITEMS[kind], item, "input", i))
         return items
 
@@ -344,6 +366,9 @@ class ResponsesRequest(RequestModel):
                 else:
                     messages.append({"role": "assistant", "content": None,
                                      "tool_calls": [item.to_chat()]})
+            elif isinstance(item, ReasoningInput):  # opens the assistant turn it belongs to
+                messages.append({"role": "assistant", "content": None,
+                                 "reasoning": item.text()})
             elif isinstance(item, FunctionCallOutputInput):
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
                                  "content": item.text()})

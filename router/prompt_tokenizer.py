@@ -207,7 +207,8 @@ def chat_messages(chat: Any) -> list[dict[str, Any]]:
     """A router `Chat`'s messages as chat-template dicts, in HF's tool-use shape: assistant
     `tool_calls` as `{"id", "type": "function", "function": {"name", "arguments"}}` with the
     arguments as an object when they parse as one (templates render them with `tojson`, as
-    vLLM passes them), `tool_call_id` and `name` only where set."""
+    vLLM passes them), `tool_call_id`, `name` and an assistant's `reasoning_content` only where
+    set."""
     out: list[dict[str, Any]] = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -221,6 +222,8 @@ def chat_messages(chat: Any) -> list[dict[str, Any]]:
             message["tool_call_id"] = m.tool_call_id
         if m.name:
             message["name"] = m.name
+        if m.reasoning:  # the name templates read (vLLM passes both)
+            message["reasoning_content"] = message["reasoning"] = m.reasoning
         out.append(message)
     return out
 

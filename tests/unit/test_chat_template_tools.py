@@ -45,3 +45,26 @@ def test_tool_history_renders_and_bad_roles_are_refused(tokenizer) -> None:  # t
     assert "Paris" in text and "sunny" in text
     with pytest.raises(ValueError, match=r"messages\[0\].role"):
         apply_chat_template(tokenizer, [{"role": "wizard", "content": "x"}], True, [TOOL])
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content or '' }}{% endfor %}")
+"""Renders an assistant turn's thinking, as Qwen3's template does within a tool-calling turn."""
+
+
+def test_an_assistant_s_reasoning_reaches_the_template(model_dir: Path) -> None:
+    """An assistant message's `reasoning`, sent back by the client, is what the template reads
+    as `reasoning_content`, through the router's conversion of the chat."""
+    from pdmesh.router.prompt_tokenizer import chat_messages
+    from pdmesh.v1 import router_pb2
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    chat = router_pb2.Chat(messages=[
+        router_pb2.ChatMessage(role="user", content="hi"),
+        router_pb2.ChatMessage(role="assistant", content="Hello!", reasoning="Greet back.")])
+    rendered = tokenizer.decode(apply_chat_template(
+        tokenizer, chat_messages(chat), add_generation_prompt=False))
+    assert "<|user|>hi<|assistant|><think>Greet back.</think>Hello!" in rendered

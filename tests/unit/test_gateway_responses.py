@@ -193,8 +193,11 @@ def test_text_format_is_a_structured_output(fmt: dict[str, Any], kind: str | Non
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format",
      "schema"),
     ({"input": []}, "input", "at least 1"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input",
-     "input[0]: items of type 'reasoning' are not supported"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input",
+     "input[0]: items of type 'web_search_call' are not supported"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "input_text", "text": "x"}]}]},
+     "input", "input[0].content[0]: parts of type 'input_text' are not supported (only "
+     "reasoning_text)"),
     ({"input": [{"role": "user", "content": "x"},
                 {"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
      "input[1].call_id: Field required"),

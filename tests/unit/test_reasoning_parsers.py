@@ -250,3 +250,44 @@ def test_qwen3_an_xml_call_inside_the_thinking_ends_it() -> None:
         assert split_reasoning(REASONING_PARSERS["qwen3"], pieces) == (
             "The <tool_call> tag, then ", "ok"), pieces
     assert split_reasoning(R1, [QWEN35_CALL])[1] == ""  # deepseek_r1 has no implicit end
+
+
+# -- reasoning sent back in the history -----------------------------------------------------------
+def test_an_assistant_s_reasoning_travels_to_the_router() -> None:
+    """(tests/unit/test_chat_template_tools.py renders it.)"""
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."},
+               {"role": "user", "content": "and?"}]
+    request = _chat(messages=history).to_generate("r")
+    assert [m.reasoning for m in request.chat.messages] == ["", "Greet back.", ""]
+    old_name = _chat(messages=[{"role": "assistant", "content": "x",
+                                "reasoning_content": "y"}]).to_generate("r")
+    assert old_name.chat.messages[0].reasoning == "y"  # vLLM's older field name
+    with pytest.raises(ValueError, match="reasoning is only allowed on assistant messages"):
+        _chat(messages=[{"role": "user", "content": "x", "reasoning": "y"}])
+
+
+def test_a_responses_output_sent_back_as_input_keeps_its_reasoning(
+        router: StandInRouter) -> None:
+    """An agent's loop: the response's output items (reasoning, a call) go back as input with
+    the call's result; the reasoning opens the assistant turn that made the call."""
+    config = GatewayConfig(reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                           tool_call_parser="hermes")
+    with TestClient(create_app(config, client=router)) as http:  # type: ignore[arg-type]
+        calls = [_delta('<think>Need the time.</think>\n<tool_call>\n{"name": "get_time", '
+                        '"arguments": {}}\n</tool_call>', common_pb2.FINISH_REASON_STOP),
+                 _result(9, 5)]
+        router.script = calls
+        tools = [{"type": "function", "name": "get_time", "parameters": {"type": "object"}}]
+        first = http.post("/v1/responses", json={"model": "m", "input": "time?", "tools": tools})
+        assert first.status_code == 200, first.text
+        output = first.json()["output"]
+        assert [item["type"] for item in output] == ["reasoning", "function_call"]
+        router.script = THINKING
+        again = http.post("/v1/responses", json={"model": "m", "tools": tools, "input": [
+            {"role": "user", "content": "time?"}, *output,
+            {"type": "function_call_output", "call_id": output[1]["call_id"], "output": "noon"}]})
+        assert again.status_code == 200, again.text
+        messages = router.requests[-1].chat.messages
+        assert [(m.role, m.reasoning, [c.name for c in m.tool_calls]) for m in messages] == [
+            ("user", "", []), ("assistant", "Need the time.", ["get_time"]), ("tool", "", [])]

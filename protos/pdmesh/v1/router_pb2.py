@@ -26,7 +26,7 @@ from pdmesh.v1 import common_pb2 as pdmesh_dot_v1_dot_common__pb2
 from pdmesh.v1 import engine_pb2 as pdmesh_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x16pdmesh/v1/engine.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.pdmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xa5\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa5\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.pdmesh.v1.ChatH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0e\n\x06stream\x18\t \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10prompt_cache_key\x18\x0b \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x0c \x01(\x08H\x02\x88\x01\x01\x12\x15\n\rsend_accepted\x18\r \x01(\x08\x42\x08\n\x06promptB\x19\n\x17_truncate_prompt_tokensB\x15\n\x13_add_special_tokens\"\n\n\x08\x41\x63\x63\x65pted\"\xd2\x01\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.SequenceDeltaH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pdmesh.v1.GenerateResultH\x00\x12\x34\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.PromptLogprobsH\x00\x12\'\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.AcceptedH\x00\x42\x07\n\x05\x65vent\"C\n\x08ServedBy\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\"\xc2\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12&\n\tserved_by\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.ServedBy\"\xd2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.pdmesh.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"6\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rnum_instances\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo\"\x12\n\x10GetStatusRequest\"\xb1\x01\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12#\n\x04load\x18\x06 \x01(\x0b\x32\x15.pdmesh.v1.EngineLoad\x12\x14\n\x0cnum_inflight\x18\x07 \x01(\r\"\xe3\x01\n\x0cRouterStatus\x12\x16\n\x0erouting_policy\x18\x01 \x01(\t\x12\x1e\n\x16prefix_index_available\x18\x02 \x01(\x08\x12\x1b\n\x13prefix_index_detail\x18\x03 \x01(\t\x12,\n\tinstances\x18\x04 \x03(\x0b\x32\x19.pdmesh.v1.InstanceStatus\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x12\n\nnum_queued\x18\x06 \x01(\r\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x16\n\x0eserving_detail\x18\x08 \x01(\t2\xed\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pdmesh.v1.DetokenizeRequest\x1a\x1d.pdmesh.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponse\x12\x41\n\tGetStatus\x12\x1b.pdmesh.v1.GetStatusRequest\x1a\x17.pdmesh.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdmesh/v1/router.proto\x12\tpdmesh.v1\x1a\x16pdmesh/v1/common.proto\x1a\x16pdmesh/v1/engine.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x8c\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.pdmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\"\xa5\x01\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa5\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.pdmesh.v1.ChatH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0e\n\x06stream\x18\t \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10prompt_cache_key\x18\x0b \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x0c \x01(\x08H\x02\x88\x01\x01\x12\x15\n\rsend_accepted\x18\r \x01(\x08\x42\x08\n\x06promptB\x19\n\x17_truncate_prompt_tokensB\x15\n\x13_add_special_tokens\"\n\n\x08\x41\x63\x63\x65pted\"\xd2\x01\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.pdmesh.v1.SequenceDeltaH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pdmesh.v1.GenerateResultH\x00\x12\x34\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.PromptLogprobsH\x00\x12\'\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x0b\x32\x13.pdmesh.v1.AcceptedH\x00\x42\x07\n\x05\x65vent\"C\n\x08ServedBy\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\"\xc2\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.pdmesh.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.pdmesh.v1.Timing\x12&\n\tserved_by\x18\x05 \x01(\x0b\x32\x13.pdmesh.v1.ServedBy\"\xd2\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.pdmesh.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x19\n\x17_truncate_prompt_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"6\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rnum_instances\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pdmesh.v1.ModelInfo\"\x12\n\x10GetStatusRequest\"\xb1\x01\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.pdmesh.v1.Role\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12#\n\x04load\x18\x06 \x01(\x0b\x32\x15.pdmesh.v1.EngineLoad\x12\x14\n\x0cnum_inflight\x18\x07 \x01(\r\"\xe3\x01\n\x0cRouterStatus\x12\x16\n\x0erouting_policy\x18\x01 \x01(\t\x12\x1e\n\x16prefix_index_available\x18\x02 \x01(\x08\x12\x1b\n\x13prefix_index_detail\x18\x03 \x01(\t\x12,\n\tinstances\x18\x04 \x03(\x0b\x32\x19.pdmesh.v1.InstanceStatus\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x12\n\nnum_queued\x18\x06 \x01(\r\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x16\n\x0eserving_detail\x18\x08 \x01(\t2\xed\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x1b.pdmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdmesh.v1.TokenizeRequest\x1a\x1b.pdmesh.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.pdmesh.v1.DetokenizeRequest\x1a\x1d.pdmesh.v1.DetokenizeResponse\x12I\n\nListModels\x12\x1c.pdmesh.v1.ListModelsRequest\x1a\x1d.pdmesh.v1.ListModelsResponse\x12\x41\n\tGetStatus\x12\x1b.pdmesh.v1.GetStatusRequest\x1a\x17.pdmesh.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,40 +37,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=108
   _globals['_TOOLCALL']._serialized_start=110
   _globals['_TOOLCALL']._serialized_end=165
-  _globals['_CHATMESSAGE']._serialized_start=167
-  _globals['_CHATMESSAGE']._serialized_end=288
-  _globals['_CHAT']._serialized_start=291
-  _globals['_CHAT']._serialized_end=456
-  _globals['_GENERATEREQUEST']._serialized_start=459
-  _globals['_GENERATEREQUEST']._serialized_end=880
-  _globals['_ACCEPTED']._serialized_start=882
-  _globals['_ACCEPTED']._serialized_end=892
-  _globals['_GENERATERESPONSE']._serialized_start=895
-  _globals['_GENERATERESPONSE']._serialized_end=1105
-  _globals['_SERVEDBY']._serialized_start=1107
-  _globals['_SERVEDBY']._serialized_end=1174
-  _globals['_GENERATERESULT']._serialized_start=1177
-  _globals['_GENERATERESULT']._serialized_end=1371
-  _globals['_TOKENIZEREQUEST']._serialized_start=1374
-  _globals['_TOKENIZEREQUEST']._serialized_end=1584
-  _globals['_TOKENIZERESPONSE']._serialized_start=1586
-  _globals['_TOKENIZERESPONSE']._serialized_end=1646
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1648
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1701
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1703
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1757
-  _globals['_LISTMODELSREQUEST']._serialized_start=1759
-  _globals['_LISTMODELSREQUEST']._serialized_end=1778
-  _globals['_MODELINFO']._serialized_start=1780
-  _globals['_MODELINFO']._serialized_end=1849
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1851
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1909
-  _globals['_GETSTATUSREQUEST']._serialized_start=1911
-  _globals['_GETSTATUSREQUEST']._serialized_end=1929
-  _globals['_INSTANCESTATUS']._serialized_start=1932
-  _globals['_INSTANCESTATUS']._serialized_end=2109
-  _globals['_ROUTERSTATUS']._serialized_start=2112
-  _globals['_ROUTERSTATUS']._serialized_end=2339
-  _globals['_ROUTER']._serialized_start=2342
-  _globals['_ROUTER']._serialized_end=2707
+  _globals['_CHATMESSAGE']._serialized_start=168
+  _globals['_CHATMESSAGE']._serialized_end=308
+  _globals['_CHAT']._serialized_start=311
+  _globals['_CHAT']._serialized_end=476
+  _globals['_GENERATEREQUEST']._serialized_start=479
+  _globals['_GENERATEREQUEST']._serialized_end=900
+  _globals['_ACCEPTED']._serialized_start=902
+  _globals['_ACCEPTED']._serialized_end=912
+  _globals['_GENERATERESPONSE']._serialized_start=915
+  _globals['_GENERATERESPONSE']._serialized_end=1125
+  _globals['_SERVEDBY']._serialized_start=1127
+  _globals['_SERVEDBY']._serialized_end=1194
+  _globals['_GENERATERESULT']._serialized_start=1197
+  _globals['_GENERATERESULT']._serialized_end=1391
+  _globals['_TOKENIZEREQUEST']._serialized_start=1394
+  _globals['_TOKENIZEREQUEST']._serialized_end=1604
+  _globals['_TOKENIZERESPONSE']._serialized_start=1606
+  _globals['_TOKENIZERESPONSE']._serialized_end=1666
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1668
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1721
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1723
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1777
+  _globals['_LISTMODELSREQUEST']._serialized_start=1779
+  _globals['_LISTMODELSREQUEST']._serialized_end=1798
+  _globals['_MODELINFO']._serialized_start=1800
+  _globals['_MODELINFO']._serialized_end=1869
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1871
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1929
+  _globals['_GETSTATUSREQUEST']._serialized_start=1931
+  _globals['_GETSTATUSREQUEST']._serialized_end=1949
+  _globals['_INSTANCESTATUS']._serialized_start=1952
+  _globals['_INSTANCESTATUS']._serialized_end=2129
+  _globals['_ROUTERSTATUS']._serialized_start=2132
+  _globals['_ROUTERSTATUS']._serialized_end=2359
+  _globals['_ROUTER']._serialized_start=2362
+  _globals['_ROUTER']._serialized_end=2727
 # @@protoc_insertion_point(module_scope)
