@@ -99,6 +99,8 @@ class NamedToolChoice(RequestModel):
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
@@ -115,6 +117,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: with --reasoning-parser, false leaves the reasoning out of the answer.
     include_reasoning: bool = True
+    # OpenAI's; as in vLLM, the template's `reasoning_effort` variable (unless
+    # chat_template_kwargs sets it), for templates that read it.
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM's: the tokenizer's special tokens (BOS) on top of what the template places; off, as
     # there, since most templates place their own.
     add_special_tokens: bool = False
@@ -139,12 +144,14 @@ class ChatCompletionRequest(SamplingFields):
         # max_completion_tokens is OpenAI's newer name; it wins when both are given.
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         chat = router_pb2.Chat(
             messages=[m.to_proto() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt,
             tools_json=tools_json,
-            chat_template_kwargs_json=(json.dumps(self.chat_template_kwargs)
-                                       if self.chat_template_kwargs else ""),
+            chat_template_kwargs_json=json.dumps(kwargs) if kwargs else "",
         )
         return self._prompt_options(router_pb2.GenerateRequest(
             request_id=request_id,

@@ -14,9 +14,10 @@ answered in the output text part's `logprobs`; the other `include` values vLLM l
 accepted and have no effect here, as in vLLM without its built-in tools. Nothing is stored
 (vLLM's default, without VLLM_ENABLE_RESPONSES_API_STORE): `store` is accepted and has no
 effect, as in vLLM; `previous_response_id` and `background`, which need a store, are 400s
-naming the field. Fields vLLM serves beyond this subset (reasoning) are ignored and named in
-X-Ignored-Fields, or refused where ignoring them would change the answer (tools other than
-functions, other input item kinds).
+naming the field. `reasoning.effort` is chat's `reasoning_effort` (the template's variable).
+Fields vLLM serves beyond this subset are ignored and named in X-Ignored-Fields, or refused
+where ignoring them would change the answer (tools other than functions, other input item
+kinds).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdmesh.gateway.chat_schemas import ChatCompletionRequest, FunctionDefinition
+from pdmesh.gateway.chat_schemas import ChatCompletionRequest, FunctionDefinition, ReasoningEffort
 from pdmesh.gateway.errors import GatewayError, invalid_argument, validation_param
 from pdmesh.gateway.schemas import RequestModel, StructuredOutputsIn, wire_int
 from pdmesh.v1 import common_pb2, router_pb2
@@ -212,6 +213,14 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(RequestModel):
+    """`reasoning`: its effort reaches the template; a summary is not made (none is asked of
+    the model), as in vLLM."""
+
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(RequestModel):
     model: str = ""
     input: str | list[InputItem]
@@ -250,6 +259,7 @@ class ResponsesRequest(RequestModel):
     priority: Annotated[int, wire_int(router_pb2.GenerateRequest, "priority")] = 0
     structured_outputs: StructuredOutputsIn | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # checked as chat checks it
+    reasoning: ReasoningConfig | None = None
     prompt_cache_key: str | None = None  # OpenAI's; routing affinity, as on chat
 
     @field_validator("input", mode="before")
@@ -345,6 +355,11 @@ class ResponsesRequest(RequestModel):
         k = self.output_logprobs()
         return {} if k is None else {"logprobs": True, "top_logprobs": k}
 
+    def chat_reasoning(self) -> dict[str, Any]:
+        """Chat's `reasoning_effort` for this request's `reasoning.effort`."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return {} if effort is None else {"reasoning_effort": effort}
+
     def chat_response_format(self) -> dict[str, Any] | None:
         fmt = self.text.format if self.text is not None else None
         return fmt.to_response_format() if fmt is not None else None
@@ -399,7 +414,7 @@ class ResponsesRequest(RequestModel):
         body.update(messages=self.chat_messages(),
                     max_completion_tokens=self.max_output_tokens,
                     response_format=self.chat_response_format(), **self.chat_tools(),
-                    **self.chat_logprobs())
+                    **self.chat_logprobs(), **self.chat_reasoning())
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:  # the checks chat makes beyond ours

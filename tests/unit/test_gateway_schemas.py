@@ -419,13 +419,13 @@ def test_readable_bodies(body: bytes, content_type: str, expected: dict | None) 
 # -- unknown fields --------------------------------------------------------------------------------
 VLLM_ONLY_FIELDS = {
     "kv_transfer_params": {"do_remote_decode": False}, "store": False, "metadata": {"a": "b"},
-    "service_tier": "auto", "reasoning_effort": "low",
+    "service_tier": "auto",
     "verbosity": "low", "modalities": ["text"], "prediction": {"type": "content", "content": "x"},
 }
 ACTED_ON_FIELDS = {  # vLLM's and OpenAI's, once ignored, now taken (tests/unit/test_vllm_fields.py)
     "chat_template_kwargs": {"enable_thinking": False}, "truncate_prompt_tokens": 5,
     "return_tokens_as_token_ids": True, "bad_words": ["x"], "prompt_cache_key": "k",
-    "request_id": "r1",
+    "request_id": "r1", "reasoning_effort": "low",
 }
 
 

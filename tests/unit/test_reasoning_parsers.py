@@ -291,3 +291,24 @@ def test_a_responses_output_sent_back_as_input_keeps_its_reasoning(
         messages = router.requests[-1].chat.messages
         assert [(m.role, m.reasoning, [c.name for c in m.tool_calls]) for m in messages] == [
             ("user", "", []), ("assistant", "Need the time.", ["get_time"]), ("tool", "", [])]
+
+
+def test_reasoning_effort_is_the_template_s_variable() -> None:
+    """vLLM's: chat's `reasoning_effort` and /v1/responses' `reasoning.effort` reach the
+    template as `reasoning_effort`; the request's own chat_template_kwargs win."""
+    from pdmesh.gateway.responses_schemas import ResponsesRequest
+
+    def kwargs(request: router_pb2.GenerateRequest) -> dict[str, Any]:
+        text = request.chat.chat_template_kwargs_json
+        return json.loads(text) if text else {}
+
+    assert kwargs(_chat(reasoning_effort="low").to_generate("r")) == {"reasoning_effort": "low"}
+    assert kwargs(_chat(reasoning_effort="low", chat_template_kwargs={
+        "reasoning_effort": "high", "x": 1}).to_generate("r")) == {
+        "reasoning_effort": "high", "x": 1}
+    assert kwargs(_chat().to_generate("r")) == {}
+    responses = ResponsesRequest.model_validate(
+        {"input": "hi", "reasoning": {"effort": "medium", "summary": "auto"}})
+    assert kwargs(responses.to_chat().to_generate("r")) == {"reasoning_effort": "medium"}
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        _chat(reasoning_effort="extreme")
