@@ -24,13 +24,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pdmesh.gateway.tool_parsers.stream import (
-    Scanner,
-    Segment,
-    ToolCall,
-    ToolParser,
-    held_prefix,
-)
+from pdmesh.gateway.tool_parsers.stream import BlocksScanner, Scanner, ToolCall, ToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -143,36 +137,23 @@ def _block_end(text: str, search: int) -> tuple[int, int]:
     return -1, max(len(START), len(text) - len(END) + 1)
 
 
-class _Qwen3XmlScanner(Scanner):
+class _Qwen3XmlScanner(BlocksScanner):
+    START, END = START, END
+
     def __init__(self, parameters: Mapping[str, Any]) -> None:
+        super().__init__()
         self.parameters = parameters
-        self.buf = ""
-        self.in_calls = False  # a <tool_call> was seen: text outside blocks is no content
         self.searched = len(START)  # the open block's text before this holds no end
 
-    def scan(self, delta: str, final: bool) -> list[Segment]:
-        self.buf += delta
-        out: list[Segment] = []
-        while True:
-            start = self.buf.find(START)
-            if start < 0:
-                keep = 0 if final else held_prefix(self.buf, START)
-                if not self.in_calls:
-                    out.append(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
-                return [s for s in out if s != ""]
-            if not self.in_calls:
-                out.append(self.buf[:start])
-                self.in_calls = True
-            if start:
-                self.buf, self.searched = self.buf[start:], len(START)
-            end, self.searched = _block_end(self.buf, self.searched)
-            if end < 0 and not final:
-                return [s for s in out if s != ""]
-            raw = self.buf if end < 0 else self.buf[:end]
-            body = raw[len(START):len(raw) - (0 if end < 0 else len(END))]
-            self.buf, self.searched = self.buf[len(raw):], len(START)
-            out.append(parse_block(body, self.parameters) or raw)
+    def block_started(self) -> None:
+        self.searched = len(START)
+
+    def block_end(self) -> int:
+        end, self.searched = _block_end(self.buf, self.searched)
+        return end
+
+    def parse(self, body: str) -> ToolCall | None:
+        return parse_block(body, self.parameters)
 
 
 class Qwen3XmlToolParser(ToolParser):

@@ -88,6 +88,55 @@ class Scanner:
         raise NotImplementedError
 
 
+class BlocksScanner(Scanner):
+    """Content, then one tagged block per call, from `START` to `END` (hermes, qwen3_coder):
+    text between blocks is dropped, as vLLM does; a block that does not parse stays content;
+    at the end, an unclosed last block is parsed as it stands."""
+
+    START = END = ""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_calls = False  # a block was seen: text outside blocks is no content
+
+    def block_end(self) -> int:
+        """Where the block `buf` starts with ends (past its `END`), or -1 while it has not."""
+        end = self.buf.find(self.END, len(self.START))
+        return -1 if end < 0 else end + len(self.END)
+
+    def block_started(self) -> None:
+        """`buf` now starts with a new block."""
+
+    def parse(self, body: str) -> ToolCall | None:
+        raise NotImplementedError
+
+    def scan(self, delta: str, final: bool) -> list[Segment]:
+        self.buf += delta
+        out: list[Segment] = []
+        while True:
+            start = self.buf.find(self.START)
+            if start < 0:
+                keep = 0 if final else held_prefix(self.buf, self.START)
+                if not self.in_calls:
+                    out.append(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                return [s for s in out if s != ""]
+            if not self.in_calls:
+                out.append(self.buf[:start])
+                self.in_calls = True
+            if start:
+                self.buf = self.buf[start:]
+                self.block_started()
+            end = self.block_end()
+            if end < 0 and not final:
+                return [s for s in out if s != ""]
+            raw = self.buf if end < 0 else self.buf[:end]
+            body = raw[len(self.START):len(raw) - (0 if end < 0 else len(self.END))]
+            self.buf = self.buf[len(raw):]
+            self.block_started()
+            out.append(self.parse(body) or raw)
+
+
 class ToolCallStream:
     """Feeds a scanner and turns its segments into OpenAI deltas.
 
