@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pdmesh.config import json_object_flag
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.v1 import common_pb2
 
@@ -68,17 +69,8 @@ def check_source(source: str) -> None:
 def parse_override(override: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """`--override-generation-config` (JSON text, or a mapping from the offline `LLM`) as a
     dict; ValueError naming the flag when it is not an object whose sampling fields read."""
-    if override is None or (isinstance(override, str) and not override.strip()):
-        return {}
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--override-generation-config: not valid JSON: {exc}") from None
-    if not isinstance(override, Mapping):
-        raise ValueError("--override-generation-config must be a JSON object, e.g. "
-                         '\'{"temperature": 0.5}\'')
-    raw = dict(override)
+    raw = json_object_flag("--override-generation-config", override,
+                           example='{"temperature": 0.5}')
     try:
         from_dict(raw)
     except (TypeError, ValueError) as exc:

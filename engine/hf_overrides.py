@@ -9,9 +9,10 @@ ending in `_config` whose value is an object, such as `text_config`) is updated 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from pdmesh.config import json_object_flag
 
 MAX_HF_OVERRIDES_BYTES = 64 * 1024
 
@@ -19,25 +20,18 @@ MAX_HF_OVERRIDES_BYTES = 64 * 1024
 def parse_hf_overrides(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """`--hf-overrides` (JSON text, or a mapping from the offline `LLM`) as a dict; ValueError
     naming the flag when it is not a JSON object of config keys."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return {}
-    if isinstance(value, str):
-        if len(value.encode("utf-8", "surrogatepass")) > MAX_HF_OVERRIDES_BYTES:
-            raise ValueError(f"--hf-overrides: at most {MAX_HF_OVERRIDES_BYTES} bytes")
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--hf-overrides: not valid JSON: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError("--hf-overrides must be a JSON object of config.json keys, e.g. "
-                         '\'{"max_position_embeddings": 4096}\'')
+    if isinstance(value, str) and \
+            len(value.encode("utf-8", "surrogatepass")) > MAX_HF_OVERRIDES_BYTES:
+        raise ValueError(f"--hf-overrides: at most {MAX_HF_OVERRIDES_BYTES} bytes")
+    value = json_object_flag("--hf-overrides", value, what=" of config.json keys",
+                             example='{"max_position_embeddings": 4096}')
     if "model_type" in value:
         raise ValueError("--hf-overrides cannot set model_type: the checkpoint's weights are "
                          "of one architecture")
     bad = [k for k in value if not isinstance(k, str) or not k]
     if bad:
         raise ValueError(f"--hf-overrides: keys must be non-empty strings, got {bad[0]!r}")
-    return dict(value)
+    return value
 
 
 def apply_hf_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

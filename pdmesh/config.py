@@ -309,6 +309,24 @@ def parse_config(
         raise  # unreachable: parser.error exits
 
 
+def json_object_flag(flag: str, value: str | Mapping[str, Any] | None, *,
+                     example: str, what: str = "") -> dict[str, Any]:
+    """A flag whose value is a JSON object (or, from the offline `LLM`, a mapping) as a dict:
+    {} when unset or blank; ValueError naming the flag when it is no JSON object."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{flag} must be a JSON object{what}, e.g. '{example}'")
+    return dict(value)
+
+
 def split_address(address: str) -> tuple[str, int]:
     """`host:port` -> (host, port); raises ValueError naming the address."""
     host, sep, port = address.rpartition(":")
