@@ -23,7 +23,7 @@ the grammar, as vLLM constrains a reasoning model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,16 +150,6 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
                     implicit=ImplicitEnd("<tool_call>", "<function")),
     ReasoningParser("deepseek_v3", switch="thinking", thinks_by_default=False),
 )}
-
-
-def split_reasoning(parser: ReasoningParser, pieces: Iterable[str]) -> tuple[str | None, str]:
-    """A whole output's (reasoning or None when there is none, content)."""
-    stream = parser.stream()
-    reasoning = content = ""
-    for split in [*(stream.feed(p) for p in pieces), stream.finish()]:
-        reasoning += split.reasoning
-        content += split.content
-    return reasoning or None, content
 
 
 def check_reasoning_parser(name: str | None) -> None:

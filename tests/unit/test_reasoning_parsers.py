@@ -6,7 +6,7 @@ the gateway's routes (chat, /v1/responses) against a stand-in router."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from pdmesh.config import parse_config
 from pdmesh.gateway.app import create_app
 from pdmesh.gateway.chat_schemas import ChatCompletionRequest
 from pdmesh.gateway.config import GatewayConfig
-from pdmesh.gateway.reasoning_parsers import REASONING_PARSERS, split_reasoning
+from pdmesh.gateway.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from pdmesh.gateway.reply import ReasoningSettings, ReplyPlan, read_reply
 from pdmesh.gateway.tools import ToolSettings
 from pdmesh.gateway.translate import chat_plan
@@ -31,6 +31,16 @@ pytestmark = pytest.mark.fast
 R1 = REASONING_PARSERS["deepseek_r1"]
 QWEN3 = ReasoningSettings("qwen3")
 THOUGHT = "<think>The user greets me.\nI greet back.</think>\n\nHello!"
+
+
+def split_reasoning(parser: ReasoningParser, pieces: Iterable[str]) -> tuple[str | None, str]:
+    """An output fed to the parser's stream piece by piece: (reasoning or None, content)."""
+    stream = parser.stream()
+    reasoning = content = ""
+    for split in [*(stream.feed(p) for p in pieces), stream.finish()]:
+        reasoning += split.reasoning
+        content += split.content
+    return reasoning or None, content
 
 
 def chunkings(text: str) -> Iterator[list[str]]:
