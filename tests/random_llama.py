@@ -55,9 +55,29 @@ def tokenizer_dir() -> Path:
     return resolve_model("smollm2")
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases,
-Qwen3 per-head q/k norms."""
+Qwen3 per-head q/k norms, the last three experts (engine/worker/models/moe.py)."""
+
+_CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+
+MOE_SHAPE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                             "shared_expert_intermediate_size": 192, "norm_topk_prob": True}
+"""What a MoE architecture adds to a shape unless the caller says otherwise: 2 of 8 experts
+(Mixtral: of `num_local_experts`; Qwen: `num_experts`), each 128 wide (Mixtral's width is its
+`intermediate_size`), Qwen2-MoE's shared expert 192 wide."""
+
+
+def _moe_defaults(architecture: str) -> dict[str, Any]:
+    if architecture == "mixtral":
+        return {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128}
+    if architecture == "qwen3_moe":
+        return {"num_experts": 8, **{k: v for k, v in MOE_SHAPE.items()
+                                     if k != "shared_expert_intermediate_size"}}
+    if architecture == "qwen2_moe":
+        return {"num_experts": 8, **MOE_SHAPE}
+    return {}
 
 
 def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0,
@@ -67,21 +87,26 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
     transformers' `architecture` (one of ARCHITECTURES) writes it."""
     import transformers
 
-    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
-            "qwen3": "Qwen3"}[architecture]
-    config = getattr(transformers, f"{name}Config")(**{**SHAPES[shape], **overrides})
+    name = _CLASS_NAMES[architecture]
+    config = getattr(transformers, f"{name}Config")(
+        **{**SHAPES[shape], **_moe_defaults(architecture), **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
-    if architecture == "qwen2":  # transformers zeroes biases: make them count
+    if architecture in ("qwen2", "qwen2_moe"):  # transformers zeroes biases: make them count
         with torch.no_grad():
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, 0.02)
-    if architecture == "qwen3":  # transformers makes the q/k norms identities: make them count
+    if architecture.startswith("qwen3"):  # the q/k norms are identities: make them count
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.normal_(1.0, 0.2)
+    if architecture in ("mixtral", "qwen2_moe", "qwen3_moe"):  # routers start at zero
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    param.normal_(0.0, 0.1)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
     if tokenizer:

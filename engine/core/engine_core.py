@@ -92,7 +92,7 @@ def build_scheduler(config: EngineConfig, kv_manager: KVCacheManager, max_model_
         kv_manager,
         max_model_len,
         StepCostModel(attention_weight(mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                       mc.hidden_size, mc.intermediate_size)),
+                                       mc.hidden_size, mc.active_intermediate_size)),
     )
 
 

@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from pdmesh.engine.hf_overrides import apply_hf_overrides
 from pdmesh.engine.worker.models.llama import (
-    SUPPORTED_MODEL_TYPES,
+    DENSE_MODEL_TYPES,
     LlamaForCausalLM,
     ModelConfig,
     RotaryEmbedding,
@@ -64,7 +64,25 @@ _FUSED = {
     ),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+    "mlp.shared_expert.gate_up_proj.weight": (
+        "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight",
+    ),
 }
+
+# Mixtral's names for the MoE block and its experts' projections, as ours (Qwen's names).
+_RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+            (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
+
+
+def our_name(checkpoint_name: str) -> str:
+    """A checkpoint tensor's name as the loader keys it: no `model.` prefix, Mixtral's MoE
+    names as Qwen's (`block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`)."""
+    name = checkpoint_name.removeprefix("model.")
+    if ".block_sparse_moe." in name:
+        for old, new in _RENAMED:
+            name = name.replace(old, new)
+    return name
 
 # config.json keys the model needs that transformers would otherwise default.
 _REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
@@ -107,7 +125,7 @@ def _read_config(path: Path) -> dict[str, Any] | None:
 def _plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
     """config.json as attributes, or None where transformers must interpret it (a model type
     we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
-    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+    if raw.get("model_type") not in DENSE_MODEL_TYPES:  # MoE keys vary: transformers reads
         return None
     required = (*_REQUIRED_KEYS, *_REQUIRED_BY_TYPE.get(str(raw.get("model_type")), ()))
     if any(raw.get(key) is None for key in required):
@@ -335,7 +353,7 @@ def checkpoint_state(
     for name, tensor in raw.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        state[name.removeprefix("model.")] = tensor
+        state[our_name(name)] = tensor
     return _fused_checked(state, model, cfg, model_dir), maps
 
 
@@ -359,7 +377,7 @@ def sharded_state(
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                key = name.removeprefix("model.")
+                key = our_name(name)
                 if cfg.tie_word_embeddings and key == "lm_head.weight":
                     continue
                 state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
@@ -381,14 +399,16 @@ def _read_slice(fh: object, name: str, key: str, shard: ModelShard) -> torch.Ten
 
 def _fused_checked(state: dict[str, torch.Tensor], model: LlamaForCausalLM, cfg: ModelConfig,
                    model_dir: Path) -> dict[str, torch.Tensor]:
-    """`state` (our names, q/k/v and gate/up apart) with the fused projections concatenated,
-    checked to be exactly the model's parameters."""
+    """`state` (our names, q/k/v and gate/up apart, experts apart) with the fused projections
+    concatenated and the experts stacked, checked to be exactly the model's parameters."""
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
         for fused, parts in _FUSED.items():
             names = [prefix + p for p in parts]
             if all(n in state for n in names):
                 state[prefix + fused] = torch.cat([state.pop(n) for n in names], dim=0)
+        if cfg.moe is not None and cfg.moe.is_sparse(i):
+            _stack_experts(state, prefix + "mlp.experts.", cfg.moe.num_experts)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {
@@ -403,16 +423,29 @@ def _fused_checked(state: dict[str, torch.Tensor], model: LlamaForCausalLM, cfg:
     return state
 
 
+def _stack_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    """One layer's per-expert tensors (`<prefix><e>.gate_proj.weight`, ...) replaced by the
+    stacked `<prefix>gate_up_proj` `[E, 2I, H]` and `<prefix>down_proj` `[E, H, I]`; left as
+    they are when an expert is missing (the completeness check then names them)."""
+    parts = ("gate_proj", "up_proj", "down_proj")
+    names = [[f"{prefix}{e}.{part}.weight" for part in parts] for e in range(num_experts)]
+    if not all(name in state for expert in names for name in expert):
+        return
+    gate_up = [torch.cat([state.pop(gate), state.pop(up)], dim=0) for gate, up, _ in names]
+    state[prefix + "gate_up_proj"] = torch.stack(gate_up)
+    state[prefix + "down_proj"] = torch.stack([state.pop(down) for _, _, down in names])
+
+
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under transformers' names (q/k/v and gate/up split again), as views.
 
     The inverse of the checkpoint load, for handing the same weights to transformers'
     LlamaForCausalLM (bench/gpu_throughput.py) without a second copy of an 8B model.
-    A tied LM head is left out, as in a tied checkpoint.
+    A tied LM head is left out, as in a tied checkpoint. Experts keep their stacked tensors,
+    which are transformers' own in-memory layout.
     """
     cfg = model.cfg
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    split_sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("lm_head."):
@@ -427,7 +460,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         if local not in _FUSED:
             state[prefix + local] = tensor
             continue
-        pieces = tensor.split(split_sizes[local.split(".")[1]], dim=0)
+        sizes = [q, kv, kv] if "qkv_proj" in local else [tensor.shape[0] // 2] * 2
+        pieces = tensor.split(sizes, dim=0)
         for part, piece in zip(_FUSED[local], pieces, strict=True):
             state[prefix + part] = piece
     return state

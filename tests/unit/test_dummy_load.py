@@ -105,3 +105,22 @@ def test_hf_state_dict_names_every_transformers_tensor_as_views(tmp_path: Path, 
     qkv = ours.layers[1].self_attn.qkv_proj.weight
     v = state["model.layers.1.self_attn.v_proj.weight"]
     assert v.data_ptr() == qkv[-v.shape[0]:].data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_hf_state_dict_of_experts_is_transformers_state_dict(tmp_path: Path,
+                                                             model_type: str) -> None:
+    """MoE dummy weights (for `pdmesh selftest` and the GPU bench on MoE shapes) hand over to
+    transformers: experts stacked as its in-memory layout, the shared expert split again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    moe = {"num_experts_per_tok": 2, "num_local_experts": 4, "num_experts": 4,
+           "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}
+    model_dir = write_config(tmp_path / "m", model_type=model_type, **moe)
+    ours, cfg, _ = load_model(model_dir, torch.float32, CPU, 64, load_format="dummy")
+    assert cfg.moe is not None and cfg.moe.num_experts == 4
+    state = hf_state_dict(ours)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    assert set(state) == set(reference.state_dict())
+    for name, tensor in state.items():
+        assert tensor.shape == reference.state_dict()[name].shape, name

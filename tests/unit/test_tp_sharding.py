@@ -38,10 +38,13 @@ class Shape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 SMOLLM2 = Shape(9, 3, 64, 1536, 49152)
 LLAMA_8B = Shape(32, 8, 128, 14336, 128256)
+QWEN2_MOE = Shape(16, 16, 128, 5632, 151936, 1408, 5632)  # Qwen1.5-MoE-A2.7B
 
 
 def shards(shape: Shape, world: int) -> list[ModelShard]:
@@ -112,6 +115,23 @@ def test_checkpoint_slices_rows_of_column_parallel_and_columns_of_row_parallel()
     assert shard.checkpoint_slice(layer + "mlp.down_proj.bias") is None
     assert not shard.keeps_whole_bias(layer + "mlp.down_proj.bias")
     assert ModelShard.of(SMOLLM2, 0, 2).keeps_whole_bias(layer + "mlp.down_proj.bias")
+
+
+def test_experts_and_the_shared_expert_split_by_their_own_columns() -> None:
+    shard = ModelShard.of(QWEN2_MOE, 1, 4)
+    layer = "layers.2.mlp."
+    assert shard.checkpoint_slice(layer + "experts.7.gate_proj.weight") == (0, Span(352, 352))
+    assert shard.checkpoint_slice(layer + "experts.7.up_proj.weight") == (0, Span(352, 352))
+    assert shard.checkpoint_slice(layer + "experts.0.down_proj.weight") == (1, Span(352, 352))
+    assert shard.checkpoint_slice(layer + "shared_expert.up_proj.weight") == (0, Span(1408, 1408))
+    assert shard.checkpoint_slice(layer + "shared_expert.down_proj.weight") == (1,
+                                                                                Span(1408, 1408))
+    assert shard.checkpoint_slice(layer + "gate.weight") is None  # the router: every rank
+    assert shard.checkpoint_slice(layer + "shared_expert_gate.weight") is None
+    assert shard.checkpoint_slice("layers.2.mlp.gate_proj.weight") == (0, Span(1408, 1408))
+    assert ModelShard.of(SMOLLM2, 0, 2).moe_intermediate == Span(0, 0)  # a dense model
+    with pytest.raises(ValueError, match="expert"):
+        check_shardable(Shape(16, 16, 128, 5632, 151936, 8), 16)
 
 
 def test_threads_are_split_over_the_ranks() -> None:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2) running on the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3 and the mixture-of-experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) running on the paged KV cache.
 
 Our own forward, not transformers': tokens of many sequences are flattened into one `[T]`
 batch (no padding), projections run as single GEMMs over all tokens, and attention goes
@@ -10,7 +11,8 @@ With tensor parallelism each rank builds the model of its `ModelShard`
 (engine/worker/parallel/sharding.py): QKV and gate/up hold this rank's heads and MLP columns
 (column-parallel), o_proj and down_proj the matching input columns (row-parallel, one
 all-reduce each), embedding and LM head a span of the vocabulary (engine/worker/parallel/vocab.py).
-A single rank's shard is the whole model and its collectives are no-ops.
+A single rank's shard is the whole model and its collectives are no-ops. A MoE layer's MLP is
+engine/worker/models/moe.py's `SparseMoe`, split the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdmesh.engine.worker.models.moe import MOE_MODEL_TYPES, MoeSpec, SparseMoe
 from pdmesh.engine.worker.models.packed_linear import PackedLinear
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.engine.worker.parallel.sharding import ModelShard
@@ -27,7 +30,10 @@ from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v always biased (Qwen2-MoE: `qkv_bias`)
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
@@ -43,7 +49,7 @@ def sliding_window(hf: object) -> int | None:
     model_type = getattr(hf, "model_type", "")
     default = MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None
     window = getattr(hf, "sliding_window", default)
-    if not window or (model_type in ("qwen2", "qwen3")
+    if not window or (model_type.startswith("qwen")
                       and not getattr(hf, "use_sliding_window", False)):
         return None
     return int(window)
@@ -67,6 +73,20 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
+    moe: MoeSpec | None = None  # the experts of a mixture-of-experts model
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.moe.intermediate_size if self.moe else 0
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.moe.shared_intermediate_size if self.moe else 0
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width a token computes: a MoE token's experts', else the dense MLP's."""
+        return self.moe.active_intermediate_size if self.moe else self.intermediate_size
 
     @classmethod
     def from_hf(cls, hf: object) -> ModelConfig:
@@ -79,6 +99,8 @@ class ModelConfig:
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"model: hidden_act {hf.hidden_act!r} is not supported (silu only)")
         heads = hf.num_attention_heads
+        qkv_bias = (bool(getattr(hf, "qkv_bias", True)) if model_type in _QKV_BIAS_TYPES
+                    else bool(getattr(hf, "attention_bias", False)))
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -91,10 +113,10 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            # Qwen2 always has a bias on q/k/v; Llama exposes it as `attention_bias`.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            attention_bias=qkv_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QK_NORM_TYPES,
+            moe=MoeSpec.from_hf(hf, hf.num_hidden_layers),
         )
 
 
@@ -142,17 +164,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def pack_linears(model: LlamaForCausalLM) -> None:
-    """Swap every projection and the LM head for a `PackedLinear` (CPU, float32)."""
+    """Swap every `nn.Linear` (projections, MoE routers, the LM head) for a `PackedLinear`
+    (CPU, float32). Experts are 3-D weights, multiplied by `moe.grouped_linear`."""
     if isinstance(model.lm_head, PackedLinear):
         return  # already packed (a second runner over the same model)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)
-        mlp.gate_up_proj, mlp.down_proj = (
-            PackedLinear(mlp.gate_up_proj),
-            PackedLinear(mlp.down_proj),
-        )
-    model.lm_head = PackedLinear(model.lm_head)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child))
 
 
 class RMSNorm(nn.Module):
@@ -212,24 +231,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
+    """SwiGLU MLP of `intermediate` columns (this rank's); also Qwen2-MoE's shared expert."""
+
+    def __init__(self, cfg: ModelConfig, intermediate: int, tp: TensorParallel) -> None:
         super().__init__()
-        inter = shard.intermediate.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.tp = tp
 
+    def partial(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """This rank's share of the output (to be all-reduced)."""
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.partial(x, ops))
+
+
+def layer_mlp(cfg: ModelConfig, shard: ModelShard, tp: TensorParallel,
+              layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: experts where the model is sparse there, else dense."""
+    if cfg.moe is None or not cfg.moe.is_sparse(layer):
+        return MLP(cfg, shard.intermediate.size, tp)
+    shared = (MLP(cfg, shard.shared_intermediate.size, tp)
+              if cfg.moe.shared_intermediate_size else None)
+    return SparseMoe(cfg.hidden_size, cfg.moe, shard.moe_intermediate.size, shared, tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel,
+                 index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, tp)
+        self.mlp = layer_mlp(cfg, shard, tp, index)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -247,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         vocab = self.shard.vocab.size
         self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.shard, tp) for _ in range(cfg.num_layers))
+            DecoderLayer(cfg, self.shard, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = rope
         self.ops: LayerOps = TorchLayerOps()  # the model runner picks the device's best

@@ -2,7 +2,8 @@
 
 Megatron's split, as vLLM does it: attention by heads (a rank holds whole query heads and the
 KV heads they read, so attention never talks to another rank), the MLP by intermediate
-columns, embedding and LM head by vocabulary rows. Spans are contiguous and as even as they
+columns (every expert of a MoE layer, and its shared expert, by its own intermediate columns),
+embedding and LM head by vocabulary rows. Spans are contiguous and as even as they
 can be: where the KV heads do not divide by the ranks (SmolLM2-135M: 3 KV heads, 9 query
 heads) the first ranks hold one KV head more, each with its whole query group, so the model
 still runs at any size up to its KV heads. Fewer KV heads than ranks: each KV head is
@@ -29,6 +30,10 @@ class ModelShape(Protocol):
     def intermediate_size(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...  # one expert's MLP width; 0: dense
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...  # 0: no shared expert
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ def check_shardable(shape: ModelShape, world_size: int) -> None:
     """ValueError, naming the sizes, when the model cannot be split over `world_size` ranks."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    widths_split = (shape.intermediate_size, shape.vocab_size, shape.moe_intermediate_size,
+                    shape.shared_expert_intermediate_size)
+    if any(0 < size < world_size for size in widths_split):
+        raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's MLP, expert or "
+                         "vocabulary size")
     heads, kv = shape.num_heads, shape.num_kv_heads
     if world_size <= kv:
         return
@@ -72,9 +82,6 @@ def check_shardable(shape: ModelShape, world_size: int) -> None:
             f"tensor_parallel_size={world_size} cannot split this model: it has {kv} KV heads "
             f"and {heads} query heads; more ranks than KV heads needs a multiple of the KV "
             f"heads that divides the query heads (sizes that fit: {fits})")
-    if shape.intermediate_size < world_size or shape.vocab_size < world_size:
-        raise ValueError(f"tensor_parallel_size={world_size} exceeds the model's MLP or "
-                         "vocabulary size")
 
 
 def sizes_for(shape: ModelShape, limit: int = 64) -> list[int]:
@@ -85,7 +92,8 @@ def sizes_for(shape: ModelShape, limit: int = 64) -> list[int]:
 
 @dataclass(frozen=True)
 class ModelShard:
-    """What one rank holds: its query heads, KV heads, MLP columns and vocabulary rows."""
+    """What one rank holds: its query heads, KV heads, MLP (expert, shared-expert) columns and
+    vocabulary rows."""
 
     rank: int
     world_size: int
@@ -95,6 +103,8 @@ class ModelShard:
     intermediate: Span
     vocab: Span
     vocab_widths: tuple[int, ...]  # every rank's vocabulary rows, for gathering logits
+    moe_intermediate: Span = Span(0, 0)  # every expert's columns (a MoE model)
+    shared_intermediate: Span = Span(0, 0)  # the shared expert's columns (Qwen2-MoE)
 
     @classmethod
     def of(cls, shape: ModelShape, rank: int, world_size: int) -> ModelShard:
@@ -111,7 +121,9 @@ class ModelShard:
         return cls(rank, world_size, shape.head_dim, q_heads, kv_heads,
                    split(shape.intermediate_size, world_size, rank),
                    split(shape.vocab_size, world_size, rank),
-                   tuple(widths(shape.vocab_size, world_size)))
+                   tuple(widths(shape.vocab_size, world_size)),
+                   split(shape.moe_intermediate_size, world_size, rank),
+                   split(shape.shared_expert_intermediate_size, world_size, rank))
 
     @classmethod
     def whole(cls, shape: ModelShape) -> ModelShard:
@@ -124,8 +136,12 @@ class ModelShard:
 
     def checkpoint_slice(self, name: str) -> tuple[int, Span] | None:
         """The dimension and span this rank reads of checkpoint tensor `name` (our names:
-        no `model.` prefix, q/k/v and gate/up still apart); None: the whole tensor."""
+        no `model.` prefix, q/k/v and gate/up still apart, one expert's tensors apart:
+        `mlp.experts.<e>.gate_proj.weight`); None: the whole tensor."""
         hd = self.head_dim
+        columns = (self.moe_intermediate if ".experts." in name
+                   else self.shared_intermediate if ".shared_expert." in name
+                   else self.intermediate)
         part = name.rsplit(".", 2)[-2]
         is_weight = name.endswith(".weight")
         if part == "q_proj":
@@ -133,11 +149,11 @@ class ModelShard:
         if part in ("k_proj", "v_proj"):
             return 0, self.kv_heads.scaled(hd)
         if part in ("gate_proj", "up_proj"):
-            return 0, self.intermediate
+            return 0, columns
         if part == "o_proj" and is_weight:
             return 1, self.q_heads.scaled(hd)
         if part == "down_proj" and is_weight:
-            return 1, self.intermediate
+            return 1, columns
         if part in ("embed_tokens", "lm_head"):
             return 0, self.vocab
         return None

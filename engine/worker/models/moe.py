@@ -1,0 +1,180 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over the flat `[T]` batch.
+
+A router picks `top_k` experts per token (softmax over the router's logits, in float32, then
+the top k, renormalised to sum to one where the checkpoint says so). The step's (token, expert)
+pairs are sorted by expert, so each expert's tokens are one contiguous run of rows, and every
+expert's SwiGLU MLP runs as one grouped GEMM over those runs (`torch._grouped_mm`: a CUTLASS
+kernel on CUDA, a per-group loop on CPU). Nothing in between reads a value on the host: the
+run lengths stay on the device as cumulative offsets, so a decode step with experts is
+captured in a CUDA graph like a dense one. Shapes the grouped GEMM does not take (rows not a
+multiple of 16 bytes, a build without it, a device or dtype whose build refuses it: then
+never tried again) run one GEMM per expert instead, which reads the offsets on the host (a
+graph capture then fails and the runner stays eager).
+
+Each token's k results are weighted and summed in a fixed order (no atomic `index_add_`), so
+a step's output does not depend on how the GPU scheduled it.
+
+Tensor parallelism splits every expert by its intermediate columns, as the dense MLP is split
+(engine/worker/parallel/sharding.py): the router is replicated (every rank routes the same
+tokens the same way, its input being the all-reduced residual), each rank computes its
+columns of every expert, and one all-reduce sums them. Qwen2-MoE's shared expert is a dense MLP
+beside the experts, scaled per token by a sigmoid gate before that same all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdmesh.engine.worker.parallel.group import TensorParallel
+from pdmesh.kernels.layer_ops import LayerOps
+
+logger = logging.getLogger(__name__)
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The experts of a checkpoint: how many, how many a token uses, and their widths."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # one expert's MLP width
+    renormalize: bool  # the top-k weights rescaled to sum to one (Mixtral; Qwen's norm_topk_prob)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (Qwen's mlp_only_layers)
+
+    @classmethod
+    def from_hf(cls, hf: object, num_layers: int) -> MoeSpec | None:
+        """The spec of a MoE config; None for a dense model type."""
+        model_type = getattr(hf, "model_type", "")
+        if model_type not in MOE_MODEL_TYPES:
+            return None
+        experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+        top_k = getattr(hf, "num_experts_per_tok", None)
+        if not experts or not top_k or not 0 < int(top_k) <= int(experts):
+            raise ValueError(f"model: {model_type} needs num_experts_per_tok in 1..num_experts "
+                             f"(got {top_k} of {experts})")
+        if model_type == "mixtral":
+            return cls(int(experts), int(top_k), int(hf.intermediate_size), renormalize=True)
+        step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+        only_dense = set(getattr(hf, "mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" \
+            else 0
+        return cls(int(experts), int(top_k), int(hf.moe_intermediate_size),
+                   renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+                   shared_intermediate_size=int(shared or 0), dense_layers=dense)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width one token's sparse layer computes (what its FLOPs scale with)."""
+        return self.top_k * self.intermediate_size + self.shared_intermediate_size
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts `[T, k]` (int64) and their weights `[T, k]` (float32), as
+    transformers' routers compute them: softmax in float32, top k, optionally renormalised."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights
+
+
+def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: a build that has it, one dtype, and
+    rows in and out a multiple of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    per_16 = 16 // x.element_size()
+    return x.shape[1] % per_16 == 0 and weight.shape[1] % per_16 == 0
+
+
+_REFUSED: set[tuple[str, torch.dtype]] = set()
+"""(device type, dtype) pairs whose `torch._grouped_mm` raised: each falls back once, loudly."""
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`x` `[N, in]` whose rows are runs by expert (run e ends at `offsets[e]`, int32,
+    cumulative) times each run's expert `weight[e]` `[out, in]`: `[N, out]`."""
+    key = (x.device.type, x.dtype)
+    if key not in _REFUSED and _grouped_mm_takes(x, weight):
+        try:
+            return torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
+        except RuntimeError as exc:  # a device or dtype this build's kernel does not take
+            _REFUSED.add(key)
+            logger.warning("moe: grouped GEMM refused on %s %s (%s); one GEMM per expert "
+                           "from now on", *key, exc)
+    return loop_linear(x, weight, offsets)
+
+
+def loop_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as one GEMM per expert that has rows (reads `offsets` on the host)."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for expert, stop in enumerate(offsets.tolist()):
+        if stop > start:
+            out[start:stop] = F.linear(x[start:stop], weight[expert])
+        start = stop
+    return out
+
+
+class Experts(nn.Module):
+    """Every expert's fused gate/up `[E, 2I, H]` (gate rows first) and down `[E, H, I]`
+    projections, I being this rank's columns: transformers' own in-memory layout and names."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                ops: LayerOps) -> torch.Tensor:
+        """Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]) for every token t: `[T, H]`."""
+        tokens, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts.cumsum(0).to(torch.int32)
+        rows = x.index_select(0, order // top_k)
+        h = grouped_linear(rows, self.gate_up_proj, offsets)
+        h = grouped_linear(ops.silu_and_mul(h), self.down_proj, offsets)
+        per_slot = torch.empty_like(h).index_copy_(0, order, h).view(tokens, top_k, -1)
+        return (per_slot.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+class SparseMoe(nn.Module):
+    """A layer's MoE MLP: router, experts and (Qwen2-MoE) the gated shared expert. Called like
+    the dense MLP; its output is all-reduced once."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, intermediate: int,
+                 shared: nn.Module | None, tp: TensorParallel) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = spec.top_k, spec.renormalize
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
+        self.experts = Experts(spec.num_experts, hidden_size, intermediate)
+        self.shared_expert = shared
+        self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False)
+                                   if shared is not None else None)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        experts, weights = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, experts, weights, ops)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            scale = torch.sigmoid(self.shared_expert_gate(x))
+            out = out + scale * self.shared_expert.partial(x, ops)
+        return self.tp.all_reduce(out)
