@@ -11,8 +11,8 @@ multiple of 16 bytes, a build without it, a device or dtype whose build refuses 
 never tried again) run one GEMM per expert instead, which reads the offsets on the host (a
 graph capture then fails and the runner stays eager).
 
-Each token's k results are weighted and summed in a fixed order (no atomic `index_add_`), so
-a step's output does not depend on how the GPU scheduled it.
+Each token's k results are weighted and summed by one batched GEMM (no atomic `index_add_`),
+so a step's output does not depend on how the GPU scheduled it.
 
 Tensor parallelism splits every expert by its intermediate columns, as the dense MLP is split
 (engine/worker/parallel/sharding.py): the router is replicated (every rank routes the same
@@ -153,7 +153,9 @@ class Experts(nn.Module):
         h = grouped_linear(rows, self.gate_up_proj, offsets)
         h = grouped_linear(ops.silu_and_mul(h), self.down_proj, offsets)
         per_slot = torch.empty_like(h).index_copy_(0, order, h).view(tokens, top_k, -1)
-        return (per_slot.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        # [T, 1, k] x [T, k, H]: the weighted sum in one batched GEMM (float32 accumulation,
+        # no float32 copy of the T x k x H products).
+        return torch.bmm(weights.unsqueeze(1).to(h.dtype), per_slot).squeeze(1)
 
 
 class SparseMoe(nn.Module):
