@@ -39,7 +39,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--max-loras": _LORA,
     "--max-lora-rank": _LORA,
     "--max-cpu-loras": _LORA,
-    "--quantization": "pdmesh runs checkpoints unquantized, in --dtype",
+    "--quantization": "pdmesh reads a checkpoint's quantization from its config.json (fp8 "
+                      "checkpoints are dequantized to --dtype at load) and never quantizes one",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
     "--speculative-config": "no speculative decoding yet",
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "

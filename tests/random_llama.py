@@ -117,3 +117,40 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
         if not (dest / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {source} (set {TOKENIZER_ENV})")
     return dest
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def to_fp8(model_dir: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Rewrite `model_dir`'s checkpoint as an FP8 one, as Qwen and DeepSeek publish theirs:
+    every layer projection (experts' too) `float8_e4m3fn` with a float32 `weight_scale_inv`
+    per `block`, `quantization_config.quant_method: fp8` in config.json. Embeddings, norms,
+    routers and the LM head stay as they were (published checkpoints' modules_to_not_convert)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    state = load_file(str(path))
+    out: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        if not (name.endswith("_proj.weight") or name.endswith((".w1.weight", ".w2.weight",
+                                                                 ".w3.weight"))):
+            out[name] = weight
+            continue
+        rows, cols = weight.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+        padded[:rows, :cols] = weight.float()
+        blocks = padded.view(grid[0], block[0], grid[1], block[1])
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        quantized = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
+        out[name] = quantized.to(torch.float8_e4m3fn).contiguous()
+        out[name + "_scale_inv"] = scale.contiguous()
+    save_file(out, str(path), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": list(block)}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir

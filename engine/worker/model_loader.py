@@ -38,6 +38,15 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.engine.hf_overrides import apply_hf_overrides
+from pdmesh.engine.worker.fp8_checkpoint import (
+    Fp8Checkpoint,
+    dequantize,
+    dequantized_state,
+    is_dropped,
+    is_scale,
+    keeps_stored_dtype,
+    scale_names,
+)
 from pdmesh.engine.worker.models.llama import (
     DENSE_MODEL_TYPES,
     LlamaForCausalLM,
@@ -145,6 +154,7 @@ _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
 }
 
 
@@ -170,7 +180,7 @@ def read_safetensors(
                 for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                     tensor = fh.get_tensor(name)
                     tensors[name] = (tensor.clone() if target is None
-                                     else to_device(tensor, target, dtype))
+                                     else to_device(tensor, target, _cast_to(name, tensor, dtype)))
             continue
         views, buffer = mapped
         if target is None:
@@ -178,10 +188,17 @@ def read_safetensors(
             maps.append(buffer)
             continue
         for name in list(views):
-            tensors[name] = to_device(views.pop(name), target, dtype)
+            tensor = views.pop(name)
+            tensors[name] = to_device(tensor, target, _cast_to(name, tensor, dtype))
         with contextlib.suppress(OSError, ValueError, AttributeError):
             buffer.madvise(mmap.MADV_DONTNEED)
     return tensors, maps
+
+
+def _cast_to(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a checkpoint tensor is read in: `dtype`, but FP8 weights and their scales as
+    stored (engine/worker/fp8_checkpoint.py multiplies them out)."""
+    return None if keeps_stored_dtype(name, tensor.dtype) else dtype
 
 
 def to_device(
@@ -282,12 +299,14 @@ def load_model(
 
     `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
     random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
-    `hf_overrides` (`--hf-overrides`) are merged over config.json first.
+    `hf_overrides` (`--hf-overrides`) are merged over config.json first. An FP8 checkpoint's
+    weights are multiplied out into `dtype` as they are read (engine/worker/fp8_checkpoint.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     hf = load_hf_config(model_dir, hf_overrides)
     cfg = ModelConfig.from_hf(hf)
+    fp8 = Fp8Checkpoint.of(hf)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)
     shard = ModelShard.of(cfg, tp.rank, tp.world_size)
@@ -297,10 +316,10 @@ def load_model(
     if load_format == "dummy":
         state = dummy_state(model, dtype, device, seed)
     elif not shard.is_whole:
-        state = sharded_state(model_dir, model, cfg, shard, device, dtype)
+        state = sharded_state(model_dir, model, cfg, shard, device, dtype, fp8)
         model.checkpoint_maps = []  # every tensor read is this rank's own copy
     else:
-        state, maps = checkpoint_state(model_dir, model, cfg, device, dtype)
+        state, maps = checkpoint_state(model_dir, model, cfg, device, dtype, fp8)
         state = {k: v.to(dtype) for k, v in state.items()}  # no-op off the CPU: converted
         # Kept while a parameter may still view them (a CPU model in the checkpoint's dtype).
         model.checkpoint_maps = maps
@@ -344,16 +363,21 @@ def checkpoint_state(
     cfg: ModelConfig,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    fp8: Fp8Checkpoint | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
     """The checkpoint's tensors renamed and fused into our parameter names, checked complete,
     and the mappings. On the CPU they are views of the file's mapping but for the fused ones;
-    on another device they are there already, in `dtype`, fused there (`read_safetensors`)."""
+    on another device they are there already, in `dtype`, fused there (`read_safetensors`).
+    `fp8`: the checkpoint's FP8 scheme, its weights multiplied out into `dtype` (float32
+    where None)."""
     raw, maps = read_safetensors(model_dir, device, dtype)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         state[our_name(name)] = tensor
+    if fp8 is not None:
+        state = dequantized_state(state, fp8, dtype or torch.float32)
     return _fused_checked(state, model, cfg, model_dir), maps
 
 
@@ -364,24 +388,43 @@ def sharded_state(
     shard: ModelShard,
     device: torch.device,
     dtype: torch.dtype,
+    fp8: Fp8Checkpoint | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's slices of the checkpoint under our parameter names, on `device` in
     `dtype`, fused and checked complete. safetensors reads just the slice's bytes of a
-    row slice (a column slice reads the rows' spans)."""
+    row slice (a column slice reads the rows' spans). An FP8 weight is read whole with its
+    scales, multiplied out on the device, then sliced (its blocks need not align with the
+    slice)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors in {model_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                key = our_name(name)
-                if cfg.tie_word_embeddings and key == "lm_head.weight":
-                    continue
-                state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        where = {name: fh for fh in handles for name in fh.keys()}  # noqa: SIM118
+        state: dict[str, torch.Tensor] = {}
+        for name, fh in where.items():
+            if name.endswith("rotary_emb.inv_freq") or is_scale(name) or is_dropped(name):
+                continue
+            key = our_name(name)
+            if cfg.tie_word_embeddings and key == "lm_head.weight":
+                continue
+            scale = next((n for n in scale_names(name) if n in where), None)
+            if fp8 is not None and scale is not None:
+                whole = dequantize(fh.get_tensor(name).to(device),
+                                   where[scale].get_tensor(scale), fp8.block, dtype)
+                state[key] = _slice(whole, key, shard)
+                continue
+            state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
     return _fused_checked(state, model, cfg, model_dir)
+
+
+def _slice(tensor: torch.Tensor, key: str, shard: ModelShard) -> torch.Tensor:
+    """`_read_slice` of a tensor already read whole."""
+    where = shard.checkpoint_slice(key)
+    if where is None:
+        return tensor if shard.keeps_whole_bias(key) else torch.zeros_like(tensor)
+    dim, span = where
+    return tensor.narrow(dim, span.start, span.size).contiguous()
 
 
 def _read_slice(fh: object, name: str, key: str, shard: ModelShard) -> torch.Tensor:
