@@ -101,11 +101,12 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 def dequantized_state(state: dict[str, Any], scheme: Fp8Checkpoint,
                       dtype: torch.dtype) -> dict[str, Any]:
-    """`state` with every FP8 weight multiplied out into `dtype` and the scales gone."""
+    """`state` with every FP8 weight multiplied out into `dtype` and the scales gone. `state`
+    is emptied as it goes, so on a GPU each FP8 weight is freed as its `dtype` copy is made:
+    the peak is the dequantized model plus one weight's float32 temporaries, not both models."""
     out: dict[str, Any] = {}
-    for name, tensor in state.items():
-        if is_scale(name) or is_dropped(name):
-            continue
+    for name in [n for n in state if not (is_scale(n) or is_dropped(n))]:
+        tensor = state.pop(name)
         scale = next((state[n] for n in scale_names(name) if n in state), None)
         if scale is not None:
             out[name] = dequantize(tensor, scale, scheme.block, dtype)
@@ -113,6 +114,7 @@ def dequantized_state(state: dict[str, Any], scheme: Fp8Checkpoint,
             raise ValueError(f"model: FP8 tensor {name} has no weight_scale_inv/weight_scale")
         else:
             out[name] = tensor
+    state.clear()
     return out
 
 

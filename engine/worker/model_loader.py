@@ -371,11 +371,9 @@ def checkpoint_state(
     `fp8`: the checkpoint's FP8 scheme, its weights multiplied out into `dtype` (float32
     where None)."""
     raw, maps = read_safetensors(model_dir, device, dtype)
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in raw.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        state[our_name(name)] = tensor
+    state = {our_name(name): tensor for name, tensor in raw.items()
+             if not name.endswith("rotary_emb.inv_freq")}
+    del raw  # `state` holds the only references: dequantizing frees each FP8 weight
     if fp8 is not None:
         state = dequantized_state(state, fp8, dtype or torch.float32)
     return _fused_checked(state, model, cfg, model_dir), maps
