@@ -55,11 +55,14 @@ def tokenizer_dir() -> Path:
     return resolve_model("smollm2")
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
+                 "qwen3_moe")
 """The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases,
-Qwen3 per-head q/k norms, the last three experts (engine/worker/models/moe.py)."""
+Qwen3 per-head q/k norms, Phi-3 stores q/k/v and gate/up fused, the last three have experts
+(engine/worker/models/moe.py)."""
 
 _CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                "phi3": "Phi3",
                 "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
 
 MOE_SHAPE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 128,

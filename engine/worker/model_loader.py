@@ -84,6 +84,40 @@ _RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight")
             (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
 
 
+_FUSED_IN_CHECKPOINT = ("phi3",)
+"""Model types whose transformers modules hold q/k/v and gate/up fused, as we do."""
+
+
+def _fused_name(key: str) -> str | None:
+    """The `_FUSED` name `key` ends with when a checkpoint stores it fused (a layer's
+    projection, not an expert's); None otherwise."""
+    if not key.startswith("layers.") or ".experts." in key:
+        return None
+    return next((fused for fused in _FUSED if key.endswith("." + fused)), None)
+
+
+def split_fused(key: str, tensor: torch.Tensor, cfg: ModelConfig
+                ) -> list[tuple[str, torch.Tensor]]:
+    """A tensor a checkpoint stores fused (Phi-3's `qkv_proj` and `gate_up_proj`) as its parts
+    under the names the unfused checkpoints use, so fusing and tensor-parallel slicing have one
+    rule each (`_FUSED`, `ModelShard.checkpoint_slice`); any other tensor as it is. The parts
+    are views."""
+    fused = _fused_name(key)
+    if fused is None:
+        return [(key, tensor)]
+    if "qkv_proj" in fused:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [tensor.shape[0] // 2] * 2
+    if sum(sizes) != tensor.shape[0]:
+        raise ValueError(f"model: fused tensor {key} has {tensor.shape[0]} rows, "
+                         f"the config says {sum(sizes)}")
+    prefix = key.removesuffix(fused)
+    return list(zip([prefix + part for part in _FUSED[fused]], tensor.split(sizes, dim=0),
+                    strict=True))
+
+
 def our_name(checkpoint_name: str) -> str:
     """A checkpoint tensor's name as the loader keys it: no `model.` prefix, Mixtral's MoE
     names as Qwen's (`block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`)."""
@@ -371,8 +405,9 @@ def checkpoint_state(
     `fp8`: the checkpoint's FP8 scheme, its weights multiplied out into `dtype` (float32
     where None)."""
     raw, maps = read_safetensors(model_dir, device, dtype)
-    state = {our_name(name): tensor for name, tensor in raw.items()
-             if not name.endswith("rotary_emb.inv_freq")}
+    state = {key: part for name, tensor in raw.items()
+             if not name.endswith("rotary_emb.inv_freq")
+             for key, part in split_fused(our_name(name), tensor, cfg)}
     del raw  # `state` holds the only references: dequantizing frees each FP8 weight
     if fp8 is not None:
         state = dequantized_state(state, fp8, dtype or torch.float32)
@@ -410,9 +445,14 @@ def sharded_state(
             if fp8 is not None and scale is not None:
                 whole = dequantize(fh.get_tensor(name).to(device),
                                    where[scale].get_tensor(scale), fp8.block, dtype)
-                state[key] = _slice(whole, key, shard)
-                continue
-            state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
+                for part, tensor in split_fused(key, whole, cfg):
+                    state[part] = _slice(tensor, part, shard)
+            elif _fused_name(key) is not None:  # fused in the checkpoint: sliced per part
+                whole = to_device(fh.get_tensor(name), device, dtype)
+                for part, tensor in split_fused(key, whole, cfg):
+                    state[part] = _slice(tensor, part, shard)
+            else:
+                state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
     return _fused_checked(state, model, cfg, model_dir)
 
 
@@ -498,7 +538,7 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             continue
         _, index, local = name.split(".", 2)  # layers.<i>.<module>.<param>
         prefix = f"model.layers.{index}."
-        if local not in _FUSED:
+        if local not in _FUSED or cfg.model_type in _FUSED_IN_CHECKPOINT:
             state[prefix + local] = tensor
             continue
         sizes = [q, kv, kv] if "qkv_proj" in local else [tensor.shape[0] // 2] * 2

@@ -124,3 +124,24 @@ def test_hf_state_dict_of_experts_is_transformers_state_dict(tmp_path: Path,
     assert set(state) == set(reference.state_dict())
     for name, tensor in state.items():
         assert tensor.shape == reference.state_dict()[name].shape, name
+
+
+def test_hf_state_dict_of_phi3_keeps_its_fused_projections(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = write_config(tmp_path / "m", model_type="phi3", pad_token_id=0)
+    ours, _, _ = load_model(model_dir, torch.float32, CPU, 64, load_format="dummy")
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    assert set(hf_state_dict(ours)) == set(reference.state_dict())
+
+
+@pytest.mark.parametrize(("rope", "error"), [
+    ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "partial RoPE"),
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+      "long_factor": [2.0] * 4, "original_max_position_embeddings": 64}, "longrope"),
+])
+def test_rope_variants_pdmesh_cannot_run_are_refused(tmp_path: Path, rope: dict,
+                                                     error: str) -> None:
+    model_dir = write_config(tmp_path / "m", model_type="phi3", rope_parameters=rope)
+    with pytest.raises(ValueError, match=error):
+        load_model(model_dir, torch.float32, CPU, 64, load_format="dummy")

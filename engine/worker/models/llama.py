@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3 and the mixture-of-experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) running on the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3, Phi-3/Phi-4 and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) running on the paged KV cache.
 
 Our own forward, not transformers': tokens of many sequences are flattened into one `[T]`
 batch (no padding), projections run as single GEMMs over all tokens, and attention goes
@@ -30,7 +30,7 @@ from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v always biased (Qwen2-MoE: `qkv_bias`)
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -128,6 +128,11 @@ def rope_inv_freq(hf: object, head_dim: int) -> tuple[torch.Tensor, float]:
     """
     params = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", "default")
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"model: partial RoPE (partial_rotary_factor {partial}) is not supported")
+    if rope_type == "longrope":  # its factors switch with the sequence's length: not a table
+        raise ValueError("model: longrope RoPE scaling is not supported")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
