@@ -152,6 +152,9 @@ class EngineConfig:
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=about(
         "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
         "(benchmarks of shapes nobody downloaded; the outputs are noise)"))
+    disable_sliding_window: bool = field(default=False, metadata=about(
+        "attend over the whole context in every layer and cap max_model_len to the model's "
+        "sliding window (vLLM's flag); by default sliding layers attend over their window"))
     enforce_eager: bool = field(default=False, metadata=about(
         "never capture CUDA graphs for decode steps (vLLM's flag; no effect on CPU)"))
     async_scheduling: bool | None = field(default=None, metadata=about(

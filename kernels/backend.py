@@ -123,8 +123,10 @@ class AttentionBackend(Protocol):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """query `[T, Hq, D]`, key/value `[T, Hkv, D]` → output `[T, Hq, D]`."""
+        """query `[T, Hq, D]`, key/value `[T, Hkv, D]` → output `[T, Hq, D]`; `window`: the
+        layer's sliding attention window in tokens, 0 for full attention (torch_ref)."""
         ...
 
 
@@ -141,16 +143,18 @@ class TorchAttentionBackend:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
         nd = meta.num_decode_tokens
         out = torch.empty_like(query)
         if nd:
             out[:nd] = torch_ref.paged_decode_attention(
-                query[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale
-            )
+                query[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                window)
         torch_ref.prefill_chunks(
             query, key, value, kv_layer, nd, meta.prefill_query_start_loc,
             meta.prefill_seq_lens, meta.prefill_block_tables, scale, out, torch_ref.gather_kv,
+            window,
         )  # fmt: skip
         return out

@@ -57,7 +57,10 @@ def _group_rows(seq_lens: list[int], block_size: int) -> list[list[int]]:
     return groups
 
 
-def _decode_layout(meta: AttentionMetadata, block_size: int) -> list[_DecodeGroup]:
+def _decode_layout(meta: AttentionMetadata, block_size: int,
+                   window: int = 0) -> list[_DecodeGroup]:
+    """The step's decode groups, once per step and window (layers of one window share it)."""
+
     def build() -> list[_DecodeGroup]:
         seq_lens = meta.decode_seq_lens
         lens = seq_lens.tolist()
@@ -70,7 +73,9 @@ def _decode_layout(meta: AttentionMetadata, block_size: int) -> list[_DecodeGrou
             nb = -(-max(lens[r] for r in rows) // block_size)
             tables = meta.decode_block_tables.index_select(0, index)[:, :nb]
             positions = torch.arange(nb * block_size, device=seq_lens.device)
-            mask = positions[None, :] < seq_lens.index_select(0, index)[:, None]
+            lengths = seq_lens.index_select(0, index)[:, None]
+            mask = ((positions[None, :] < lengths)
+                    & (positions[None, :] >= torch_ref.first_visible(lengths, window)))
             whole = len(groups) == 1
             out.append(
                 _DecodeGroup(
@@ -79,7 +84,7 @@ def _decode_layout(meta: AttentionMetadata, block_size: int) -> list[_DecodeGrou
             )
         return out
 
-    return meta.cached("cpu.decode", build)  # type: ignore[return-value]
+    return meta.cached(f"cpu.decode.{window}", build)  # type: ignore[return-value]
 
 
 def gather_kv(
@@ -94,23 +99,25 @@ def gather_kv(
 
 
 def paged_decode_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode rows `query[B, Hq, D]` against their paged context; see `torch_ref`."""
     if cpu_native.supports(query, kv_layer):
         return cpu_native.paged_decode_attention(
-            query, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale)
-    return sdpa_decode_attention(query, kv_layer, meta, scale)
+            query, kv_layer, meta.decode_block_tables, meta.decode_seq_lens, scale, window)
+    return sdpa_decode_attention(query, kv_layer, meta, scale, window)
 
 
 def sdpa_decode_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The torch path: gather each group's blocks once, then SDPA over them."""
     batch, num_q_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_layer.shape
     group = num_q_heads // num_kv_heads
-    groups = _decode_layout(meta, block_size)
+    groups = _decode_layout(meta, block_size, window)
     out = query.new_empty(batch, num_q_heads, head_dim) if len(groups) > 1 else None
     for g in groups:
         q = query if g.rows is None else query.index_select(0, g.rows)
@@ -144,6 +151,7 @@ class CpuAttentionBackend:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         if cpu_native.can_cache(key, value, kv_layer, meta.slot_mapping):
             cpu_native.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
@@ -151,12 +159,12 @@ class CpuAttentionBackend:
             torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if not meta.num_prefills:
-            return paged_decode_attention(query, kv_layer, meta, scale)
+            return paged_decode_attention(query, kv_layer, meta, scale, window)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = paged_decode_attention(query[:nd], kv_layer, meta, scale)
+            out[:nd] = paged_decode_attention(query[:nd], kv_layer, meta, scale, window)
         torch_ref.prefill_chunks(
             query, key, value, kv_layer, nd, meta.prefill_query_start_loc,
-            meta.prefill_seq_lens, meta.prefill_block_tables, scale, out, gather_kv,
+            meta.prefill_seq_lens, meta.prefill_block_tables, scale, out, gather_kv, window,
         )  # fmt: skip
         return out

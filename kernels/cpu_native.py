@@ -194,9 +194,9 @@ def library() -> ctypes.CDLL | None:
                 return None
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for name, argtypes in (
-        ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 7 + [f32]),
+        ("pdmesh_paged_decode_attention_f32", [ptr] * 5 + [i64] * 8 + [f32]),
         ("pdmesh_reshape_and_cache_f32", [ptr] * 4 + [i64] * 5),
-        ("pdmesh_paged_decode_attention_bf16", [ptr] * 5 + [i64] * 7 + [f32]),
+        ("pdmesh_paged_decode_attention_bf16", [ptr] * 5 + [i64] * 8 + [f32]),
         ("pdmesh_reshape_and_cache_bf16", [ptr] * 4 + [i64] * 5),
         ("pdmesh_rms_norm_f32", [ptr] * 3 + [i64] * 2 + [f32]),
         ("pdmesh_add_rms_norm_f32", [ptr] * 4 + [i64] * 2 + [f32]),
@@ -238,10 +238,10 @@ def supports(query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 
 def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0) -> torch.Tensor:
     """Decode rows `query[B, Hq, D]` against their paged context (CPU): the same result as
     `torch_ref.paged_decode_attention` up to float32 summation order (bfloat16: computed in
-    float32, rounded once)."""
+    float32, rounded once); `window` > 0: the last `window` tokens of each context only."""
     lib = library()
     assert lib is not None, "check supports() first"
     batch, num_q_heads, head_dim = query.shape
@@ -258,7 +258,7 @@ def paged_decode_attention(query: torch.Tensor, kv_layer: torch.Tensor,
     code = _kernel(lib, "paged_decode_attention", q.dtype)(
         q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         batch, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, tables.shape[1],
-        scale)
+        window, scale)
     if code != 0:
         raise RuntimeError(f"native paged attention failed (code {code}: 1 bad shape, 2 out "
                            "of memory, 3 a block id outside the cache)")

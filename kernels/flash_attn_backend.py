@@ -78,10 +78,14 @@ class FlashAttnBackend:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         if query.dtype not in _HALF_DTYPES:
             self._note_fallback(f"dtype {query.dtype} is not fp16/bf16")
-            return self.fallback.forward(query, key, value, kv_layer, meta, scale)
+            return self.fallback.forward(query, key, value, kv_layer, meta, scale, window)
+        # flash-attn's window counts keys to the left of the query: (window - 1, 0) is the
+        # query and the `window - 1` before it, as transformers masks; (-1, -1): unbounded.
+        sides = (window - 1, 0) if window else (-1, -1)
         block_size = kv_layer.shape[2]
         paged = block_size % self.paged_block_multiple == 0
         prefixed = any(
@@ -98,7 +102,7 @@ class FlashAttnBackend:
             self._note_fallback(
                 f"block_size {block_size} is not a multiple of {self.paged_block_multiple}"
             )
-            return self.fallback.forward(query, key, value, kv_layer, meta, scale)
+            return self.fallback.forward(query, key, value, kv_layer, meta, scale, window)
 
         torch_ref.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -114,10 +118,11 @@ class FlashAttnBackend:
                 block_table=tables,
                 softmax_scale=scale,
                 causal=True,
+                window_size=sides,
             ).squeeze(1)
         if meta.num_prefills:
             out[nd:] = self._prefill(
-                query[nd:], key[nd:], value[nd:], kv_layer, meta, scale, prefixed
+                query[nd:], key[nd:], value[nd:], kv_layer, meta, scale, prefixed, sides
             )
         return out
 
@@ -130,6 +135,7 @@ class FlashAttnBackend:
         meta: AttentionMetadata,
         scale: float,
         prefixed: bool,
+        sides: tuple[int, int],
     ) -> torch.Tensor:
         qsl = meta.prefill_query_start_loc
         # On the device already (staged, or copied without blocking): int32 and the
@@ -139,7 +145,8 @@ class FlashAttnBackend:
         max_q = max(b - a for a, b in itertools.pairwise(qsl))
         if not prefixed:
             return self._varlen(
-                query, key, value, cu_q, cu_q, max_q, max_q, softmax_scale=scale, causal=True
+                query, key, value, cu_q, cu_q, max_q, max_q, softmax_scale=scale, causal=True,
+                window_size=sides,
             )
         cu_k = meta.cached(
             "fa.cu_k", lambda: torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).int()
@@ -156,5 +163,6 @@ class FlashAttnBackend:
             max(meta.prefill_seq_lens),
             softmax_scale=scale,
             causal=True,
+            window_size=sides,
             block_table=tables,
         )

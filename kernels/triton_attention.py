@@ -168,6 +168,7 @@ def _decode_kernel(
     v_offset,
     blocks_per_split,
     num_splits,
+    window,  # tokens each query sees (NO_WINDOW: all)
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -196,15 +197,20 @@ def _decode_kernel(
         other=0.0,
     )
 
-    first_block = split * blocks_per_split
-    end_block = tl.minimum(first_block + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    # A sliding window: tokens before `first_tok` are masked and their blocks never read, so
+    # every block the loop reads holds a visible token (no row of a block is all -inf), and a
+    # split wholly before the window reads nothing (the reduce gives it weight 0).
+    first_tok = tl.maximum(seq_len - window, 0)
+    first_block = tl.maximum(split * blocks_per_split, first_tok // BLOCK_SIZE)
+    end_block = tl.minimum(split * blocks_per_split + blocks_per_split,
+                           tl.cdiv(seq_len, BLOCK_SIZE))
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for blk in range(first_block, end_block):
         block_id = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
         tok = blk * BLOCK_SIZE + n
-        tok_mask = tok < seq_len
+        tok_mask = (tok < seq_len) & (tok >= first_tok)
         offs = (block_id * BLOCK_SIZE + n)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
         offs += kv_head * HEAD_DIM + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
@@ -268,6 +274,10 @@ def _decode_reduce_kernel(
     )
 
 
+NO_WINDOW = 1 << 30
+"""The kernels' `window` for full attention: wider than any context (positions are int32)."""
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     """Enough (sequence, KV head, split) programs to fill a large GPU (~256), but never a split
     shorter than 8 blocks: past that the merge costs more than the parallelism brings."""
@@ -283,8 +293,10 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context (see `torch_ref`).
+    """One query token per sequence against its paged context (see `torch_ref`; `window`:
+    a sliding window of that many tokens, 0 for none).
 
     query `[B, Hq, D]`, block_tables `[B, max_blocks]`, seq_lens `[B]` (including the query
     token, each >= 1). `num_splits` ranges of blocks per sequence run in parallel; the default
@@ -330,6 +342,7 @@ def paged_decode_attention(
         kv_layer[0].numel(),
         blocks_per_split,
         num_splits,
+        window or NO_WINDOW,
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -380,6 +393,7 @@ def _prefill_kernel(
     o_stride_h,
     bt_stride,
     v_offset,
+    window,  # tokens each query sees (NO_WINDOW: all)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -414,29 +428,39 @@ def _prefill_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
 
-    # 1. The cached prefix, block by block through the block table: visible to every row.
-    for blk in range(0, tl.cdiv(prefix, BLOCK_SIZE)):
+    # Row r (position prefix + r) sees positions > prefix + r - window. With a window a row
+    # may see nothing of a tile yet, so the running max is taken as 0 while it is -inf (its
+    # terms are then exp2(-inf) = 0, never exp2(-inf - -inf) = nan).
+    # 1. The cached prefix, block by block through the block table, from the first block the
+    # tile's first row sees.
+    row_pos = prefix + rows
+    lowest = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+    for blk in range(lowest // BLOCK_SIZE, tl.cdiv(prefix, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + seq * bt_stride + blk).to(tl.int64)
-        tok_mask = blk * BLOCK_SIZE + n < prefix
+        tok = blk * BLOCK_SIZE + n
+        tok_mask = tok < prefix
         offs = (block_id * BLOCK_SIZE + n)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
         offs += kv_head * HEAD_DIM + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + v_offset + offs, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        visible = tok_mask[None, :] & (tok[None, :] > row_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
-        p = tl.exp2(s - new_max[:, None])
-        alpha = tl.exp2(row_max - new_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(s - safe_max[:, None])
+        alpha = tl.exp2(row_max - safe_max)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         row_max = new_max
 
-    # 2. The chunk itself, causally, from the step's contiguous K/V rows. Column 0 is visible
-    # to every row, so no row is ever all -inf after the first tile.
+    # 2. The chunk itself, causally, from the step's contiguous K/V rows, from the first
+    # column the tile's first row sees. Every row sees itself, so its sum ends above 0.
     c = tl.arange(0, BLOCK_N)
     causal_end = tl.minimum(q_len, (tile + 1) * BLOCK_M)
-    for start in range(0, causal_end, BLOCK_N):
+    first_col = tl.maximum(tile * BLOCK_M - window + 1, 0)
+    for start in range((first_col // BLOCK_N) * BLOCK_N, causal_end, BLOCK_N):
         cols = start + c
         col_mask = cols < q_len
         kv_mask = col_mask[:, None] & d_mask[None, :]
@@ -446,11 +470,13 @@ def _prefill_kernel(
         k = tl.where(kv_mask, k, 0.0).to(q.dtype)
         v = tl.where(kv_mask, v, 0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale_log2
-        visible = (cols[None, :] <= rows[:, None]) & col_mask[None, :]
+        visible = ((cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - window)
+                   & col_mask[None, :])
         s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
-        p = tl.exp2(s - new_max[:, None])
-        alpha = tl.exp2(row_max - new_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(s - safe_max[:, None])
+        alpha = tl.exp2(row_max - safe_max)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         row_max = new_max
@@ -475,8 +501,10 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Prompt chunks of several sequences against cached prefix + their own causal part.
+    """Prompt chunks of several sequences against cached prefix + their own causal part
+    (`window`: a sliding window of that many tokens, 0 for none).
 
     query `[T, Hq, D]` and key/value `[T, Hkv, D]` are the chunks' rows, concatenated;
     sequence `i` owns rows `query_start_loc[i]:query_start_loc[i+1]` (a device tensor), which
@@ -511,6 +539,7 @@ def paged_prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         kv_layer[0].numel(),
+        window or NO_WINDOW,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -557,6 +586,7 @@ class TritonAttentionBackend:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -570,6 +600,7 @@ class TritonAttentionBackend:
                 scale,
                 num_splits=self.num_splits,
                 out=out[:nd],
+                window=window,
             )
         if meta.num_prefills:
             query_start_loc, seq_lens = meta.prefill_tensors(query.device)
@@ -584,6 +615,7 @@ class TritonAttentionBackend:
                 _max_query_len(meta),
                 scale,
                 out=out[nd:],
+                window=window,
             )
         return out
 

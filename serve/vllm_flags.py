@@ -74,9 +74,6 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--disable-access-log-for-endpoints": SameAsPdmesh("the API server keeps no access log",
                                                        any_value=True),
     "--disable-cascade-attn": SameAsPdmesh("attention has no cascade path to turn off"),
-    "--disable-sliding-window": SameAsPdmesh(
-        "attention is full, and a sliding-window model's max_model_len is capped to its "
-        "window"),
     "--enable-server-load-tracking": SameAsPdmesh(
         "/load always reports the generation requests in flight"),
     "--enable-prompt-tokens-details": SameAsPdmesh(

@@ -96,7 +96,10 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
     start = read_device_memory(device) if config.profiles_memory(device) else None
     torch.manual_seed(config.seed)
     overrides = parse_hf_overrides(config.hf_overrides)
-    max_positions = model_max_positions(model_dir, config.max_model_len, overrides)
+    max_positions = model_max_positions(model_dir, config.max_model_len, overrides,
+                                        config.disable_sliding_window)
+    if config.disable_sliding_window:  # every layer full; max_positions is within the window
+        overrides = {**overrides, "sliding_window": None}
     model, model_config, hf_config = load_model(
         model_dir, dtype, device, max_positions, load_format=config.load_format, tp=tp,
         hf_overrides=overrides)
@@ -213,26 +216,24 @@ def profile_memory(config: EngineConfig, model: LlamaForCausalLM, device: torch.
 
 
 def model_max_positions(model_dir: Path, wanted: int | None,
-                        hf_overrides: Mapping[str, Any] | None = None) -> int:
-    """The model's position limit: its max_position_embeddings, or its attention window when
-    it has one (`sliding_window`: full attention is exact only within it); ValueError when
-    the asked max_model_len exceeds it."""
+                        hf_overrides: Mapping[str, Any] | None = None,
+                        disable_sliding_window: bool = False) -> int:
+    """The model's position limit: its max_position_embeddings (a sliding attention window
+    does not limit it, the kernels mask outside it), or with `disable_sliding_window` (vLLM's
+    --disable-sliding-window: full attention everywhere, exact only within the window) its
+    window; ValueError when the asked max_model_len exceeds it."""
     hf = load_hf_config(model_dir, hf_overrides)
     limit = int(getattr(hf, "max_position_embeddings", 2048))
     if wanted is not None and wanted > limit:
         raise ValueError(
             f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
-    window = sliding_window(hf)
+    window = sliding_window(hf) if disable_sliding_window else None
     if window is None or window >= limit:
         return limit
     if wanted is not None and wanted > window:
         raise ValueError(
             f"max_model_len={wanted} exceeds the model's sliding attention window of {window} "
-            f"tokens: pdmesh computes full attention, which equals the model's only within "
-            f"the window (as vLLM's --disable-sliding-window); use --max-model-len {window} "
-            f"or less")
-    logger.info("the model attends over a sliding window of %d tokens: max_model_len is at "
-                "most %d (full attention, exact within the window)", window, window)
+            f"tokens, which --disable-sliding-window caps it to")
     return window
 
 

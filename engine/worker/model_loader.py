@@ -170,6 +170,8 @@ def _plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
     we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
     if raw.get("model_type") not in DENSE_MODEL_TYPES:  # MoE keys vary: transformers reads
         return None
+    if raw.get("use_sliding_window"):  # which layers slide: transformers' layer_types
+        return None
     required = (*_REQUIRED_KEYS, *_REQUIRED_BY_TYPE.get(str(raw.get("model_type")), ()))
     if any(raw.get(key) is None for key in required):
         return None

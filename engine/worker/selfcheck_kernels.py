@@ -151,13 +151,21 @@ def check_attention(device: torch.device, dtype: torch.dtype, mc: ModelConfig, b
             raise Skip(f"the {backend.name} backend is the reference")
         step = mixed_step(mc, block_size, device, dtype)
         scale = mc.head_dim ** -0.5
-        cache_got, cache_ref = step.kv_layer.clone(), step.kv_layer.clone()
-        got = backend.forward(step.query, step.key, step.value, cache_got, step.meta(), scale)
-        ref = reference.forward(step.query, step.key, step.value, cache_ref, step.meta(), scale)
         nd = len(step.decode_lens)
-        return first_problem(mismatch("decode rows", got[:nd], ref[:nd], dtype),
-                      mismatch("prefill rows", got[nd:], ref[nd:], dtype),
-                      mismatch("kv cache", cache_got, cache_ref, dtype))
+        problems: list[str | None] = []
+        # Full attention, and a sliding window where the model's layers use one: narrowed to
+        # the probe's contexts (2 blocks and some) so that it masks something here.
+        for window in sorted({0} | {min(w, 2 * block_size + 5) for w in mc.windows if w}):
+            cache_got, cache_ref = step.kv_layer.clone(), step.kv_layer.clone()
+            got = backend.forward(step.query, step.key, step.value, cache_got, step.meta(),
+                                  scale, window)
+            ref = reference.forward(step.query, step.key, step.value, cache_ref, step.meta(),
+                                    scale, window)
+            where = f" (window {window})" if window else ""
+            problems += [mismatch("decode rows" + where, got[:nd], ref[:nd], dtype),
+                         mismatch("prefill rows" + where, got[nd:], ref[nd:], dtype),
+                         mismatch("kv cache" + where, cache_got, cache_ref, dtype)]
+        return first_problem(*problems)
 
     return run_check(f"attention[{dtype_name(dtype)}]", device, ("attention", "cuda_graphs"),
                      body)

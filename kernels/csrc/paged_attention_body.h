@@ -121,14 +121,17 @@ static inline __attribute__((always_inline)) const PA_T *PA_FN(block)(
  * ahead (pa_prefetch): blocks lie anywhere in the cache. */
 static inline __attribute__((always_inline)) void PA_FN(attend)(
     const float *restrict qf, const PA_T *restrict k_base, const PA_T *restrict v_base,
-    const int64_t *table, int64_t n, int64_t HC, int64_t G, int64_t token_stride,
-    int64_t block_stride, int64_t block_size, float scale, float *restrict scores,
-    float *restrict acc, const int64_t D)
+    const int64_t *table, int64_t n, int64_t first, int64_t HC, int64_t G,
+    int64_t token_stride, int64_t block_stride, int64_t block_size, float scale,
+    float *restrict scores, float *restrict acc, const int64_t D)
 {
+    /* Tokens first .. n - 1 are attended (first > 0: a sliding window); the blocks before
+     * first's are never read, and its block's earlier tokens are scored but left out. */
     const int64_t R = HC * G;
     const int64_t row_bytes = HC * D * (int64_t)sizeof(PA_T);
     const int64_t blocks = (n + block_size - 1) / block_size;
-    for (int64_t j = 0; j < blocks; j++) {
+    const int64_t j0 = first / block_size;
+    for (int64_t j = j0; j < blocks; j++) {
         const int64_t t0 = j * block_size;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
         const PA_T *kb = PA_FN(block)(k_base, table, j, blocks, block_stride, block_size,
@@ -138,37 +141,39 @@ static inline __attribute__((always_inline)) void PA_FN(attend)(
                                 scale, D);
         }
     }
-    pa_prefetch_rows(v_base + table[0] * block_stride, block_size, token_stride, row_bytes,
+    pa_prefetch_rows(v_base + table[j0] * block_stride, block_size, token_stride, row_bytes,
                      sizeof(PA_T));
     /* softmax per query row; exp_f32 vectorizes where the C library's expf does not */
     for (int64_t r = 0; r < R; r++) {
         float *row = scores + r * n;
-        float peak = row[0];
+        float peak = row[first];
 #pragma omp simd reduction(max : peak)
-        for (int64_t t = 1; t < n; t++) {
+        for (int64_t t = first + 1; t < n; t++) {
             peak = row[t] > peak ? row[t] : peak;
         }
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = first; t < n; t++) {
             row[t] = exp_f32(row[t] - peak);
             sum += row[t];
         }
         const float f = 1.0f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = first; t < n; t++) {
             row[t] *= f;
         }
     }
     /* o_r = sum_t p[r][t] v_t(head of r); a block's V rows stay in L1 across its rows */
-    for (int64_t j = 0; j < blocks; j++) {
+    for (int64_t j = j0; j < blocks; j++) {
         const int64_t t0 = j * block_size;
         const int64_t len = n - t0 < block_size ? n - t0 : block_size;
+        const int64_t skip = first > t0 ? first - t0 : 0; /* the window's first block */
         const PA_T *vb = PA_FN(block)(v_base, table, j, blocks, block_stride, block_size,
                                       token_stride, row_bytes);
         for (int64_t r = 0; r < R; r++) {
-            PA_FN(block_values)(scores + r * n + t0, vb + (r / G) * D, acc + r * D, len,
-                                token_stride, D);
+            PA_FN(block_values)(scores + r * n + t0 + skip,
+                                vb + skip * token_stride + (r / G) * D, acc + r * D,
+                                len - skip, token_stride, D);
         }
     }
 }
@@ -176,9 +181,9 @@ static inline __attribute__((always_inline)) void PA_FN(attend)(
 int PA_ATTENTION(
     const PA_T *q, const PA_T *kv, const int64_t *tables, const int64_t *lens, PA_T *out,
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, int64_t num_blocks,
-    int64_t max_blocks, float scale)
+    int64_t max_blocks, int64_t window, float scale)
 {
-    if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || block_size <= 0) {
+    if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || block_size <= 0 || window < 0) {
         return 1;
     }
     const int64_t G = Hq / Hkv;
@@ -232,8 +237,9 @@ int PA_ATTENTION(
                     qf[e] = PA_LOAD(qc[e]);
                 }
                 const int64_t *table = tables + b * max_blocks;
+                const int64_t first = window > 0 && n > window ? n - window : 0;
                 int bad_block = 0;
-                for (int64_t j = 0; j < (n + block_size - 1) / block_size; j++) {
+                for (int64_t j = first / block_size; j < (n + block_size - 1) / block_size; j++) {
                     bad_block |= table[j] < 0 || table[j] >= num_blocks;
                 }
                 if (bad_block) {
@@ -244,14 +250,14 @@ int PA_ATTENTION(
                 }
                 const PA_T *kh = kv + h0 * D, *vh = v_base + h0 * D;
                 if (D == 64) {
-                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
-                                  block_size, scale, scores, acc, 64);
+                    PA_FN(attend)(qf, kh, vh, table, n, first, HC, G, token_stride,
+                                  block_stride, block_size, scale, scores, acc, 64);
                 } else if (D == 128) {
-                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
-                                  block_size, scale, scores, acc, 128);
+                    PA_FN(attend)(qf, kh, vh, table, n, first, HC, G, token_stride,
+                                  block_stride, block_size, scale, scores, acc, 128);
                 } else {
-                    PA_FN(attend)(qf, kh, vh, table, n, HC, G, token_stride, block_stride,
-                                  block_size, scale, scores, acc, D);
+                    PA_FN(attend)(qf, kh, vh, table, n, first, HC, G, token_stride,
+                                  block_stride, block_size, scale, scores, acc, D);
                 }
                 PA_STORE_ROWS(o, acc, R * D);
             }

@@ -12,6 +12,8 @@
  *   tables [B, max_blocks]                    int64 block ids per sequence
  *   lens   [B]                                int64 context length, the new token included
  *   out    [B, Hq, D]
+ *   window > 0: each query sees only its context's last `window` tokens (a sliding window;
+ *          the blocks before it are not read); 0: the whole context.
  * Returns 0, 1 for a bad shape, 2 when out of memory, 3 for a block id outside the cache.
  * Query heads h * G .. h * G + G - 1 share KV head h (G = Hq / Hkv, grouped-query attention).
  *

@@ -1,6 +1,7 @@
-"""A Mistral checkpoint with a sliding window, on random weights: the engine serves it with
-max_model_len capped to the window, and within it computes what transformers computes with its
-sliding-window attention (prompt logprobs, float32)."""
+"""Sliding-window attention served whole (random weights): a Mistral whose every layer slides
+and a Qwen2 whose upper layers slide (max_window_layers), with windows far shorter than the
+prompt. The engine's prompt logprobs (prompt chunks after cached prefixes, so the window
+crosses the cache) and its greedy tokens past the window (decode) are transformers'."""
 
 from __future__ import annotations
 
@@ -9,22 +10,44 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh import LLM
-from tests.engine.test_tp_architectures import SMALL, engine_logprobs, transformers_logprobs
+from pdmesh import LLM, SamplingParams
+from tests.engine.test_tp_architectures import SMALL
 from tests.random_llama import write_random_llama
 
 pytestmark = [pytest.mark.slow]
 
-WINDOW = 16  # PROMPT_IDS are 15 tokens: all within it
+PROMPT = torch.randint(3, 49152, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+CASES = {
+    "mistral": {"sliding_window": 21},
+    "qwen2": {"sliding_window": 21, "use_sliding_window": True, "max_window_layers": 2},
+}
 
 
-def test_a_windowed_model_is_exact_within_its_window(tmp_path: Path) -> None:
-    model_dir = write_random_llama(tmp_path / "mistral", architecture="mistral",
-                                   sliding_window=WINDOW, **SMALL)
-    expected = transformers_logprobs(model_dir)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="32MiB")
-    assert llm.engine.max_model_len == WINDOW
-    torch.testing.assert_close(engine_logprobs(llm), expected, atol=2e-3, rtol=1e-3)
-    with pytest.raises(ValueError, match=f"sliding attention window of {WINDOW} tokens"):
-        LLM(str(model_dir), dtype="float32", kv_cache_memory="32MiB",
-            max_model_len=WINDOW * 2)
+@pytest.mark.parametrize("architecture", sorted(CASES))
+def test_a_sliding_window_computes_what_transformers_computes(tmp_path: Path,
+                                                              architecture: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_random_llama(tmp_path / architecture, architecture=architecture,
+                                   **SMALL, **CASES[architecture])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0, :-1].float()
+        greedy = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24,
+                             do_sample=False)[0, len(PROMPT):].tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    # 16-token chunks: each after a cached prefix the window reaches into.
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="32MiB",
+              max_num_batched_tokens=16, max_num_seqs=4, long_prefill_token_threshold=16)
+    try:
+        scored = llm.generate([{"prompt_token_ids": PROMPT}],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        generated = llm.generate([{"prompt_token_ids": PROMPT}],
+                                 SamplingParams(max_tokens=24, temperature=0.0,
+                                                ignore_eos=True))[0]
+    finally:
+        llm.engine.core.close()
+    got = torch.tensor([scored.prompt_logprobs[i][PROMPT[i]].logprob
+                        for i in range(1, len(PROMPT))])
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    assert list(generated.outputs[0].token_ids) == greedy

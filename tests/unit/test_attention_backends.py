@@ -192,23 +192,57 @@ def random_step(
     ],
 )
 @pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+@pytest.mark.parametrize("window", [0, 37, 5], ids=["full", "window37", "window5"])
 def test_cpu_backend_matches_reference_backend(kv_heads, group, block_size, decode_lens, chunks,
-                                               native, monkeypatch):
+                                               native, window, monkeypatch):
     if native and cpu_native.library() is None:
         pytest.skip("no C compiler: the native CPU kernels cannot be built here")
     if not native:
         monkeypatch.setattr(cpu_native, "supports", lambda *_: False)
     meta, kv, (q, k, v) = random_step(7, kv_heads, group, block_size, decode_lens, chunks)
     ref_cache = kv.clone()
-    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125, window)
     cpu = CpuAttentionBackend()
-    actual = cpu.forward(q, k, v, kv, meta, 0.125)
+    actual = cpu.forward(q, k, v, kv, meta, 0.125, window)
     assert torch.equal(kv, ref_cache)
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
-    # A second layer of the same step reuses what the first built, and still agrees.
+    # A second layer of the same step reuses what the first built, and still agrees; a layer
+    # of another window (models that mix them) gets its own masks.
     assert meta.step_cache or not decode_lens or native
-    again = cpu.forward(q, k, v, kv, meta, 0.125)
+    again = cpu.forward(q, k, v, kv, meta, 0.125, window)
     torch.testing.assert_close(again, expected, atol=1e-6, rtol=1e-5)
+    full = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    torch.testing.assert_close(cpu.forward(q, k, v, kv, meta, 0.125), full, atol=1e-6,
+                               rtol=1e-5)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int) -> torch.Tensor:
+    """Dense attention of the last `len(q)` positions under transformers' sliding mask
+    (`kv_idx <= q_idx` and `kv_idx > q_idx - window`), written out."""
+    ctx = k.shape[1]
+    positions = torch.arange(ctx - q.shape[0], ctx)[:, None]
+    keys = torch.arange(ctx)[None, :]
+    mask = (keys <= positions) & (keys > positions - window)
+    scores = torch.einsum("qhd,hkd->hqk", q, k) * scale
+    return torch.einsum("hqk,hkd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 100])
+def test_the_reference_window_is_transformers_sliding_mask(window: int) -> None:
+    """Query i sees keys i - window + 1 .. i: a chunk after a cached prefix, and a fresh
+    prompt (its own keys only), against dense attention under that mask."""
+    gen = torch.Generator().manual_seed(3)
+    ctx, chunk, heads, dim = 40, 13, 2, 8
+    q = torch.randn(chunk, heads, dim, generator=gen)
+    k = torch.randn(heads, ctx, dim, generator=gen)
+    v = torch.randn(heads, ctx, dim, generator=gen)
+    torch.testing.assert_close(torch_ref.prefill_attention_one(q, k, v, 0.5, window),
+                               masked_attention(q, k, v, 0.5, window), atol=1e-5, rtol=1e-5)
+    fresh_k, fresh_v = k[:, :chunk], v[:, :chunk]
+    torch.testing.assert_close(torch_ref.prefill_attention_one(q, fresh_k, fresh_v, 0.5, window),
+                               masked_attention(q, fresh_k, fresh_v, 0.5, window),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("head_dim", "block_size", "dtype"), [

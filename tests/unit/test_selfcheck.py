@@ -134,10 +134,10 @@ class _ShortContext(TorchAttentionBackend):
 
     name = "short-context"
 
-    def forward(self, query, key, value, kv_layer, meta, scale):  # type: ignore[no-untyped-def]
+    def forward(self, query, key, value, kv_layer, meta, scale, window=0):  # type: ignore[no-untyped-def]
         short = dataclasses.replace(meta, decode_seq_lens=(meta.decode_seq_lens - 1).clamp(1),
                                     step_cache={})
-        return super().forward(query, key, value, kv_layer, short, scale)
+        return super().forward(query, key, value, kv_layer, short, scale, window)
 
 
 class _NextSlot(TorchAttentionBackend):
@@ -145,12 +145,21 @@ class _NextSlot(TorchAttentionBackend):
 
     name = "next-slot"
 
-    def forward(self, query, key, value, kv_layer, meta, scale):  # type: ignore[no-untyped-def]
-        out = super().forward(query, key, value, kv_layer.clone(), meta, scale)
+    def forward(self, query, key, value, kv_layer, meta, scale, window=0):  # type: ignore[no-untyped-def]
+        out = super().forward(query, key, value, kv_layer.clone(), meta, scale, window)
         slots = kv_layer.shape[1] * kv_layer.shape[2]
         shifted = dataclasses.replace(meta, slot_mapping=(meta.slot_mapping + 1) % slots)
-        super().forward(query, key, value, kv_layer, shifted, scale)
+        super().forward(query, key, value, kv_layer, shifted, scale, window)
         return out
+
+
+class _NoWindow(TorchAttentionBackend):
+    """Attends over the whole context whatever the layer's window."""
+
+    name = "no-window"
+
+    def forward(self, query, key, value, kv_layer, meta, scale, window=0):  # type: ignore[no-untyped-def]
+        return super().forward(query, key, value, kv_layer, meta, scale)
 
 
 class _Raises(TorchAttentionBackend):
@@ -158,6 +167,15 @@ class _Raises(TorchAttentionBackend):
 
     def forward(self, *args: object) -> torch.Tensor:
         raise RuntimeError("Failed to find C compiler")
+
+
+def test_a_backend_that_ignores_sliding_windows_fails_for_a_model_with_them() -> None:
+    windowed = dataclasses.replace(MC, windows=(4096,) * MC.num_layers)
+    assert check_attention(CPU, torch.float32, MC, 16, _NoWindow()).outcome == "pass"
+    result = check_attention(CPU, torch.float32, windowed, 16, _NoWindow())
+    assert result.failed and "(window 37)" in result.detail, result.detail
+    cpu = get_attention_backend("cpu", CPU)
+    assert check_attention(CPU, torch.float32, windowed, 16, cpu).outcome == "pass"
 
 
 def test_the_cpu_attention_backend_passes_on_a_mixed_step() -> None:

@@ -118,12 +118,14 @@ class DecodeCase:
     seq_lens: tuple[int, ...]
     num_splits: int | None  # None: the kernel's own choice
     dtype: torch.dtype
+    window: int = 0  # a sliding window; 0: full attention
 
     @property
     def name(self) -> str:
         return (
             f"decode-d{self.head_dim}-g{self.group}-kv{self.kv_heads}-bs{self.block_size}-"
             f"len{'_'.join(map(str, self.seq_lens))}-s{self.num_splits}-{str(self.dtype)[6:]}"
+            + (f"-w{self.window}" if self.window else "")
         )
 
     def run(self, tk: ModuleType) -> None:
@@ -134,7 +136,8 @@ class DecodeCase:
         query = torch.randn(len(lens), hq, self.head_dim, generator=gen).to(self.dtype)
         scale = self.head_dim**-0.5
         expected = torch_ref.paged_decode_attention(
-            query.float(), paged.kv_layer.float(), paged.block_tables, torch.tensor(lens), scale
+            query.float(), paged.kv_layer.float(), paged.block_tables, torch.tensor(lens), scale,
+            self.window,
         )
         actual = tk.paged_decode_attention(
             query,
@@ -143,6 +146,7 @@ class DecodeCase:
             torch.tensor(lens),
             scale,
             num_splits=self.num_splits,
+            window=self.window,
         )
         assert actual.dtype == self.dtype
         close(actual, expected, self.dtype)
@@ -159,6 +163,11 @@ DECODE_CASES = [
     # More splits than the short sequence has blocks: empty splits must weigh nothing.
     DecodeCase(64, 3, 1, 16, (130, 2), 9, F32),
     DecodeCase(64, 8, 2, 16, (300, 45, 7), None, BF16),
+    # Sliding windows: splits wholly before the window read nothing and weigh nothing; a
+    # window inside one block, one across several, one wider than a context.
+    DecodeCase(64, 3, 1, 16, (130, 2, 40), 9, F32, window=20),
+    DecodeCase(64, 3, 1, 16, (130, 17), 1, F32, window=5),
+    DecodeCase(128, 8, 1, 32, (200, 65), None, BF16, window=70),
 ]
 for _c in DECODE_CASES:
     case(_c.name)(_c.run)
@@ -172,13 +181,14 @@ class PrefillCase:
     block_size: int
     chunks: tuple[tuple[int, int], ...]  # (context length incl. the chunk, chunk length)
     dtype: torch.dtype
+    window: int = 0  # a sliding window; 0: full attention
 
     @property
     def name(self) -> str:
         chunks = "_".join(f"{c}-{n}" for c, n in self.chunks)
         return (
             f"prefill-d{self.head_dim}-g{self.group}-kv{self.kv_heads}-bs{self.block_size}-"
-            f"ctx{chunks}-{str(self.dtype)[6:]}"
+            f"ctx{chunks}-{str(self.dtype)[6:]}" + (f"-w{self.window}" if self.window else "")
         )
 
     def run(self, tk: ModuleType) -> None:
@@ -200,7 +210,7 @@ class PrefillCase:
         full = paged.kv_layer.float().clone()
         torch_ref.reshape_and_cache(key.float(), value.float(), full, torch.tensor(slots))
         expected = torch_ref.paged_prefill_attention(
-            query.float(), full, paged.block_tables, qsl, ctx, scale
+            query.float(), full, paged.block_tables, qsl, ctx, scale, self.window
         )
         actual = tk.paged_prefill_attention(
             query,
@@ -212,6 +222,8 @@ class PrefillCase:
             torch.tensor(ctx, dtype=torch.int32),
             max(n for _, n in self.chunks),
             scale,
+            block_m=16,
+            window=self.window,
         )
         close(actual, expected, self.dtype)
 
@@ -223,6 +235,12 @@ PREFILL_CASES = [
     PrefillCase(64, 8, 1, 16, ((19, 19), (50, 3)), BF16),
     PrefillCase(128, 3, 1, 32, ((45, 12),), BF16),
     PrefillCase(64, 3, 2, 16, ((90, 40), (16, 16), (33, 1)), F32),
+    # Sliding windows: prefix blocks and chunk tiles wholly outside a row's window, a window
+    # narrower than a tile, and one wider than every context.
+    PrefillCase(64, 3, 2, 16, ((90, 40), (16, 16), (33, 1)), F32, window=20),
+    PrefillCase(64, 1, 1, 16, ((70, 50), (40, 40)), F32, window=3),
+    PrefillCase(128, 8, 1, 32, ((100, 35),), BF16, window=37),
+    PrefillCase(64, 3, 1, 16, ((45, 12),), F32, window=500),
 ]
 for _c in PREFILL_CASES:
     case(_c.name)(_c.run)
@@ -356,10 +374,12 @@ def test_compiled_kernels_on_cuda():
     tables = torch.randperm(64, device="cuda", generator=g)[:60].view(4, 15)
     lens = torch.tensor([1, 77, 200, 240], device="cuda")
     q = torch.randn(4, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-    ref = torch_ref.paged_decode_attention(q.float(), kv.float(), tables, lens, 0.1)
-    for splits in (1, 4):
-        out = tk.paged_decode_attention(q, kv, tables, lens, 0.1, num_splits=splits)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    for window in (0, 50, 7):  # full attention, sliding windows across and inside blocks
+        ref = torch_ref.paged_decode_attention(q.float(), kv.float(), tables, lens, 0.1, window)
+        for splits in (1, 4):
+            out = tk.paged_decode_attention(q, kv, tables, lens, 0.1, num_splits=splits,
+                                            window=window)
+            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.slow

@@ -41,11 +41,9 @@ MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 
 
 def sliding_window(hf: object) -> int | None:
-    """The attention window a checkpoint's layers use, or None for full attention: Mistral's
-    `sliding_window` (v0.1: 4096; null from v0.2), Qwen2's only with `use_sliding_window`.
-    pdmesh computes full attention, which is the same thing for sequences within the window,
-    so the engine caps max_model_len to it (engine/core/startup.py), as vLLM does under
-    --disable-sliding-window: exact outputs, shorter contexts."""
+    """The attention window a checkpoint's sliding layers use, or None for full attention:
+    Mistral's `sliding_window` (v0.1: 4096; null from v0.2), Qwen2's only with
+    `use_sliding_window`. Which layers slide: `layer_windows`."""
     model_type = getattr(hf, "model_type", "")
     default = MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None
     window = getattr(hf, "sliding_window", default)
@@ -53,6 +51,25 @@ def sliding_window(hf: object) -> int | None:
                       and not getattr(hf, "use_sliding_window", False)):
         return None
     return int(window)
+
+
+def layer_windows(hf: object, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding attention window in tokens, 0 for full attention: the config's
+    `layer_types` where it lists them (transformers fills them in), else Qwen's rule (layers
+    from `max_window_layers` on slide), else every layer alike. The attention kernels mask
+    keys outside the window (kernels/torch_ref.py), so the whole context is served."""
+    window = sliding_window(hf)
+    if not window:
+        return (0,) * num_layers
+    types = getattr(hf, "layer_types", None)
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"model: layer_types lists {len(types)} layers of {num_layers}")
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    if getattr(hf, "model_type", "").startswith("qwen"):
+        first = int(getattr(hf, "max_window_layers", 0) or 0)
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    return (window,) * num_layers
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,10 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     moe: MoeSpec | None = None  # the experts of a mixture-of-experts model
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: full); empty: all full
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     @property
     def moe_intermediate_size(self) -> int:
@@ -117,6 +138,7 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=model_type in _QK_NORM_TYPES,
             moe=MoeSpec.from_hf(hf, hf.num_hidden_layers),
+            windows=layer_windows(hf, hf.num_hidden_layers),
         )
 
 
@@ -189,8 +211,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, tp: TensorParallel,
+                 window: int = 0) -> None:
         super().__init__()
+        self.window = window  # a sliding window in tokens; 0: full attention
         self.num_heads, self.num_kv_heads, self.head_dim = (
             shard.q_heads.size,
             shard.kv_heads.size,
@@ -226,7 +250,7 @@ class Attention(nn.Module):
             q = self._head_norm(q, self.q_norm, ops)
             k = self._head_norm(k, self.k_norm, ops)
         ops.rope_(q, k, *cos_sin)  # in place (inside the QKV output, without QK norms)
-        out = backend.forward(q, k, v, kv_layer, meta, self.scale)
+        out = backend.forward(q, k, v, kv_layer, meta, self.scale, self.window)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
     def _head_norm(self, x: torch.Tensor, norm: RMSNorm, ops: LayerOps) -> torch.Tensor:
@@ -267,7 +291,7 @@ class DecoderLayer(nn.Module):
                  index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, tp)
+        self.self_attn = Attention(cfg, shard, tp, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = layer_mlp(cfg, shard, tp, index)
 
