@@ -149,6 +149,10 @@ class EngineConfig:
         "a JSON object merged over the model's config.json before the engine reads it "
         "(vLLM's flag), e.g. '{\"max_position_embeddings\": 4096}'; the offline LLM also "
         "takes a dict (engine/hf_overrides.py)"))
+    quantization: str | None = field(default=None, metadata=about(
+        "the checkpoint's quantization method, checked against its config.json (vLLM's flag): "
+        "pdmesh reads it from the checkpoint (fp8: dequantized to --dtype at load) and never "
+        "quantizes an unquantized one", aliases=("-q",)))
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=about(
         "auto: the checkpoint's safetensors; dummy: random weights of the model's shape "
         "(benchmarks of shapes nobody downloaded; the outputs are noise)"))

@@ -39,8 +39,8 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--max-loras": _LORA,
     "--max-lora-rank": _LORA,
     "--max-cpu-loras": _LORA,
-    "--quantization": "pdmesh reads a checkpoint's quantization from its config.json (fp8 "
-                      "checkpoints are dequantized to --dtype at load) and never quantizes one",
+    "--enable-expert-parallel": "experts are split over --tensor-parallel-size ranks by "
+                                "their columns; placing whole experts on ranks is not built",
     "--code-revision": "pdmesh runs its own model code, never a repo's",
     "--speculative-config": "no speculative decoding yet",
     "--kv-transfer-config": "pdmesh moves KV between its own prefill and decode engines "
@@ -110,7 +110,7 @@ SAME_AS_PDMESH: dict[str, SameAsPdmesh] = {
     "--cpu-offload-gb": SameAsPdmesh("weights stay on the engine's device", ("0",)),
 }
 
-SHORT_FORMS: dict[str, str] = {"-q": "--quantization", "-pp": "--pipeline-parallel-size",
+SHORT_FORMS: dict[str, str] = {"-pp": "--pipeline-parallel-size", "-ep": "--enable-expert-parallel",
                                "-dp": "--data-parallel-size", "-asc": "--api-server-count",
                                "-dcp": "--decode-context-parallel-size",
                                "-pcp": "--prefill-context-parallel-size"}

@@ -102,7 +102,7 @@ def set_up_engine(config: EngineConfig, connector: KVConnectorConfig | None = No
         overrides = {**overrides, "sliding_window": None}
     model, model_config, hf_config = load_model(
         model_dir, dtype, device, max_positions, load_format=config.load_format, tp=tp,
-        hf_overrides=overrides)
+        hf_overrides=overrides, quantization=config.quantization)
     scheme = HashScheme(block_size=config.block_size, algorithm=config.hash_algorithm,
                         root_seed=config.hash_root_seed)
     mc = model_config

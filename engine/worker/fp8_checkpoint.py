@@ -63,6 +63,17 @@ class Fp8Checkpoint:
         return cls((int(block[0]), int(block[1])))
 
 
+def check_requested(requested: str | None, scheme: Fp8Checkpoint | None) -> None:
+    """vLLM's --quantization: ValueError unless it names the checkpoint's own method (pdmesh
+    never quantizes an unquantized checkpoint at load)."""
+    if requested is None or (requested == "fp8" and scheme is not None):
+        return
+    found = "fp8" if scheme is not None else "none (an unquantized checkpoint)"
+    raise ValueError(f"--quantization {requested}: the checkpoint's quantization is {found}; "
+                     "pdmesh serves a checkpoint as it was saved (fp8 dequantized to --dtype) "
+                     "and never quantizes one at load")
+
+
 def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIXES)
 

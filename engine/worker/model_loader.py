@@ -40,6 +40,7 @@ from safetensors import safe_open
 from pdmesh.engine.hf_overrides import apply_hf_overrides
 from pdmesh.engine.worker.fp8_checkpoint import (
     Fp8Checkpoint,
+    check_requested,
     dequantize,
     dequantized_state,
     is_dropped,
@@ -329,6 +330,7 @@ def load_model(
     seed: int = 0,
     tp: TensorParallel = SINGLE,
     hf_overrides: Mapping[str, Any] | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig, object]:
     """Our model of the config in `model_dir`, on `device` in `dtype`: with `tp`, this rank's
     shard of it.
@@ -336,13 +338,15 @@ def load_model(
     `load_format` is vLLM's: "auto" reads the checkpoint's safetensors, "dummy" initialises
     random weights from `seed` (benchmarks of shapes nobody downloaded; the outputs are noise).
     `hf_overrides` (`--hf-overrides`) are merged over config.json first. An FP8 checkpoint's
-    weights are multiplied out into `dtype` as they are read (engine/worker/fp8_checkpoint.py).
+    weights are multiplied out into `dtype` as they are read (engine/worker/fp8_checkpoint.py);
+    `quantization` (`--quantization`) must name the checkpoint's method.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     hf = load_hf_config(model_dir, hf_overrides)
     cfg = ModelConfig.from_hf(hf)
     fp8 = Fp8Checkpoint.of(hf)
+    check_requested(quantization, fp8)
     inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
     rope = RotaryEmbedding(inv_freq, scaling, max_positions)
     shard = ModelShard.of(cfg, tp.rank, tp.world_size)

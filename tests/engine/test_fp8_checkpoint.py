@@ -32,7 +32,8 @@ def fp8_model(dest: Path, architecture: str) -> tuple[Path, torch.Tensor]:
 def test_fp8_weights_compute_what_transformers_computes(tmp_path: Path,
                                                         architecture: str) -> None:
     model_dir, expected = fp8_model(tmp_path / architecture, architecture)
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="32MiB")
+    # vLLM's --quantization naming the checkpoint's method is taken.
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="32MiB", quantization="fp8")
     torch.testing.assert_close(engine_logprobs(llm), expected, atol=2e-3, rtol=1e-3)
 
 

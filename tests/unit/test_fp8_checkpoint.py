@@ -92,3 +92,19 @@ def test_the_scheme_is_read_from_the_config(config: dict | None,
 def test_other_schemes_are_refused_by_name(config: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         Fp8Checkpoint.of(SimpleNamespace(quantization_config=config))
+
+
+def test_quantization_flag_must_name_the_checkpoints_own_method() -> None:
+    """vLLM's --quantization: taken when it names what the checkpoint is; pdmesh never
+    quantizes an unquantized checkpoint at load, nor serves one as another method."""
+    from pdmesh.engine.worker.fp8_checkpoint import check_requested
+
+    check_requested(None, None)
+    check_requested(None, Fp8Checkpoint((128, 128)))
+    check_requested("fp8", Fp8Checkpoint((128, 128)))
+    with pytest.raises(ValueError, match="--quantization fp8: the checkpoint's quantization "
+                                         "is none"):
+        check_requested("fp8", None)
+    with pytest.raises(ValueError, match="--quantization awq: the checkpoint's quantization "
+                                         "is fp8"):
+        check_requested("awq", Fp8Checkpoint(None))

@@ -38,7 +38,7 @@ def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--enable-lora"], ["--quantization", "awq"], ["-q", "gptq"], ["--code-revision", "main"],
+    ["--enable-lora"], ["--enable-expert-parallel"], ["--code-revision", "main"],
     ["--enable-sleep-mode"], ["--lora-modules", "a=b"], ["--speculative-config", "{}"],
 ])
 def test_an_unsupported_vllm_flag_is_named_in_one_line(
@@ -78,7 +78,7 @@ def test_vllm_flags_that_ask_for_what_pdmesh_does_are_taken() -> None:
      "--override-generation-config must be a JSON object"),
     (["--default-chat-template-kwargs", "{\"tools\": 1}"],
      "--default-chat-template-kwargs: tools cannot be set here"),
-    (["-ep"], "-ep is a vLLM flag pdmesh does not support yet"),
+    (["-ep"], "-ep is not supported yet: experts are split over --tensor-parallel-size ranks"),
     (["--hf-overrides", '{"model_type": "gemma"}'], "--hf-overrides cannot set model_type"),
 ])
 def test_what_pdmesh_does_otherwise_is_one_line(capsys: pytest.CaptureFixture[str],
