@@ -41,7 +41,8 @@ import torch
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.worker.model_loader import hf_state_dict, load_model
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM
 
 VOCAB = 49152  # SmolLM2's tokenizer, whose files every model directory gets a copy of
 

@@ -32,7 +32,7 @@ from pdmesh.engine.engine_request import EngineRequest
 from pdmesh.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdmesh.engine.scheduling.scheduler import Scheduler
 from pdmesh.engine.scheduling.sequence import Sequence, SequenceStatus
-from pdmesh.engine.worker.models.llama import ModelConfig
+from pdmesh.engine.worker.models.architecture import ModelConfig
 from pdmesh.engine.worker.sampler import skip_one_draw
 from pdmesh.kvstore.connector.connector import KVConnector
 

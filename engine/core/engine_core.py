@@ -59,7 +59,7 @@ from pdmesh.engine.scheduling.step_cost import (
 )
 from pdmesh.engine.worker.in_flight import InFlightStep
 from pdmesh.engine.worker.model_runner import ModelRunner
-from pdmesh.engine.worker.models.llama import ModelConfig
+from pdmesh.engine.worker.models.architecture import ModelConfig
 from pdmesh.engine.worker.sampler import Sampler
 from pdmesh.engine.worker.selfcheck import (
     apply_fallbacks,

@@ -48,13 +48,8 @@ from pdmesh.engine.worker.fp8_checkpoint import (
     keeps_stored_dtype,
     scale_names,
 )
-from pdmesh.engine.worker.models.llama import (
-    DENSE_MODEL_TYPES,
-    LlamaForCausalLM,
-    ModelConfig,
-    RotaryEmbedding,
-    rope_inv_freq,
-)
+from pdmesh.engine.worker.models.architecture import DENSE_MODEL_TYPES, ModelConfig, rope_inv_freq
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.engine.worker.parallel.sharding import ModelShard
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdmesh.engine.sampling_params import SamplingParams
-from pdmesh.engine.worker.models.llama import ModelConfig
+from pdmesh.engine.worker.models.architecture import ModelConfig
 from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from pdmesh.engine.worker.selfcheck_result import (
     CheckResult,

@@ -32,7 +32,8 @@ from pdmesh.engine.worker.cuda_graphs import (
     padded_size,
 )
 from pdmesh.engine.worker.model_runner import ModelRunner
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
 from tests.random_llama import write_random_llama
 from tests.triton_interpreter import outcomes_of, run_cases

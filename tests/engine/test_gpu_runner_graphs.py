@@ -37,7 +37,8 @@ from pdmesh.engine.worker.cuda_graphs import (
     split_plans,
 )
 from pdmesh.engine.worker.model_runner import ModelRunner
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
 from tests.engine.test_cuda_graphs import drive, prompts_of
 from tests.triton_interpreter import outcomes_of, run_cases

@@ -25,7 +25,8 @@ from pdmesh.engine.worker.model_loader import (
     load_model,
     release_free_heap,
 )
-from pdmesh.engine.worker.models.llama import ModelConfig, pack_linears, rope_inv_freq
+from pdmesh.engine.worker.models.architecture import ModelConfig, rope_inv_freq
+from pdmesh.engine.worker.models.llama import pack_linears
 from pdmesh.engine.worker.models.packed_linear import can_pack_linears
 from tests.unit.test_dummy_load import write_config
 

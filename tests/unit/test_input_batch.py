@@ -22,7 +22,8 @@ from pdmesh.engine.scheduling.scheduler import ScheduledSeq
 from pdmesh.engine.scheduling.sequence import Sequence
 from pdmesh.engine.worker.input_batch import InputBatch
 from pdmesh.engine.worker.model_runner import ModelRunner, StepInputs
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.kernels.backend_selection import get_attention_backend
 
 pytestmark = pytest.mark.fast

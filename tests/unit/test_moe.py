@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pdmesh.engine.worker.models.architecture import MoeSpec
 from pdmesh.engine.worker.models.moe import (
-    MoeSpec,
     SparseMoe,
     grouped_linear,
     loop_linear,
@@ -55,7 +55,8 @@ def hf_block(model_type: str, norm_topk_prob: bool = False) -> tuple[torch.nn.Mo
 
 def ours_of(block: torch.nn.Module, config: object) -> SparseMoe:
     """Our SparseMoe holding `block`'s weights (the shared expert's gate/up fused, gate first)."""
-    from pdmesh.engine.worker.models.llama import MLP, ModelConfig
+    from pdmesh.engine.worker.models.architecture import ModelConfig
+    from pdmesh.engine.worker.models.llama import MLP
 
     spec = MoeSpec.from_hf(config, 1)
     assert spec is not None

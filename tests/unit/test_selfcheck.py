@@ -24,7 +24,8 @@ from pdmesh.engine.config import EngineConfig
 from pdmesh.engine.core_types import SELFCHECK_FEATURES
 from pdmesh.engine.sampling_params import SamplingParams
 from pdmesh.engine.worker import selfcheck, selfcheck_kernels, selfcheck_probe
-from pdmesh.engine.worker.models.llama import LlamaForCausalLM, ModelConfig, RotaryEmbedding
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.engine.worker.sampler import Sampler, SamplingMetadata
 from pdmesh.engine.worker.selfcheck import (
     SelfCheckError,

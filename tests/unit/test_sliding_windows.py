@@ -13,7 +13,7 @@ import pytest
 
 from pdmesh.engine.core.startup import model_max_positions
 from pdmesh.engine.worker.model_loader import load_hf_config
-from pdmesh.engine.worker.models.llama import ModelConfig
+from pdmesh.engine.worker.models.architecture import ModelConfig
 
 pytestmark = pytest.mark.fast
 

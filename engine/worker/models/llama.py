@@ -17,156 +17,17 @@ engine/worker/models/moe.py's `SparseMoe`, split the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from pdmesh.engine.worker.models.moe import MOE_MODEL_TYPES, MoeSpec, SparseMoe
+from pdmesh.engine.worker.models.architecture import ModelConfig
+from pdmesh.engine.worker.models.moe import SparseMoe
 from pdmesh.engine.worker.models.packed_linear import PackedLinear
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.engine.worker.parallel.sharding import ModelShard
 from pdmesh.engine.worker.parallel.vocab import embed, gather_logits
 from pdmesh.kernels.backend import AttentionBackend, AttentionMetadata
 from pdmesh.kernels.layer_ops import LayerOps, TorchLayerOps
-
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
-_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v always biased (Qwen2-MoE: `qkv_bias`)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-
-
-MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
-"""transformers' MistralConfig default: a mistral config.json without `sliding_window` gets it."""
-
-
-def sliding_window(hf: object) -> int | None:
-    """The attention window a checkpoint's sliding layers use, or None for full attention:
-    Mistral's `sliding_window` (v0.1: 4096; null from v0.2), Qwen2's only with
-    `use_sliding_window`. Which layers slide: `layer_windows`."""
-    model_type = getattr(hf, "model_type", "")
-    default = MISTRAL_DEFAULT_SLIDING_WINDOW if model_type == "mistral" else None
-    window = getattr(hf, "sliding_window", default)
-    if not window or (model_type.startswith("qwen")
-                      and not getattr(hf, "use_sliding_window", False)):
-        return None
-    return int(window)
-
-
-def layer_windows(hf: object, num_layers: int) -> tuple[int, ...]:
-    """Each layer's sliding attention window in tokens, 0 for full attention: the config's
-    `layer_types` where it lists them (transformers fills them in), else Qwen's rule (layers
-    from `max_window_layers` on slide), else every layer alike. The attention kernels mask
-    keys outside the window (kernels/torch_ref.py), so the whole context is served."""
-    window = sliding_window(hf)
-    if not window:
-        return (0,) * num_layers
-    types = getattr(hf, "layer_types", None)
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"model: layer_types lists {len(types)} layers of {num_layers}")
-        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
-    if getattr(hf, "model_type", "").startswith("qwen"):
-        first = int(getattr(hf, "max_window_layers", 0) or 0)
-        return tuple(window if i >= first else 0 for i in range(num_layers))
-    return (window,) * num_layers
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the worker needs, read from a HF config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
-    moe: MoeSpec | None = None  # the experts of a mixture-of-experts model
-    windows: tuple[int, ...] = ()  # each layer's sliding window (0: full); empty: all full
-
-    def window(self, layer: int) -> int:
-        return self.windows[layer] if self.windows else 0
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.moe.intermediate_size if self.moe else 0
-
-    @property
-    def shared_expert_intermediate_size(self) -> int:
-        return self.moe.shared_intermediate_size if self.moe else 0
-
-    @property
-    def active_intermediate_size(self) -> int:
-        """The MLP width a token computes: a MoE token's experts', else the dense MLP's."""
-        return self.moe.active_intermediate_size if self.moe else self.intermediate_size
-
-    @classmethod
-    def from_hf(cls, hf: object) -> ModelConfig:
-        model_type = getattr(hf, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model: architecture {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: hidden_act {hf.hidden_act!r} is not supported (silu only)")
-        heads = hf.num_attention_heads
-        qkv_bias = (bool(getattr(hf, "qkv_bias", True)) if model_type in _QKV_BIAS_TYPES
-                    else bool(getattr(hf, "attention_bias", False)))
-        return cls(
-            model_type=model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=model_type in _QK_NORM_TYPES,
-            moe=MoeSpec.from_hf(hf, hf.num_hidden_layers),
-            windows=layer_windows(hf, hf.num_hidden_layers),
-        )
-
-
-def rope_inv_freq(hf: object, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scaling for the config's RoPE variant.
-
-    Scaled variants (linear, llama3, yarn, ...) come from transformers' own table so that
-    we match the reference implementation exactly.
-    """
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"model: partial RoPE (partial_rotary_factor {partial}) is not supported")
-    if rope_type == "longrope":  # its factors switch with the sequence's length: not a table
-        raise ValueError("model: longrope RoPE scaling is not supported")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        return inv, 1.0
-    if rope_type == "dynamic":
-        raise ValueError("model: dynamic NTK RoPE scaling is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"model: RoPE type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf)
-    return inv.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):

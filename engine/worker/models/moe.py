@@ -24,61 +24,16 @@ beside the experts, scaled per token by a sigmoid gate before that same all-redu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdmesh.engine.worker.models.architecture import MoeSpec
 from pdmesh.engine.worker.parallel.group import TensorParallel
 from pdmesh.kernels.layer_ops import LayerOps
 
 logger = logging.getLogger(__name__)
-
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """The experts of a checkpoint: how many, how many a token uses, and their widths."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # one expert's MLP width
-    renormalize: bool  # the top-k weights rescaled to sum to one (Mixtral; Qwen's norm_topk_prob)
-    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (Qwen's mlp_only_layers)
-
-    @classmethod
-    def from_hf(cls, hf: object, num_layers: int) -> MoeSpec | None:
-        """The spec of a MoE config; None for a dense model type."""
-        model_type = getattr(hf, "model_type", "")
-        if model_type not in MOE_MODEL_TYPES:
-            return None
-        experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
-        top_k = getattr(hf, "num_experts_per_tok", None)
-        if not experts or not top_k or not 0 < int(top_k) <= int(experts):
-            raise ValueError(f"model: {model_type} needs num_experts_per_tok in 1..num_experts "
-                             f"(got {top_k} of {experts})")
-        if model_type == "mixtral":
-            return cls(int(experts), int(top_k), int(hf.intermediate_size), renormalize=True)
-        step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
-        only_dense = set(getattr(hf, "mlp_only_layers", None) or ())
-        dense = tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step)
-        shared = getattr(hf, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" \
-            else 0
-        return cls(int(experts), int(top_k), int(hf.moe_intermediate_size),
-                   renormalize=bool(getattr(hf, "norm_topk_prob", False)),
-                   shared_intermediate_size=int(shared or 0), dense_layers=dense)
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer not in self.dense_layers
-
-    @property
-    def active_intermediate_size(self) -> int:
-        """The MLP width one token's sparse layer computes (what its FLOPs scale with)."""
-        return self.top_k * self.intermediate_size + self.shared_intermediate_size
-
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
