@@ -56,13 +56,13 @@ def tokenizer_dir() -> Path:
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
-                 "qwen3_moe")
+                 "qwen3_moe", "gemma3_text")
 """The model types the engine runs (engine/worker/models/llama.py): Qwen2 adds q/k/v biases,
 Qwen3 per-head q/k norms, Phi-3 stores q/k/v and gate/up fused, the last three have experts
 (engine/worker/models/moe.py)."""
 
 _CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                "phi3": "Phi3",
+                "phi3": "Phi3", "gemma3_text": "Gemma3Text",
                 "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
 
 MOE_SHAPE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 128,
@@ -94,7 +94,8 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
     config = getattr(transformers, f"{name}Config")(
         **{**SHAPES[shape], **_moe_defaults(architecture), **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model_class = "Gemma3ForCausalLM" if architecture == "gemma3_text" else f"{name}ForCausalLM"
+    model = getattr(transformers, model_class)(config).eval()
     if architecture in ("qwen2", "qwen2_moe"):  # transformers zeroes biases: make them count
         with torch.no_grad():
             for module in model.modules():
@@ -105,6 +106,11 @@ def write_random_llama(dest: Path, shape: str = "smollm2-135m", *, seed: int = 0
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.normal_(1.0, 0.2)
+    if architecture == "gemma3_text":  # norms start at 0 (x * (1 + w)): make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
     if architecture in ("mixtral", "qwen2_moe", "qwen3_moe"):  # routers start at zero
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -342,12 +342,14 @@ def load_model(
     cfg = ModelConfig.from_hf(hf)
     fp8 = Fp8Checkpoint.of(hf)
     check_requested(quantization, fp8)
-    inv_freq, scaling = rope_inv_freq(hf, cfg.head_dim)
-    rope = RotaryEmbedding(inv_freq, scaling, max_positions)
+    rope = RotaryEmbedding(*rope_inv_freq(hf, cfg.head_dim), max_positions)
     shard = ModelShard.of(cfg, tp.rank, tp.world_size)
     with meta_without_init():
         model = LlamaForCausalLM(cfg, None, shard, tp)
     model.rope = rope
+    if any(cfg.local_rope_layers):
+        model.local_rope = RotaryEmbedding(
+            *rope_inv_freq(hf, cfg.head_dim, "sliding_attention"), max_positions)
     if load_format == "dummy":
         state = dummy_state(model, dtype, device, seed)
     elif not shard.is_whole:
@@ -493,6 +495,9 @@ def _fused_checked(state: dict[str, torch.Tensor], model: LlamaForCausalLM, cfg:
             _stack_experts(state, prefix + "mlp.experts.", cfg.moe.num_experts)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if cfg.norm_offset:  # Gemma stores a norm's weight as w in x * (1 + w)
+        for name in [n for n in state if n.endswith("norm.weight")]:
+            state[name] = state[name] + cfg.norm_offset
     expected = {
         k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
     }
@@ -534,6 +539,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             if not cfg.tie_word_embeddings:
                 state[name] = tensor
             continue
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor - cfg.norm_offset  # a copy: Gemma's stored form
         if not name.startswith("layers."):
             state[f"model.{name}"] = tensor
             continue

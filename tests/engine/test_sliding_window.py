@@ -1,7 +1,10 @@
-"""Sliding-window attention served whole (random weights): a Mistral whose every layer slides
-and a Qwen2 whose upper layers slide (max_window_layers), with windows far shorter than the
-prompt. The engine's prompt logprobs (prompt chunks after cached prefixes, so the window
-crosses the cache) and its greedy tokens past the window (decode) are transformers'."""
+"""Sliding-window attention served whole (random weights): a Mistral whose every layer slides,
+a Qwen2 whose upper layers slide (max_window_layers), and a Gemma 3 whose sliding and full
+layers alternate, each kind on its own RoPE (and with Gemma's sandwich norms, 1 + w norm
+weights, scaled embeddings, query_pre_attn_scalar and soft-capped logits), with windows far
+shorter than the prompt. The engine's prompt logprobs (prompt chunks after cached prefixes,
+so the window crosses the cache) and its greedy tokens past the window (decode) are
+transformers'."""
 
 from __future__ import annotations
 
@@ -20,6 +23,12 @@ PROMPT = torch.randint(3, 49152, (70,), generator=torch.Generator().manual_seed(
 CASES = {
     "mistral": {"sliding_window": 21},
     "qwen2": {"sliding_window": 21, "use_sliding_window": True, "max_window_layers": 2},
+    "gemma3_text": {
+        "sliding_window": 21, "final_logit_softcapping": 30.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}},
 }
 
 

@@ -145,3 +145,18 @@ def test_rope_variants_pdmesh_cannot_run_are_refused(tmp_path: Path, rope: dict,
     model_dir = write_config(tmp_path / "m", model_type="phi3", rope_parameters=rope)
     with pytest.raises(ValueError, match=error):
         load_model(model_dir, torch.float32, CPU, 64, load_format="dummy")
+
+
+def test_gemma3_norms_hand_over_in_gemmas_stored_form(tmp_path: Path) -> None:
+    """Gemma keeps a norm's weight as w in x * (1 + w): loaded as 1 + w, handed back as w."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = write_config(tmp_path / "m", model_type="gemma3_text", head_dim=8)
+    ours, cfg, _ = load_model(model_dir, torch.float32, CPU, 64, load_format="dummy")
+    assert (cfg.norm_offset, cfg.sandwich_norms, cfg.qk_norm) == (1.0, True, True)
+    state = hf_state_dict(ours)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    assert set(state) == set(reference.state_dict())
+    norm = ours.layers[0].pre_feedforward_layernorm.weight
+    torch.testing.assert_close(state["model.layers.0.pre_feedforward_layernorm.weight"],
+                               norm - 1.0)

@@ -69,3 +69,23 @@ def test_the_flag_is_an_engine_option() -> None:
 
     assert EngineConfig(model="m", disable_sliding_window=True).disable_sliding_window
     assert "--disable-sliding-window" not in SAME_AS_PDMESH
+
+
+def test_gemma3_facts(tmp_path: Path) -> None:
+    """Gemma 3: sliding layers on the local RoPE base, every sixth layer full on the global
+    one; sqrt(hidden) embeddings; query_pre_attn_scalar; GeGLU; attention soft-capping refused."""
+    fields = {**CONFIG, "num_hidden_layers": 7, "model_type": "gemma3_text", "head_dim": 16,
+              "sliding_window": 512, "query_pre_attn_scalar": 64,
+              "hidden_activation": "gelu_pytorch_tanh"}
+    cfg = ModelConfig.from_hf(load_hf_config(model(tmp_path, **fields)))
+    assert cfg.windows == (512,) * 5 + (0, 512)
+    assert cfg.local_rope_layers == (True,) * 5 + (False, True)
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.hidden_act) == (8.0, 0.125, "gelu_pytorch_tanh")
+    (tmp_path / "capped").mkdir()
+    with pytest.raises(ValueError, match="soft-capping"):
+        ModelConfig.from_hf(load_hf_config(model(tmp_path / "capped", **fields,
+                                                 attn_logit_softcapping=50.0)))
+    (tmp_path / "relu").mkdir()
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
+        ModelConfig.from_hf(load_hf_config(model(tmp_path / "relu", model_type="llama",
+                                                 hidden_act="relu")))

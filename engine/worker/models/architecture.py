@@ -54,9 +54,11 @@ class MoeSpec:
 
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
+GEMMA_MODEL_TYPES = ("gemma3_text",)  # Gemma 3's language model (Gemma3ForCausalLM)
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU; Gemma's GeGLU with tanh-approximate GELU
 _QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v always biased (Qwen2-MoE: `qkv_bias`)
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 
 
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
@@ -115,6 +117,17 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     moe: MoeSpec | None = None  # the experts of a mixture-of-experts model
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: full); empty: all full
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    # Gemma: embeddings scaled by sqrt(hidden), attention scaled by query_pre_attn_scalar, the
+    # attention and MLP outputs normed before the residual add ("sandwich" norms), every norm
+    # weight stored as an offset from 1, sliding layers on their own RoPE base, and logits
+    # optionally soft-capped.
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    sandwich_norms: bool = False
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load
+    local_rope_layers: tuple[bool, ...] = ()  # layers on the sliding-attention RoPE table
+    final_logit_softcap: float | None = None
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -136,12 +149,18 @@ class ModelConfig:
     def from_hf(cls, hf: object) -> ModelConfig:
         model_type = getattr(hf, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = ("; of Gemma 3, the text-only Gemma3ForCausalLM checkpoints (gemma3_text) "
+                    "are served, not the multimodal ones" if model_type == "gemma3" else "")
             raise ValueError(
                 f"model: architecture {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
             )
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: hidden_act {hf.hidden_act!r} is not supported (silu only)")
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"model: hidden_act {act!r} is not supported "
+                             f"({' or '.join(ACTIVATIONS)})")
+        if getattr(hf, "attn_logit_softcapping", None):
+            raise ValueError("model: attention logit soft-capping is not supported")
         heads = hf.num_attention_heads
         qkv_bias = (bool(getattr(hf, "qkv_bias", True)) if model_type in _QKV_BIAS_TYPES
                     else bool(getattr(hf, "attention_bias", False)))
@@ -162,16 +181,44 @@ class ModelConfig:
             qk_norm=model_type in _QK_NORM_TYPES,
             moe=MoeSpec.from_hf(hf, hf.num_hidden_layers),
             windows=layer_windows(hf, hf.num_hidden_layers),
+            hidden_act=act,
+            **(_gemma_facts(hf) if model_type in GEMMA_MODEL_TYPES else {}),
         )
 
 
-def rope_inv_freq(hf: object, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scaling for the config's RoPE variant.
+def _gemma_facts(hf: object) -> dict[str, object]:
+    """What a Gemma 3 config changes from the Llama defaults (see `ModelConfig`)."""
+    layer_types = tuple(getattr(hf, "layer_types", None) or ())
+    return {
+        "embed_scale": float(hf.hidden_size) ** 0.5,
+        "attn_scale": float(getattr(hf, "query_pre_attn_scalar", None)
+                            or getattr(hf, "head_dim", 256)) ** -0.5,
+        "sandwich_norms": True,
+        "norm_offset": 1.0,
+        "local_rope_layers": (tuple(kind == "sliding_attention" for kind in layer_types)
+                              if _rope_by_layer_type(hf) else ()),
+        "final_logit_softcap": getattr(hf, "final_logit_softcapping", None) or None,
+    }
+
+
+def _rope_by_layer_type(hf: object) -> bool:
+    """Whether the config's rope_parameters are keyed by layer type (Gemma 3: a local base
+    for sliding layers, another, possibly scaled, for full ones)."""
+    params = getattr(hf, "rope_parameters", None)
+    return isinstance(params, dict) and "sliding_attention" in params
+
+
+def rope_inv_freq(hf: object, head_dim: int,
+                  layer_type: str = "full_attention") -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scaling for the config's RoPE variant (of `layer_type`
+    where the config keys its RoPE by layer type).
 
     Scaled variants (linear, llama3, yarn, ...) come from transformers' own table so that
     we match the reference implementation exactly.
     """
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+    by_type = _rope_by_layer_type(hf)
+    all_params = getattr(hf, "rope_parameters", None) or {}
+    params = dict(all_params[layer_type] if by_type else all_params)
     rope_type = params.get("rope_type", "default")
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
@@ -188,5 +235,6 @@ def rope_inv_freq(hf: object, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"model: RoPE type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf)
+    kwargs = {"layer_type": layer_type} if by_type else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None, **kwargs)
     return inv.float(), float(scaling)

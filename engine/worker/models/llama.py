@@ -18,6 +18,7 @@ engine/worker/models/moe.py's `SparseMoe`, split the same way.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdmesh.engine.worker.models.architecture import ModelConfig
@@ -88,7 +89,7 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         # Qwen3's per-head norms (one weight of head_dim, the same on every rank).
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -121,17 +122,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP of `intermediate` columns (this rank's); also Qwen2-MoE's shared expert."""
+    """Gated MLP of `intermediate` columns (this rank's): SwiGLU, or Gemma's GeGLU (tanh
+    GELU); also Qwen2-MoE's shared expert."""
 
     def __init__(self, cfg: ModelConfig, intermediate: int, tp: TensorParallel) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.tp = tp
 
     def partial(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """This rank's share of the output (to be all-reduced)."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(ops.silu_and_mul(gate_up))
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(x, ops))
@@ -153,8 +160,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard, tp, cfg.window(index))
+        # Llama: the MLP's input norm. Gemma: the attention output's, before the residual add;
+        # its MLP's input and output norms are the two feed-forward ones.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                          if cfg.sandwich_norms else None)
+        self.post_feedforward_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                                           if cfg.sandwich_norms else None)
         self.mlp = layer_mlp(cfg, shard, tp, index)
+        self.local_rope = bool(cfg.local_rope_layers and cfg.local_rope_layers[index])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, self.shard, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = rope
+        self.local_rope: RotaryEmbedding | None = None  # Gemma's sliding layers' own table
         self.ops: LayerOps = TorchLayerOps()  # the model runner picks the device's best
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
@@ -192,14 +207,28 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "the loader sets the model's RoPE tables"
         # The residual stream, updated in place.
         residual = embed(self.embed_tokens.weight, input_ids, self.shard.vocab, self.tp)
+        if self.cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the weights' dtype
+            residual = residual * torch.tensor(self.cfg.embed_scale, dtype=residual.dtype)
         cos_sin = self.rope.lookup(positions, residual.dtype)
+        local = (self.local_rope.lookup(positions, residual.dtype)
+                 if self.local_rope is not None else cos_sin)
         out: torch.Tensor | None = None  # the last block's output, not yet added
         for i, layer in enumerate(self.layers):
             x = self._add_norm(out, residual, layer.input_layernorm)
-            out = layer.self_attn(x, cos_sin, kv_cache[i], meta, backend, self.ops)
-            x = self._add_norm(out, residual, layer.post_attention_layernorm)
-            out = layer.mlp(x, self.ops)
+            out = layer.self_attn(x, local if layer.local_rope else cos_sin, kv_cache[i], meta,
+                                  backend, self.ops)
+            if layer.pre_feedforward_layernorm is None:
+                x = self._add_norm(out, residual, layer.post_attention_layernorm)
+                out = layer.mlp(x, self.ops)
+                continue
+            out = self._norm(out, layer.post_attention_layernorm)
+            x = self._add_norm(out, residual, layer.pre_feedforward_layernorm)
+            out = self._norm(layer.mlp(x, self.ops), layer.post_feedforward_layernorm)
         return self._add_norm(out, residual, self.norm)
+
+    def _norm(self, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        assert norm is not None
+        return self.ops.rms_norm(x, norm.weight, norm.eps)
 
     def _add_norm(
         self, out: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm
@@ -213,4 +242,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[rows, vocab]` (with tensor parallelism: on the first rank; the
         others get their own vocabulary columns)."""
-        return gather_logits(self.lm_head(hidden).float(), self.shard.vocab_widths, self.tp)
+        logits = gather_logits(self.lm_head(hidden).float(), self.shard.vocab_widths, self.tp)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
