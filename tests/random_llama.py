@@ -163,3 +163,29 @@ def to_fp8(model_dir: Path, block: tuple[int, int] = (128, 128)) -> Path:
                                      "fmt": "e4m3", "weight_block_size": list(block)}
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+def write_random_gemma3_multimodal(dest: Path, *, seed: int = 0, **text: Any) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (a small vision tower beside a language
+    model of SmolLM2's vocabulary and `text` sizes), random weights with the norms made to
+    count, and SmolLM2's tokenizer files: what gemma-3-4b-it and larger look like on disk."""
+    import transformers
+
+    text_config = {**{k: v for k, v in SHAPES["smollm2-135m"].items()
+                      if k not in ("rope_theta", "tie_word_embeddings")}, **text}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    config = transformers.Gemma3Config(text_config=text_config, vision_config=vision,
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                param.normal_(0.0, 0.2)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir() / name).is_file():
+            shutil.copy(tokenizer_dir() / name, dest / name)
+    return dest

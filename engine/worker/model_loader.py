@@ -114,9 +114,17 @@ def split_fused(key: str, tensor: torch.Tensor, cfg: ModelConfig
                     strict=True))
 
 
-def our_name(checkpoint_name: str) -> str:
-    """A checkpoint tensor's name as the loader keys it: no `model.` prefix, Mixtral's MoE
-    names as Qwen's (`block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`)."""
+def our_name(checkpoint_name: str) -> str | None:
+    """A checkpoint tensor's name as the loader keys it: no `model.` prefix (nor a multimodal
+    checkpoint's language-model prefix), Mixtral's MoE names as Qwen's
+    (`block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`); None for a tensor of
+    a vision tower, which is not loaded."""
+    if checkpoint_name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _LANGUAGE_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            checkpoint_name = replacement + checkpoint_name.removeprefix(prefix)
+            break
     name = checkpoint_name.removeprefix("model.")
     if ".block_sparse_moe." in name:
         for old, new in _RENAMED:
@@ -147,10 +155,29 @@ def load_hf_config(model_dir: Path, overrides: Mapping[str, Any] | None = None) 
     from transformers import AutoConfig
 
     if not overrides:
-        return AutoConfig.from_pretrained(model_dir)
-    assert raw is not None
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    return AutoConfig.for_model(raw.get("model_type", ""), **fields)
+        config = AutoConfig.from_pretrained(model_dir)
+    else:
+        assert raw is not None
+        fields = {k: v for k, v in raw.items() if k != "model_type"}
+        config = AutoConfig.for_model(raw.get("model_type", ""), **fields)
+    if getattr(config, "model_type", "") in TEXT_OF_MULTIMODAL:
+        text = config.text_config  # the language model is what pdmesh serves
+        # The multimodal model ties (or not) its language model's head, whatever the
+        # text_config says: transformers reads the top-level flag.
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
+                                                text.tie_word_embeddings))
+        return text
+    return config
+
+
+TEXT_OF_MULTIMODAL = ("gemma3",)
+"""Multimodal model types whose language model is served on its own: their config's
+`text_config` is the model's, their checkpoint's language-model tensors its weights (the
+vision tower's are not read)."""
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+_LANGUAGE_PREFIXES = (("language_model.model.", ""), ("model.language_model.", ""),
+                      ("language_model.lm_head.", "lm_head."))
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
@@ -210,6 +237,8 @@ def read_safetensors(
         if mapped is None:  # a dtype or layout we do not view: copies, as safetensors makes
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if our_name(name) is None:
+                        continue  # a vision tower's: never read
                     tensor = fh.get_tensor(name)
                     tensors[name] = (tensor.clone() if target is None
                                      else to_device(tensor, target, _cast_to(name, tensor, dtype)))
@@ -221,7 +250,8 @@ def read_safetensors(
             continue
         for name in list(views):
             tensor = views.pop(name)
-            tensors[name] = to_device(tensor, target, _cast_to(name, tensor, dtype))
+            if our_name(name) is not None:  # a vision tower's tensors never reach the device
+                tensors[name] = to_device(tensor, target, _cast_to(name, tensor, dtype))
         with contextlib.suppress(OSError, ValueError, AttributeError):
             buffer.madvise(mmap.MADV_DONTNEED)
     return tensors, maps
@@ -408,9 +438,10 @@ def checkpoint_state(
     `fp8`: the checkpoint's FP8 scheme, its weights multiplied out into `dtype` (float32
     where None)."""
     raw, maps = read_safetensors(model_dir, device, dtype)
-    state = {key: part for name, tensor in raw.items()
-             if not name.endswith("rotary_emb.inv_freq")
-             for key, part in split_fused(our_name(name), tensor, cfg)}
+    named = ((our_name(name), tensor) for name, tensor in raw.items()
+             if not name.endswith("rotary_emb.inv_freq"))
+    state = {key: part for ours, tensor in named if ours is not None
+             for key, part in split_fused(ours, tensor, cfg)}
     del raw  # `state` holds the only references: dequantizing frees each FP8 weight
     if fp8 is not None:
         state = dequantized_state(state, fp8, dtype or torch.float32)
@@ -442,6 +473,8 @@ def sharded_state(
             if name.endswith("rotary_emb.inv_freq") or is_scale(name) or is_dropped(name):
                 continue
             key = our_name(name)
+            if key is None:
+                continue
             if cfg.tie_word_embeddings and key == "lm_head.weight":
                 continue
             scale = next((n for n in scale_names(name) if n in where), None)

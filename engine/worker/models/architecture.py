@@ -149,11 +149,9 @@ class ModelConfig:
     def from_hf(cls, hf: object) -> ModelConfig:
         model_type = getattr(hf, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = ("; of Gemma 3, the text-only Gemma3ForCausalLM checkpoints (gemma3_text) "
-                    "are served, not the multimodal ones" if model_type == "gemma3" else "")
             raise ValueError(
                 f"model: architecture {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
         if act not in ACTIVATIONS:
