@@ -160,3 +160,31 @@ def test_the_grouped_gemm_on_cuda_is_one_gemm_per_expert(dtype: torch.dtype) -> 
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(grouped_linear(x, weight, offsets).float(), expected,
                                atol=tol, rtol=tol)
+
+
+def test_a_grouped_gemm_that_is_wrong_on_its_first_call_is_never_used_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel checks itself against one GEMM per expert once per device and dtype; a
+    wrong one (here: a stand-in that drops the last expert's rows) is refused for good and its
+    caller gets the right products all the same."""
+    from pdmesh.engine.worker.models import moe
+
+    monkeypatch.setattr(moe, "_REFUSED", set())
+    monkeypatch.setattr(moe, "_VERIFIED", set())
+    real = torch._grouped_mm
+    calls = []
+
+    def wrong(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        out = real(a, b, offs=offs)
+        out[int(offs[-2]):] = 0
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", wrong)
+    g = torch.Generator().manual_seed(6)
+    weight, x = torch.randn(3, 32, 16, generator=g), torch.randn(9, 16, generator=g)
+    offsets = torch.tensor([2, 5, 9], dtype=torch.int32)
+    expected = loop_linear(x, weight, offsets)
+    torch.testing.assert_close(grouped_linear(x, weight, offsets), expected)
+    torch.testing.assert_close(grouped_linear(x, weight, offsets), expected)
+    assert len(calls) == 1 and ("cpu", torch.float32) in moe._REFUSED

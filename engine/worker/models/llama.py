@@ -208,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
         # The residual stream, updated in place.
         residual = embed(self.embed_tokens.weight, input_ids, self.shard.vocab, self.tp)
         if self.cfg.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the weights' dtype
-            residual = residual * torch.tensor(self.cfg.embed_scale, dtype=residual.dtype)
+            # (a Python number: nothing for a captured CUDA graph to read from the host)
+            residual = residual * float(torch.tensor(self.cfg.embed_scale, dtype=residual.dtype))
         cos_sin = self.rope.lookup(positions, residual.dtype)
         local = (self.local_rope.lookup(positions, residual.dtype)
                  if self.local_rope is not None else cos_sin)

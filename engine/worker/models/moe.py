@@ -7,9 +7,9 @@ expert's SwiGLU MLP runs as one grouped GEMM over those runs (`torch._grouped_mm
 kernel on CUDA, a per-group loop on CPU). Nothing in between reads a value on the host: the
 run lengths stay on the device as cumulative offsets, so a decode step with experts is
 captured in a CUDA graph like a dense one. Shapes the grouped GEMM does not take (rows not a
-multiple of 16 bytes, a build without it, a device or dtype whose build refuses it: then
-never tried again) run one GEMM per expert instead, which reads the offsets on the host (a
-graph capture then fails and the runner stays eager).
+multiple of 16 bytes, a build without it, a device or dtype whose build refuses it or gets
+it wrong on its first call: then never tried again) run one GEMM per expert instead, which
+reads the offsets on the host (a graph capture then fails and the runner stays eager).
 
 Each token's k results are weighted and summed by one batched GEMM (no atomic `index_add_`),
 so a step's output does not depend on how the GPU scheduled it.
@@ -58,21 +58,41 @@ def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 _REFUSED: set[tuple[str, torch.dtype]] = set()
-"""(device type, dtype) pairs whose `torch._grouped_mm` raised: each falls back once, loudly."""
+"""(device type, dtype) pairs whose grouped GEMM raised or was wrong: one GEMM per expert."""
+_VERIFIED: set[tuple[str, torch.dtype]] = set()
+"""Pairs whose grouped GEMM matched one GEMM per expert on its first real call."""
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`x` `[N, in]` whose rows are runs by expert (run e ends at `offsets[e]`, int32,
-    cumulative) times each run's expert `weight[e]` `[out, in]`: `[N, out]`."""
+    cumulative) times each run's expert `weight[e]` `[out, in]`: `[N, out]`.
+
+    The grouped kernel checks itself: its first call on a device and dtype (the start-up
+    memory profile's, before any CUDA graph is captured) is compared with one GEMM per
+    expert, in every process that runs experts (each tensor-parallel rank decides alike), and
+    a kernel that raises or disagrees is never used again there."""
     key = (x.device.type, x.dtype)
-    if key not in _REFUSED and _grouped_mm_takes(x, weight):
-        try:
-            return torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
-        except RuntimeError as exc:  # a device or dtype this build's kernel does not take
-            _REFUSED.add(key)
-            logger.warning("moe: grouped GEMM refused on %s %s (%s); one GEMM per expert "
-                           "from now on", *key, exc)
-    return loop_linear(x, weight, offsets)
+    if key in _REFUSED or not _grouped_mm_takes(x, weight):
+        return loop_linear(x, weight, offsets)
+    try:
+        out = torch._grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
+    except RuntimeError as exc:  # a device or dtype this build's kernel does not take
+        return _refuse(key, f"raised {exc}", loop_linear(x, weight, offsets))
+    if key not in _VERIFIED:
+        reference = loop_linear(x, weight, offsets)
+        error = (out.float() - reference.float()).abs().max().item()
+        tolerance = (1e-4 if x.dtype == torch.float32 else 3e-2) * (
+            1.0 + reference.float().abs().max().item())
+        if not error <= tolerance:  # also catches NaN
+            return _refuse(key, f"differs from one GEMM per expert by {error:.3g}", reference)
+        _VERIFIED.add(key)
+    return out
+
+
+def _refuse(key: tuple[str, torch.dtype], why: str, result: torch.Tensor) -> torch.Tensor:
+    _REFUSED.add(key)
+    logger.warning("moe: grouped GEMM on %s %s %s; one GEMM per expert from now on", *key, why)
+    return result
 
 
 def loop_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
