@@ -40,7 +40,8 @@ import torch
 
 from pdmesh import LLM, SamplingParams
 from pdmesh.engine.config import EngineConfig
-from pdmesh.engine.worker.model_loader import hf_state_dict, load_model
+from pdmesh.engine.worker.checkpoint_names import hf_state_dict
+from pdmesh.engine.worker.model_loader import load_model
 from pdmesh.engine.worker.models.architecture import ModelConfig
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM
 

@@ -80,7 +80,7 @@ def transformers_greedy(model_dir: Path, ours: torch.nn.Module, prompts: list[li
     its names), greedy, never stopping early."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from pdmesh.engine.worker.model_loader import hf_state_dict
+    from pdmesh.engine.worker.checkpoint_names import hf_state_dict
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device(device):

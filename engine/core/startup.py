@@ -44,7 +44,8 @@ from pdmesh.engine.core_types import CoreInfo
 from pdmesh.engine.hf_overrides import parse_hf_overrides
 from pdmesh.engine.model_store import model_dir_for
 from pdmesh.engine.worker.cuda_graphs import graphs_unavailable_reason
-from pdmesh.engine.worker.model_loader import load_hf_config, load_model
+from pdmesh.engine.worker.hf_config import load_hf_config
+from pdmesh.engine.worker.model_loader import load_model
 from pdmesh.engine.worker.models.architecture import ModelConfig, sliding_window
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel

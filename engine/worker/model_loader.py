@@ -31,13 +31,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from pdmesh.engine.hf_overrides import apply_hf_overrides
+from pdmesh.engine.worker.checkpoint_names import FUSED, fused_name, our_name, split_fused
 from pdmesh.engine.worker.fp8_checkpoint import (
     Fp8Checkpoint,
     check_requested,
@@ -48,166 +47,13 @@ from pdmesh.engine.worker.fp8_checkpoint import (
     keeps_stored_dtype,
     scale_names,
 )
-from pdmesh.engine.worker.models.architecture import DENSE_MODEL_TYPES, ModelConfig, rope_inv_freq
+from pdmesh.engine.worker.hf_config import load_hf_config
+from pdmesh.engine.worker.models.architecture import ModelConfig, rope_inv_freq
 from pdmesh.engine.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pdmesh.engine.worker.parallel.group import SINGLE, TensorParallel
 from pdmesh.engine.worker.parallel.sharding import ModelShard
 
 logger = logging.getLogger(__name__)
-
-# HF tensor names of a layer, grouped by the fused parameter they feed (in concat order).
-_FUSED = {
-    "self_attn.qkv_proj.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "self_attn.qkv_proj.bias": (
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-    "mlp.shared_expert.gate_up_proj.weight": (
-        "mlp.shared_expert.gate_proj.weight",
-        "mlp.shared_expert.up_proj.weight",
-    ),
-}
-
-# Mixtral's names for the MoE block and its experts' projections, as ours (Qwen's names).
-_RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
-            (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
-
-
-_FUSED_IN_CHECKPOINT = ("phi3",)
-"""Model types whose transformers modules hold q/k/v and gate/up fused, as we do."""
-
-
-def _fused_name(key: str) -> str | None:
-    """The `_FUSED` name `key` ends with when a checkpoint stores it fused (a layer's
-    projection, not an expert's); None otherwise."""
-    if not key.startswith("layers.") or ".experts." in key:
-        return None
-    return next((fused for fused in _FUSED if key.endswith("." + fused)), None)
-
-
-def split_fused(key: str, tensor: torch.Tensor, cfg: ModelConfig
-                ) -> list[tuple[str, torch.Tensor]]:
-    """A tensor a checkpoint stores fused (Phi-3's `qkv_proj` and `gate_up_proj`) as its parts
-    under the names the unfused checkpoints use, so fusing and tensor-parallel slicing have one
-    rule each (`_FUSED`, `ModelShard.checkpoint_slice`); any other tensor as it is. The parts
-    are views."""
-    fused = _fused_name(key)
-    if fused is None:
-        return [(key, tensor)]
-    if "qkv_proj" in fused:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        sizes = [q, kv, kv]
-    else:
-        sizes = [tensor.shape[0] // 2] * 2
-    if sum(sizes) != tensor.shape[0]:
-        raise ValueError(f"model: fused tensor {key} has {tensor.shape[0]} rows, "
-                         f"the config says {sum(sizes)}")
-    prefix = key.removesuffix(fused)
-    return list(zip([prefix + part for part in _FUSED[fused]], tensor.split(sizes, dim=0),
-                    strict=True))
-
-
-def our_name(checkpoint_name: str) -> str | None:
-    """A checkpoint tensor's name as the loader keys it: no `model.` prefix (nor a multimodal
-    checkpoint's language-model prefix), Mixtral's MoE names as Qwen's
-    (`block_sparse_moe.experts.<e>.w1` -> `mlp.experts.<e>.gate_proj`); None for a tensor of
-    a vision tower, which is not loaded."""
-    if checkpoint_name.startswith(_VISION_PREFIXES):
-        return None
-    for prefix, replacement in _LANGUAGE_PREFIXES:
-        if checkpoint_name.startswith(prefix):
-            checkpoint_name = replacement + checkpoint_name.removeprefix(prefix)
-            break
-    name = checkpoint_name.removeprefix("model.")
-    if ".block_sparse_moe." in name:
-        for old, new in _RENAMED:
-            name = name.replace(old, new)
-    return name
-
-# config.json keys the model needs that transformers would otherwise default.
-_REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                  "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
-                  "max_position_embeddings")
-_REQUIRED_BY_TYPE = {"qwen3": ("head_dim",)}
-"""Keys a model type defaults otherwise than hidden_size / heads (Qwen3's head_dim: 128)."""
-
-
-def load_hf_config(model_dir: Path, overrides: Mapping[str, Any] | None = None) -> object:
-    """The model's config: config.json (with `--hf-overrides` merged over it) read as it is when
-    it states everything the model reads with default RoPE (transformers' AutoConfig, ~80 MiB
-    of every engine core's RSS, would only fill in what it states), else transformers'
-    interpretation of it."""
-    raw = _read_config(model_dir / "config.json")
-    if overrides:
-        if raw is None:
-            raise ValueError(f"--hf-overrides: {model_dir / 'config.json'} is not a JSON object")
-        raw = apply_hf_overrides(raw, overrides)
-    light = _plain_config(raw) if raw is not None else None
-    if light is not None:
-        return light
-    from transformers import AutoConfig
-
-    if not overrides:
-        config = AutoConfig.from_pretrained(model_dir)
-    else:
-        assert raw is not None
-        fields = {k: v for k, v in raw.items() if k != "model_type"}
-        config = AutoConfig.for_model(raw.get("model_type", ""), **fields)
-    if getattr(config, "model_type", "") in TEXT_OF_MULTIMODAL:
-        text = config.text_config  # the language model is what pdmesh serves
-        # The multimodal model ties (or not) its language model's head, whatever the
-        # text_config says: transformers reads the top-level flag.
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings",
-                                                text.tie_word_embeddings))
-        return text
-    return config
-
-
-TEXT_OF_MULTIMODAL = ("gemma3",)
-"""Multimodal model types whose language model is served on its own: their config's
-`text_config` is the model's, their checkpoint's language-model tensors its weights (the
-vision tower's are not read)."""
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
-_LANGUAGE_PREFIXES = (("language_model.model.", ""), ("model.language_model.", ""),
-                      ("language_model.lm_head.", "lm_head."))
-
-
-def _read_config(path: Path) -> dict[str, Any] | None:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
-def _plain_config(raw: dict[str, Any]) -> SimpleNamespace | None:
-    """config.json as attributes, or None where transformers must interpret it (a model type
-    we do not run, a missing key it would default, scaled RoPE, no RoPE base)."""
-    if raw.get("model_type") not in DENSE_MODEL_TYPES:  # MoE keys vary: transformers reads
-        return None
-    if raw.get("use_sliding_window"):  # which layers slide: transformers' layer_types
-        return None
-    required = (*_REQUIRED_KEYS, *_REQUIRED_BY_TYPE.get(str(raw.get("model_type")), ()))
-    if any(raw.get(key) is None for key in required):
-        return None
-    params = raw.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
-            return None
-        if params.get("rope_theta") is None:
-            return None
-    elif raw.get("rope_scaling") is not None or raw.get("rope_theta") is None:
-        return None
-    return SimpleNamespace(**raw)
-
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -483,7 +329,7 @@ def sharded_state(
                                    where[scale].get_tensor(scale), fp8.block, dtype)
                 for part, tensor in split_fused(key, whole, cfg):
                     state[part] = _slice(tensor, part, shard)
-            elif _fused_name(key) is not None:  # fused in the checkpoint: sliced per part
+            elif fused_name(key) is not None:  # fused in the checkpoint: sliced per part
                 whole = to_device(fh.get_tensor(name), device, dtype)
                 for part, tensor in split_fused(key, whole, cfg):
                     state[part] = _slice(tensor, part, shard)
@@ -520,7 +366,7 @@ def _fused_checked(state: dict[str, torch.Tensor], model: LlamaForCausalLM, cfg:
     concatenated and the experts stacked, checked to be exactly the model's parameters."""
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED.items():
             names = [prefix + p for p in parts]
             if all(n in state for n in names):
                 state[prefix + fused] = torch.cat([state.pop(n) for n in names], dim=0)
@@ -556,34 +402,3 @@ def _stack_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int
     state[prefix + "down_proj"] = torch.stack([state.pop(down) for _, _, down in names])
 
 
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under transformers' names (q/k/v and gate/up split again), as views.
-
-    The inverse of the checkpoint load, for handing the same weights to transformers'
-    LlamaForCausalLM (bench/gpu_throughput.py) without a second copy of an 8B model.
-    A tied LM head is left out, as in a tied checkpoint. Experts keep their stacked tensors,
-    which are transformers' own in-memory layout.
-    """
-    cfg = model.cfg
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("lm_head."):
-            if not cfg.tie_word_embeddings:
-                state[name] = tensor
-            continue
-        if cfg.norm_offset and name.endswith("norm.weight"):
-            tensor = tensor - cfg.norm_offset  # a copy: Gemma's stored form
-        if not name.startswith("layers."):
-            state[f"model.{name}"] = tensor
-            continue
-        _, index, local = name.split(".", 2)  # layers.<i>.<module>.<param>
-        prefix = f"model.layers.{index}."
-        if local not in _FUSED or cfg.model_type in _FUSED_IN_CHECKPOINT:
-            state[prefix + local] = tensor
-            continue
-        sizes = [q, kv, kv] if "qkv_proj" in local else [tensor.shape[0] // 2] * 2
-        pieces = tensor.split(sizes, dim=0)
-        for part, piece in zip(_FUSED[local], pieces, strict=True):
-            state[prefix + part] = piece
-    return state

@@ -18,13 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from pdmesh.engine.worker.model_loader import (
-    _plain_config,
-    drop_file_pages,
-    load_hf_config,
-    load_model,
-    release_free_heap,
-)
+from pdmesh.engine.worker.hf_config import _plain_config, load_hf_config
+from pdmesh.engine.worker.model_loader import drop_file_pages, load_model, release_free_heap
 from pdmesh.engine.worker.models.architecture import ModelConfig, rope_inv_freq
 from pdmesh.engine.worker.models.llama import pack_linears
 from pdmesh.engine.worker.models.packed_linear import can_pack_linears

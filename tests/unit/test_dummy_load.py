@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmesh.engine.worker.model_loader import hf_state_dict, load_model
+from pdmesh.engine.worker.checkpoint_names import hf_state_dict
+from pdmesh.engine.worker.model_loader import load_model
 
 pytestmark = pytest.mark.fast
 

@@ -11,7 +11,7 @@ import pytest
 
 from pdmesh.engine.core.startup import model_max_positions
 from pdmesh.engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
-from pdmesh.engine.worker.model_loader import load_hf_config
+from pdmesh.engine.worker.hf_config import load_hf_config
 from pdmesh.engine.worker.models.architecture import rope_inv_freq
 from tests.unit.test_checkpoint_mapping import write_config
 

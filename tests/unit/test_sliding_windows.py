@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pdmesh.engine.core.startup import model_max_positions
-from pdmesh.engine.worker.model_loader import load_hf_config
+from pdmesh.engine.worker.hf_config import load_hf_config
 from pdmesh.engine.worker.models.architecture import ModelConfig
 
 pytestmark = pytest.mark.fast

@@ -35,6 +35,7 @@ from pdmesh.kernels.layer_ops import LayerOps
 
 logger = logging.getLogger(__name__)
 
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts `[T, k]` (int64) and their weights `[T, k]` (float32), as
@@ -69,8 +70,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
     The grouped kernel checks itself: its first call on a device and dtype (the start-up
     memory profile's, before any CUDA graph is captured) is compared with one GEMM per
-    expert, in every process that runs experts (each tensor-parallel rank decides alike), and
-    a kernel that raises or disagrees is never used again there."""
+    expert, in every process that runs experts (each tensor-parallel rank checks its own
+    shard), and a kernel that raises or disagrees is never used again there."""
     key = (x.device.type, x.dtype)
     if key in _REFUSED or not _grouped_mm_takes(x, weight):
         return loop_linear(x, weight, offsets)
