@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3, Phi-3/Phi-4 and the
-mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) running on the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3, Phi-3/Phi-4, Gemma 3 and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) running on the paged KV cache. What differs
+between them is read once from the config (engine/worker/models/architecture.py).
 
 Our own forward, not transformers': tokens of many sequences are flattened into one `[T]`
 batch (no padding), projections run as single GEMMs over all tokens, and attention goes
