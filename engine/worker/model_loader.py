@@ -324,17 +324,20 @@ def sharded_state(
             if cfg.tie_word_embeddings and key == "lm_head.weight":
                 continue
             scale = next((n for n in scale_names(name) if n in where), None)
-            if fp8 is not None and scale is not None:
+            quantized = fp8 is not None and scale is not None
+            if not quantized and fused_name(key) is None:
+                state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
+                continue
+            # Read whole: an FP8 weight's blocks, or a checkpoint-fused tensor's parts, need
+            # not align with this rank's slice.
+            if quantized:
+                assert fp8 is not None and scale is not None
                 whole = dequantize(fh.get_tensor(name).to(device),
                                    where[scale].get_tensor(scale), fp8.block, dtype)
-                for part, tensor in split_fused(key, whole, cfg):
-                    state[part] = _slice(tensor, part, shard)
-            elif fused_name(key) is not None:  # fused in the checkpoint: sliced per part
-                whole = to_device(fh.get_tensor(name), device, dtype)
-                for part, tensor in split_fused(key, whole, cfg):
-                    state[part] = _slice(tensor, part, shard)
             else:
-                state[key] = to_device(_read_slice(fh, name, key, shard), device, dtype)
+                whole = to_device(fh.get_tensor(name), device, dtype)
+            for part, tensor in split_fused(key, whole, cfg):
+                state[part] = _slice(tensor, part, shard)
     return _fused_checked(state, model, cfg, model_dir)
 
 
@@ -352,8 +355,7 @@ def _read_slice(fh: object, name: str, key: str, shard: ModelShard) -> torch.Ten
     view = fh.get_slice(name)  # type: ignore[attr-defined]
     where = shard.checkpoint_slice(key)
     if where is None:
-        tensor = view[:]
-        return tensor if shard.keeps_whole_bias(key) else torch.zeros_like(tensor)
+        return _slice(view[:], key, shard)
     dim, span = where
     if dim == 0:
         return view[span.start:span.stop]
